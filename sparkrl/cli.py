@@ -1,0 +1,117 @@
+"""Command line: builds a config from flags and calls the library. The library never parses argv.
+
+Flags are generated from the config dataclasses (`config.py`): field `max_new_tokens` becomes
+`--max-new-tokens`, its docstring the help text, booleans get `--x / --no-x`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from sparkrl.config import GenerateConfig, RunConfig, build, field_docs, leaf_fields
+from sparkrl.errors import UserError
+
+COMMANDS = {
+    "train": (RunConfig, "GRPO training (rollouts, rewards, policy updates, checkpoints)"),
+    "generate": (GenerateConfig, "sample responses from a model"),
+}
+
+
+def _add_flags(parser: argparse.ArgumentParser, cls) -> None:
+    for path, f, owner in leaf_fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kw = {"dest": f.name, "default": argparse.SUPPRESS, "help": field_docs(owner).get(f.name, "")}
+        kw["help"] += f" (default: {f.default!r})" if f.default != "" else ""
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        else:
+            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+            parser.add_argument(flag, type=typ, choices=f.metadata.get("choices"), metavar=f.name.upper(), **kw)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="sparkrl", description="Fast GRPO with exact speculative rollouts.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (cls, help_) in COMMANDS.items():
+        _add_flags(sub.add_parser(name, help=help_, description=help_), cls)
+    return p
+
+
+def parse(argv: list[str]):
+    ns = vars(make_parser().parse_args(argv))
+    cmd = ns.pop("command")
+    return cmd, build(COMMANDS[cmd][0], ns)
+
+
+def run_generate(cfg: GenerateConfig) -> None:
+    import torch
+
+    from sparkrl.data import chat_prompt_ids
+    from sparkrl.rollout import generate, response_generators
+    from sparkrl.weights import load_model
+
+    if cfg.prompts_file:
+        if not os.path.exists(cfg.prompts_file):
+            raise UserError(f"--prompts-file {cfg.prompts_file} does not exist")
+        with open(cfg.prompts_file, encoding="utf-8", errors="replace") as f:
+            lines = [l.rstrip("\n") for l in f if l.strip()]
+        texts = [json.loads(l)["prompt"] if cfg.prompts_file.endswith(".jsonl") else l for l in lines]
+        if not texts:
+            raise UserError(f"--prompts-file {cfg.prompts_file} has no prompts")
+    else:
+        texts = [cfg.prompt]
+    if cfg.model.threads:
+        torch.set_num_threads(cfg.model.threads)
+    lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
+    tok = lm.tokenizer
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] if cfg.raw else chat_prompt_ids(tok, t) for t in texts]
+    if any(not p for p in prompts):
+        raise UserError("a prompt is empty after tokenization")
+    gens = response_generators(cfg.seed, len(prompts), cfg.n)
+    r = generate(lm.model, prompts, cfg.sampling, lm.eos_ids, gens, group_size=cfg.n)
+    for i, toks in enumerate(r.tokens):
+        text = tok.decode(toks, skip_special_tokens=True)
+        if cfg.json:
+            print(json.dumps({"prompt_index": i // cfg.n, "response_index": i % cfg.n,
+                              "prompt_token_ids": r.prompt_of(i), "text": text, "token_ids": toks,
+                              "finish_reason": r.finish_reason[i]}), flush=True)
+        else:
+            print(f"--- prompt {i // cfg.n} response {i % cfg.n} ({r.finish_reason[i]}) ---\n{text}", flush=True)
+    print(f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({r.num_tokens / max(r.gen_s, 1e-9):.1f} tok/s)",
+          file=sys.stderr)
+
+
+def run_train(cfg: RunConfig) -> None:
+    from sparkrl.trainer import train
+
+    s = train(cfg)
+    lines = [f"sparkrl: trained {s['steps_run']} steps -> {s['out']}",
+             f"  generation {s['gen_s']:.1f}s ({s['gen_tokens']} tokens), policy updates {s['train_s']:.1f}s"]
+    if "reward_first" in s:
+        lines.append(f"  reward {s['reward_first']:.3f} (first step) -> {s['reward_last']:.3f} (last), "
+                     f"accuracy {s['accuracy_last']:.2f}, {s['gen_tok_per_s']:.1f} generated tok/s")
+    lines.append(f"  metrics: {s['out']}/metrics.jsonl  checkpoints: {s['out']}/checkpoints/")
+    print("\n".join(lines), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cmd, cfg = parse(sys.argv[1:] if argv is None else argv)
+        {"train": run_train, "generate": run_generate}[cmd](cfg)
+    except UserError as e:
+        print(f"sparkrl: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

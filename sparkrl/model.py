@@ -1,0 +1,348 @@
+"""One decoder-only Transformer for the Llama, Qwen2 and Qwen3 families, with a ragged KV cache.
+
+Serves the policy, the frozen reference and (later) the drafter's decoder layers. Parameter names
+follow Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...) so a checkpoint's state dict
+loads as is (see `weights.py`).
+
+Family differences, all switches of `ModelArgs`:
+  * Llama / SmolLM2: optional `attention_bias`, RoPE `default` or `llama3` scaling.
+  * Qwen2 / Qwen2.5: bias on q/k/v, none on o.
+  * Qwen3: RMSNorm on q and k per head before RoPE.
+
+The cache (`KVCache`) keeps a separate committed length per sequence. A forward appends T new tokens
+per sequence *speculatively* (written after the committed length, under any boolean mask among the
+new tokens, e.g. a draft tree); `commit` then keeps a chosen subset of them and everything else is
+dropped (a rollback is a commit of nothing). Finished sequences leave the batch with `keep_rows`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Architecture of one checkpoint, read from its Hugging Face `config.json`."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple = ()  # sorted (key, value) pairs of the HF rope dict, () for plain RoPE
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelArgs":
+        arch = cfg.get("model_type")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported activation {cfg['hidden_act']!r}; only silu is supported")
+        if arch == "qwen2" and cfg.get("use_sliding_window"):
+            raise ValueError("Qwen2 sliding-window attention is not supported; use a config with use_sliding_window=false")
+        # transformers >= 5 writes `rope_parameters`; older configs write rope_theta + rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(f"unsupported RoPE scaling {rope_type!r}; supported: default, llama3, linear")
+        rope = {} if rope_type == "default" else {**rope, "rope_type": rope_type}
+        heads = cfg["num_attention_heads"]
+        bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if not isinstance(v, (list, dict)))),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if arch == "qwen2" else bias,
+            o_bias=False if arch == "qwen2" else bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "qwen3",
+        )
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,) in float64, with llama3 / linear scaling applied."""
+    dim = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    s = dict(args.rope_scaling)
+    if s.get("rope_type") == "linear":
+        inv = inv / s["factor"]
+    elif s.get("rope_type") == "llama3":
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if dtype == torch.float32:  # fused kernel, same maths
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, D); cos/sin (B, 1, T, D). Hugging Face's rotate-half convention."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+@dataclass
+class KVCache:
+    """Per-layer K/V buffers (B, H_kv, capacity, D) and a committed length per sequence.
+
+    Tokens at cache positions >= `lengths[b]` are speculative: they are visible only to the forward
+    that wrote them and are overwritten by the next one unless `commit` keeps them.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    lengths: torch.Tensor  # (B,) int64, committed tokens per sequence
+
+    @classmethod
+    def empty(cls, args: ModelArgs, batch: int, capacity: int, device, dtype) -> "KVCache":
+        shape = (batch, args.num_kv_heads, capacity, args.head_dim)
+        return cls(
+            k=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_layers)],
+            v=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_layers)],
+            lengths=torch.zeros(batch, dtype=torch.long, device=device),
+        )
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+    def commit(self, keep: torch.Tensor | None = None, n_keep: torch.Tensor | None = None) -> None:
+        """Make speculative tokens permanent.
+
+        keep: (B, K) indices into the last forward's new tokens (0-based, ascending), of which the
+        first `n_keep[b]` are kept for sequence b; the kept tokens are moved to consecutive positions.
+        With keep=None the first n_keep[b] new tokens are kept where they are (a chain).
+        """
+        if keep is not None and keep.shape[1] > 0:
+            B, K = keep.shape
+            base = self.lengths[:, None]
+            src = (base + keep)[:, None, :, None]  # (B, 1, K, 1)
+            dst = (base + torch.arange(K, device=keep.device))[:, None, :, None]
+            for buf in (*self.k, *self.v):
+                idx_s = src.expand(B, buf.shape[1], K, buf.shape[3])
+                idx_d = dst.expand(B, buf.shape[1], K, buf.shape[3])
+                buf.scatter_(2, idx_d, buf.gather(2, idx_s))
+        self.lengths = self.lengths + n_keep
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the sequences `rows` (1-D indices), in that order; drops the others."""
+        self.k = [buf.index_select(0, rows) for buf in self.k]
+        self.v = [buf.index_select(0, rows) for buf in self.v]
+        self.lengths = self.lengths.index_select(0, rows)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        H, Hk, D, d = args.num_heads, args.num_kv_heads, args.head_dim, args.hidden_size
+        self.q_proj = nn.Linear(d, H * D, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(d, Hk * D, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(d, Hk * D, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(H * D, d, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(D, args.rms_norm_eps)
+            self.k_norm = RMSNorm(D, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer: int, cache: KVCache | None, ctx: "_Context"):
+        B, T, _ = x.shape
+        a = self.args
+        q = self.q_proj(x).view(B, T, a.num_heads, a.head_dim)
+        k = self.k_proj(x).view(B, T, a.num_kv_heads, a.head_dim)
+        v = self.v_proj(x).view(B, T, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
+        else:
+            kbuf, vbuf = cache.k[layer], cache.v[layer]
+            kbuf.scatter_(2, ctx.write_idx, k)
+            vbuf.scatter_(2, ctx.write_idx, v)
+            S = ctx.span
+            out = F.scaled_dot_product_attention(
+                q, kbuf[:, :, :S], vbuf[:, :, :S], attn_mask=ctx.mask, enable_gqa=True
+            )
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        d, f, b = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(d, f, bias=b)
+        self.up_proj = nn.Linear(d, f, bias=b)
+        self.down_proj = nn.Linear(f, d, bias=b)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer, cache, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class _Context:
+    """What every layer of one cached forward shares: where to write K/V, what to attend to."""
+
+    write_idx: torch.Tensor  # (B, H_kv, T, D) int64 cache positions of the new tokens
+    mask: torch.Tensor  # (B, 1, T, span) bool, True = may attend
+    span: int  # cache positions [0, span) are read
+
+
+@dataclass
+class Output:
+    hidden: torch.Tensor  # (B, T, d) final normed hidden state (enters the LM head)
+    taps: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, T, d) layer output
+
+
+class Backbone(nn.Module):
+    """Hugging Face's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(args).float(), persistent=False)
+
+    def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        tree_mask: torch.Tensor | None = None,
+        depth: torch.Tensor | None = None,
+        taps: tuple[int, ...] = (),
+    ) -> Output:
+        """Run T new tokens per sequence.
+
+        tokens: (B, T). Without a cache: a plain causal forward from position 0 (training, scoring);
+        right padding is harmless there. With a cache: the new tokens go to cache positions
+        lengths[b] + t, and attend to the committed prefix plus the new tokens allowed by
+        `tree_mask` (B, T, T) (default: causal). `depth` (B, T) gives each new token's RoPE offset
+        from lengths[b] (default: t). Nothing is committed; call `cache.commit` afterwards.
+        taps: layer indices whose outputs to return (after the layer, before the final norm).
+        """
+        B, T = tokens.shape
+        device = tokens.device
+        x = self.model.embed_tokens(tokens)
+        ar = torch.arange(T, device=device)
+        if depth is None:
+            depth = ar.expand(B, T)
+        ctx = None
+        if cache is None:
+            positions = depth
+        else:
+            base = cache.lengths[:, None]  # (B, 1)
+            positions = base + depth
+            slots = base + ar  # (B, T) cache positions of the new tokens
+            span = int(cache.lengths.max()) + T  # host sync: the attention span
+            if span > cache.capacity:
+                raise ValueError(f"KV cache capacity {cache.capacity} exceeded ({span} tokens)")
+            a = self.args
+            write_idx = slots[:, None, :, None].expand(B, a.num_kv_heads, T, a.head_dim)
+            keys = torch.arange(span, device=device)
+            prefix = keys[None, None, :] < base[:, :, None]  # (B, 1, span)
+            rel = keys[None, None, :] - base[:, :, None]  # (B, 1, span) offset into the new tokens
+            if tree_mask is None:
+                new = (rel >= 0) & (rel <= ar[None, :, None])  # (B, T, span) causal
+            else:
+                inside = (rel >= 0) & (rel < T)
+                gathered = tree_mask.gather(2, rel.clamp(0, T - 1).expand(B, T, span))
+                new = inside & gathered
+            ctx = _Context(write_idx, (prefix | new)[:, None], span)
+        cos, sin = self._rope(positions, x.dtype)
+        out = Output(hidden=x)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, cache, ctx)
+            if i in taps:
+                out.taps[i] = x
+        out.hidden = self.model.norm(x)
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head in float32: (..., d) -> (..., V)."""
+        return self.lm_head(hidden).float()
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        w = self.lm_head.weight
+        return KVCache.empty(self.args, batch, capacity, w.device, w.dtype)

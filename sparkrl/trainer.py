@@ -1,0 +1,249 @@
+"""The GRPO loop: rollout -> rewards -> advantages -> policy step, with metrics and checkpoints.
+
+One step samples G responses for each of P prompts, scores them, and makes one policy update (the
+rollout policy is the current policy, so pi_old = pi detached and the clipped ratio is 1 at the
+start of the update; clipping matters once more updates per rollout are added).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from sparkrl import __version__
+from sparkrl.checkpoint import list_checkpoints, load_latest, save_checkpoint, set_rng_state
+from sparkrl.config import RunConfig, to_dict
+from sparkrl.data import build_prompts, load_problems
+from sparkrl.errors import UserError
+from sparkrl.grpo import grpo_loss, group_advantages, token_logprobs
+from sparkrl.model import Transformer
+from sparkrl.rewards import Grader
+from sparkrl.rollout import Rollout, generate, response_generators
+from sparkrl.weights import load_model, resolve_model_path
+
+# Settings that may change between a run and its resumption (they do not change the maths).
+_RESUMABLE = {"steps", "resume", "checkpoint_every", "keep_checkpoints", "threads", "out"}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def prepare_out_dir(cfg: RunConfig) -> None:
+    """Refuse to mix runs: an out dir with checkpoints needs --resume and the same settings."""
+    out = Path(cfg.out)
+    has_ckpt = bool(list_checkpoints(out))
+    if has_ckpt and not cfg.resume:
+        raise UserError(f"{out} already holds checkpoints of a run; pass --resume to continue it, or choose a new --out")
+    saved = out / "config.json"
+    if cfg.resume and has_ckpt and saved.exists():
+        old = _flat(json.loads(saved.read_text())["config"])
+        new = _flat(to_dict(cfg))
+        diff = [k for k in new if k.split(".")[-1] not in _RESUMABLE and old.get(k) != new[k]]
+        if diff:
+            k = diff[0]
+            raise UserError(f"--resume with different settings than the run in {out}: {k} was {old.get(k)!r}, "
+                            f"now {new[k]!r} ({len(diff)} differ); use the run's settings or a new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps({"config": to_dict(cfg), "sparkrl": __version__, "torch": torch.__version__}, indent=2))
+
+
+class DataOrder:
+    """Prompt indices of each step: an epoch-wise seeded permutation, derived from (seed, step)."""
+
+    def __init__(self, n: int, per_step: int, seed: int):
+        self.n, self.per_step, self.seed = n, per_step, seed
+
+    def batch(self, step: int) -> list[int]:
+        out = []
+        for pos in range(step * self.per_step, (step + 1) * self.per_step):
+            epoch, i = divmod(pos, self.n)
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            out.append(int(torch.randperm(self.n, generator=g)[i]))
+        return out
+
+
+@contextmanager
+def deferred_sigint():
+    """Hold Ctrl-C while the policy changes, so a checkpoint never sees half an update."""
+    pending = []
+    old = signal.signal(signal.SIGINT, lambda *a: pending.append(a))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if pending:
+            raise KeyboardInterrupt
+
+
+def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Rollout, adv: torch.Tensor,
+                  cfg: RunConfig) -> dict:
+    """One GRPO update on a rollout; gradients are accumulated over micro-batches."""
+    g = cfg.grpo
+    device = policy.lm_head.weight.device
+    rows = [r for r in range(len(rollout.tokens)) if rollout.tokens[r]]
+    total = sum(len(rollout.tokens[r]) for r in rows)
+    opt.zero_grad(set_to_none=True)
+    kl = clipped = 0.0
+    loss_sum = 0.0
+    for i in range(0, len(rows), g.micro_batch):
+        mb = rows[i:i + g.micro_batch]
+        seqs = [rollout.prompt_of(r) + rollout.tokens[r] for r in mb]
+        L = max(len(s) for s in seqs)
+        R = max(len(rollout.tokens[r]) for r in mb)
+        toks = torch.zeros(len(mb), L, dtype=torch.long)
+        for j, s in enumerate(seqs):
+            toks[j, :len(s)] = torch.tensor(s)
+        start = torch.tensor([len(rollout.prompt_of(r)) - 1 for r in mb])  # predicts the first response token
+        pos = (start[:, None] + torch.arange(R)).clamp(max=L - 2)  # (b, R) hidden positions
+        mask = torch.arange(R)[None, :] < torch.tensor([len(rollout.tokens[r]) for r in mb])[:, None]
+        targets = toks.gather(1, pos + 1)
+        toks, pos, mask, targets = toks.to(device), pos.to(device), mask.to(device), targets.to(device)
+
+        def logp_of(model):
+            h = model(toks).hidden  # (b, L, d)
+            h = h.gather(1, pos[..., None].expand(-1, -1, h.shape[-1]))  # (b, R, d)
+            return token_logprobs(model.logits(h), targets, cfg.sampling.temperature)  # (b, R)
+
+        ref_logp = None
+        if ref is not None:
+            with torch.no_grad():
+                ref_logp = logp_of(ref)
+        logp = logp_of(policy)
+        parts = grpo_loss(logp, logp.detach(), ref_logp, adv[mb].to(device), mask, g.clip_eps, g.kl_beta, total)
+        parts.loss.backward()
+        loss_sum += float(parts.loss)
+        kl += parts.kl_sum
+        clipped += parts.clipped
+    with deferred_sigint():
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), g.max_grad_norm)
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return {"loss": loss_sum, "kl": kl / max(total, 1), "clip_frac": clipped / max(total, 1),
+            "grad_norm": float(grad_norm)}
+
+
+def train(cfg: RunConfig) -> dict:
+    """Run GRPO per `cfg`; returns a summary. Resumable, interruptible with Ctrl-C."""
+    prepare_out_dir(cfg)
+    resolve_model_path(cfg.model.model)  # a bad model path fails here, before data work
+    if cfg.model.threads:
+        torch.set_num_threads(cfg.model.threads)
+    problems = load_problems(cfg.data.data, cfg.data.default_size, cfg.seed)
+    lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
+    prompts = build_prompts(lm.tokenizer, problems.problems, cfg.data.max_prompt_tokens, cfg.data.prompt_overflow)
+    note = f"; prompts over {cfg.data.max_prompt_tokens} tokens: {prompts.skipped} skipped, {prompts.truncated} truncated"
+    if not prompts.problems:
+        raise UserError(f"no prompt fits --max-prompt-tokens {cfg.data.max_prompt_tokens} ({problems.summary()}{note}); "
+                        "raise it or use --prompt-overflow truncate")
+    print(f"sparkrl: {problems.summary()}{note}", file=sys.stderr)
+
+    policy = lm.model
+    ref = copy.deepcopy(policy).requires_grad_(False) if cfg.grpo.kl_beta > 0 else None
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
+    start = 0
+    if cfg.resume and (ck := load_latest(cfg.out)) is not None:
+        policy.load_state_dict(ck["policy"])
+        opt.load_state_dict(ck["optimizer"])
+        set_rng_state(ck["rng"])
+        start = ck["step"]
+    _truncate_metrics(cfg.out, start)
+    order = DataOrder(len(prompts.problems), cfg.grpo.prompts_per_step, cfg.seed)
+    G, grader = cfg.grpo.group_size, Grader()
+    totals = {"gen_s": 0.0, "train_s": 0.0, "gen_tokens": 0, "steps": 0}
+    first = last = None
+    state = lambda: {"policy": policy.state_dict(), "optimizer": opt.state_dict(), "config": to_dict(cfg)}
+    saved_step = start
+    bar = tqdm(total=cfg.steps, initial=start, unit="step", desc="grpo", dynamic_ncols=True, file=sys.stderr)
+    try:
+        for step in range(start, cfg.steps):
+            idx = order.batch(step)
+            gens = response_generators(cfg.seed, len(idx), G, offset=step * cfg.grpo.prompts_per_step)
+            made = [0]
+
+            def progress(n, made=made):
+                made[0] += n
+                bar.set_postfix_str(f"generating: {made[0]} tokens", refresh=False)
+                bar.refresh() if made[0] % 256 < n else None
+
+            rollout = generate(policy, [prompts.prompt_ids[i] for i in idx], cfg.sampling, lm.eos_ids, gens, G, progress)
+            texts = lm.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
+            scores = [grader.score(t, prompts.problems[idx[r // G]].answer) for r, t in enumerate(texts)]
+            rewards = torch.tensor([s.reward for s in scores])
+            bar.set_postfix_str("policy update", refresh=True)
+            t0 = time.perf_counter()
+            upd = policy_update(policy, ref, opt, rollout, group_advantages(rewards, G), cfg)
+            train_s = time.perf_counter() - t0
+            m = {
+                "step": step + 1,
+                "reward_mean": float(rewards.mean()),
+                "reward_std": float(rewards.std()),
+                "accuracy": sum(s.accuracy for s in scores) / len(scores),
+                "format": sum(s.format for s in scores) / len(scores),
+                "gen_s": rollout.gen_s,
+                "train_s": train_s,
+                "draft_train_s": 0.0,
+                "gen_tokens": rollout.num_tokens,
+                "gen_tok_per_s": rollout.num_tokens / max(rollout.gen_s, 1e-9),
+                "response_len_mean": rollout.num_tokens / len(rollout.tokens),
+                "truncated_frac": rollout.finish_reason.count("length") / len(rollout.tokens),
+                **upd,
+            }
+            _append_metrics(cfg.out, m)
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                with deferred_sigint():
+                    save_checkpoint(cfg.out, step + 1, state(), cfg.keep_checkpoints)
+                saved_step = step + 1
+            first = first or m
+            last = m
+            for k in ("gen_s", "train_s", "gen_tokens"):
+                totals[k] += m[k]
+            totals["steps"] += 1
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.2f}",
+                            tok_s=f"{m['gen_tok_per_s']:.0f}", refresh=True)
+    except KeyboardInterrupt:
+        bar.close()
+        done = last["step"] if last else start
+        if done > saved_step:
+            save_checkpoint(cfg.out, done, state(), cfg.keep_checkpoints)
+        print(f"sparkrl: interrupted; checkpoint at step {done} in {cfg.out}/checkpoints; continue with --resume",
+              file=sys.stderr)
+        raise SystemExit(130)
+    finally:
+        grader.close()
+    bar.close()
+    return _summary(cfg, totals, first, last)
+
+
+def _append_metrics(out: str, m: dict) -> None:
+    with open(Path(out) / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(m) + "\n")
+
+
+def _truncate_metrics(out: str, step: int) -> None:
+    """Drop metric lines past the checkpoint we resume from (they will be written again)."""
+    path = Path(out) / "metrics.jsonl"
+    if not path.exists():
+        return
+    keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
+    path.write_text("".join(l + "\n" for l in keep))
+
+
+def _summary(cfg: RunConfig, totals: dict, first: dict | None, last: dict | None) -> dict:
+    s = {"out": cfg.out, "steps_run": totals["steps"], **{k: totals[k] for k in ("gen_s", "train_s", "gen_tokens")}}
+    if first:
+        s.update(reward_first=first["reward_mean"], reward_last=last["reward_mean"],
+                 accuracy_last=last["accuracy"], gen_tok_per_s=totals["gen_tokens"] / max(totals["gen_s"], 1e-9))
+    return s
