@@ -21,7 +21,9 @@ from pathlib import Path
 from sparkrl.errors import UserError
 from sparkrl.rewards import last_boxed
 
-INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+# Step-by-step reasoning and a boxed answer (paper, appendix A). The example helps small models
+# (SmolLM2-135M boxes 8/32 answers with it, 3/32 with the plain "within \boxed{}" wording).
+INSTRUCTION = "Solve it step by step. Then write the final answer as \\boxed{answer}, for example \\boxed{42}."
 
 HUB_DATASETS = {
     # name: (hub id, config, split, data_files)

@@ -105,6 +105,9 @@ def as_fraction(s: str) -> Fraction | None:
 
 def _verify_loop(conn) -> None:
     """Worker process: answer (gold, pred) pairs with math-verify."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     from math_verify import parse, verify
 
     while True:

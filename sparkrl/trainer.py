@@ -123,7 +123,7 @@ def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Ro
         logp = logp_of(policy)
         parts = grpo_loss(logp, logp.detach(), ref_logp, adv[mb].to(device), mask, g.clip_eps, g.kl_beta, total)
         parts.loss.backward()
-        loss_sum += float(parts.loss)
+        loss_sum += parts.loss.item()
         kl += parts.kl_sum
         clipped += parts.clipped
     with deferred_sigint():
@@ -134,8 +134,11 @@ def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Ro
             "grad_norm": float(grad_norm)}
 
 
-def train(cfg: RunConfig) -> dict:
-    """Run GRPO per `cfg`; returns a summary. Resumable, interruptible with Ctrl-C."""
+def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
+    """Run GRPO per `cfg`; returns a summary. Resumable, interruptible with Ctrl-C.
+
+    grader: scores responses (default: `Grader()`, the paper's R_acc + 0.2 R_fmt).
+    """
     prepare_out_dir(cfg)
     resolve_model_path(cfg.model.model)  # a bad model path fails here, before data work
     if cfg.model.threads:
@@ -160,7 +163,7 @@ def train(cfg: RunConfig) -> dict:
         start = ck["step"]
     _truncate_metrics(cfg.out, start)
     order = DataOrder(len(prompts.problems), cfg.grpo.prompts_per_step, cfg.seed)
-    G, grader = cfg.grpo.group_size, Grader()
+    G, grader = cfg.grpo.group_size, grader or Grader()
     totals = {"gen_s": 0.0, "train_s": 0.0, "gen_tokens": 0, "steps": 0}
     first = last = None
     state = lambda: {"policy": policy.state_dict(), "optimizer": opt.state_dict(), "config": to_dict(cfg)}

@@ -1,0 +1,151 @@
+"""GRPO loop end to end on a tiny model: metrics, checkpoints, exact resume, Ctrl-C, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparkrl.cli import main
+from sparkrl.config import build, RunConfig
+from sparkrl.errors import UserError
+from sparkrl.rewards import Score
+from sparkrl.trainer import DataOrder, train
+
+TIMING = {"gen_s", "train_s", "draft_train_s", "gen_tok_per_s"}
+
+
+class ParityGrader:
+    """A stand-in reward that random tiny models do earn: the parity of the response's length."""
+
+    def score(self, text, answer):
+        return Score(float(len(text) % 2), 0.0)
+
+    def close(self):
+        pass
+
+
+def _cfg(model_dir, out, **kw):
+    flat = dict(model=str(model_dir), out=str(out), steps=2, group_size=3, prompts_per_step=2, max_new_tokens=6,
+                default_size=20, lr=1e-3, micro_batch=4)
+    return build(RunConfig, {**flat, **kw})
+
+
+def _metrics(out):
+    return [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _policy(out):
+    ck = sorted((Path(out) / "checkpoints").glob("step-*.pt"))[-1]
+    return torch.load(ck, weights_only=False)
+
+
+def test_train_writes_contract_files(tiny_model_dir, tmp_path):
+    s = train(_cfg(tiny_model_dir, tmp_path / "run"), grader=ParityGrader())
+    assert s["steps_run"] == 2
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert cfg["config"]["grpo"]["group_size"] == 3
+    m = _metrics(tmp_path / "run")
+    assert [x["step"] for x in m] == [1, 2]
+    for key in ("step", "reward_mean", "accuracy", "gen_s", "train_s", "draft_train_s", "gen_tokens"):
+        assert key in m[0]
+    assert 0 < m[0]["gen_tokens"] <= 2 * 3 * 6
+    assert m[0]["grad_norm"] > 0  # the parity reward gives non-zero advantages
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-000002.pt"]
+
+
+def test_resume_continues_exactly(tiny_model_dir, tmp_path):
+    train(_cfg(tiny_model_dir, tmp_path / "a", steps=3), grader=ParityGrader())
+    train(_cfg(tiny_model_dir, tmp_path / "b", steps=1), grader=ParityGrader())
+    train(_cfg(tiny_model_dir, tmp_path / "b", steps=3, resume=True), grader=ParityGrader())
+    a, b = _policy(tmp_path / "a"), _policy(tmp_path / "b")
+    assert a["step"] == b["step"] == 3
+    for k in a["policy"]:
+        assert torch.equal(a["policy"][k], b["policy"][k]), k
+    from sparkrl.weights import load_model
+
+    initial = load_model(str(tiny_model_dir), with_tokenizer=False).model.state_dict()
+    assert any(not torch.equal(a["policy"][k], initial[k]) for k in initial)  # training moved the weights
+    strip = lambda ms: [{k: v for k, v in m.items() if k not in TIMING} for m in ms]
+    assert strip(_metrics(tmp_path / "a")) == strip(_metrics(tmp_path / "b"))
+
+
+def test_resume_refuses_other_settings_and_fresh_run_refuses_old_dir(tiny_model_dir, tmp_path):
+    train(_cfg(tiny_model_dir, tmp_path / "r", steps=1), grader=ParityGrader())
+    with pytest.raises(UserError, match="already holds checkpoints.*--resume"):
+        train(_cfg(tiny_model_dir, tmp_path / "r", steps=2), grader=ParityGrader())
+    with pytest.raises(UserError, match="group_size was 3, now 4"):
+        train(_cfg(tiny_model_dir, tmp_path / "r", steps=2, resume=True, group_size=4), grader=ParityGrader())
+
+
+def test_data_order_covers_each_epoch():
+    order = DataOrder(n=10, per_step=3, seed=5)
+    seen = [i for s in range(10) for i in order.batch(s)]
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
+    assert order.batch(4) == DataOrder(10, 3, 5).batch(4)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["train", "--out", "X", "--group-size", "1"], "--group-size must be >= 2"),
+    (["train", "--out", "X", "--temperature", "-1"], "--temperature must be >= 0"),
+    (["train", "--out", "X", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["train", "--out", "X", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["train", "--out", "X", "--steps", "0"], "--steps must be >= 1"),
+    (["train", "--steps", "2"], "--out is required"),
+    (["train", "--out", "X", "--model", "/no/such/model"], "does not exist"),
+    (["train", "--out", "X", "--data", "/no/such.jsonl"], "is not a file"),
+    (["train", "--out", "X", "--bogus"], "unrecognized arguments"),
+    (["generate", "--prompt", "a", "--prompts-file", "b"], "exactly one of"),
+])
+def test_bad_input_is_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_ctrl_c_writes_checkpoint_and_resumes(tiny_model_dir, tmp_path):
+    out = tmp_path / "int"
+    cmd = [sys.executable, "-m", "sparkrl.cli", "train", "--model", str(tiny_model_dir), "--out", str(out),
+           "--steps", "500", "--group-size", "2", "--prompts-per-step", "1", "--max-new-tokens", "4",
+           "--default-size", "20", "--checkpoint-every", "1000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted; checkpoint at step" in err and "Traceback" not in err
+    ck = sorted((out / "checkpoints").glob("step-*.pt"))
+    assert len(ck) == 1
+    step = torch.load(ck[0], weights_only=False)["step"]
+    assert step >= 2 and len(_metrics(out)) >= step
+
+
+@pytest.mark.slow
+def test_cli_train_and_generate_on_default_model(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    r = subprocess.run([sys.executable, "-m", "sparkrl.cli", "train", "--model", "default", "--data", "default",
+                        "--out", str(out), "--steps", "1", "--group-size", "2", "--prompts-per-step", "1",
+                        "--max-new-tokens", "24"], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert "trained 1 steps" in r.stderr
+    assert len(_metrics(out)) == 1 and (out / "checkpoints" / "step-000001.pt").exists()
+    r = subprocess.run([sys.executable, "-m", "sparkrl.cli", "generate", "--model", "default", "--prompt",
+                        "What is 2+3?", "--temperature", "0", "--json", "--max-new-tokens", "20", "--n", "2"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(l) for l in r.stdout.splitlines()]
+    assert len(rows) == 2 and rows[0]["token_ids"] == rows[1]["token_ids"]  # greedy
+    for key in ("prompt_index", "prompt_token_ids", "text", "token_ids", "finish_reason"):
+        assert key in rows[0]
