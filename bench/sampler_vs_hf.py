@@ -1,0 +1,108 @@
+"""Our batched sampler vs transformers' `generate`, side by side in one process.
+
+Same model (the embedded default, fp32), same prompt, temperature 1, top-p 0.95, exactly
+--new-tokens tokens per response (EOS ignored on both sides, so both do the same work), batch sizes
+1, 8 and 32. The two systems alternate within every repeat so machine drift hits both alike; we
+report the median time of each and the ratio of generated tokens/s.
+
+    .venv/bin/python bench/sampler_vs_hf.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from sparkrl.config import SamplingConfig
+from sparkrl.data import chat_prompt_ids
+from sparkrl.rollout import generate, response_generators
+from sparkrl.weights import load_model
+
+PROMPT = "Tom has 3 boxes with 12 apples each and eats 5 apples. How many are left? Solve it step by step."
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    lm = load_model("default")
+    hf = AutoModelForCausalLM.from_pretrained(str(lm.path), dtype=torch.float32).eval()
+    prompt = chat_prompt_ids(lm.tokenizer, PROMPT)
+    sc = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=args.new_tokens)
+
+    def ours(B):
+        r = generate(lm.model, [prompt], sc, (), response_generators(0, 1, B), group_size=B)
+        return r.num_tokens
+
+    def theirs(B):
+        x = torch.tensor([prompt] * B)
+        with torch.no_grad():
+            o = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=True, temperature=1.0, top_p=0.95,
+                            top_k=0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                            pad_token_id=lm.tokenizer.eos_token_id)
+        return (o.shape[1] - x.shape[1]) * B
+
+    systems = {"sparkrl": ours, "transformers": theirs}
+    ours(1), theirs(1)  # warm-up
+    rows = []
+    for B in [int(b) for b in args.batches.split(",")]:
+        times = {k: [] for k in systems}
+        tokens = {}
+        for rep in range(args.repeats):
+            order = list(systems) if rep % 2 == 0 else list(systems)[::-1]
+            for name in order:
+                t = time.perf_counter()
+                tokens[name] = systems[name](B)
+                times[name].append(time.perf_counter() - t)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        tps = {k: tokens[k] / med[k] for k in systems}
+        row = {"batch": B, "tokens": tokens, "median_s": med, "times_s": times, "tok_per_s": tps,
+               "ratio": tps["sparkrl"] / tps["transformers"]}
+        rows.append(row)
+        print(f"batch {B:3d}: sparkrl {tps['sparkrl']:7.1f} tok/s, transformers {tps['transformers']:7.1f} tok/s, "
+              f"ratio {row['ratio']:.2f}x", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import transformers
+
+    meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+            "machine": platform.processor() or platform.machine(), "new_tokens": args.new_tokens,
+            "repeats": args.repeats, "prompt_tokens": len(prompt)}
+    (out / "sampler_vs_hf.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    _plot(rows, out / "sampler_vs_hf.png")
+
+
+def _plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = range(len(rows))
+    w = 0.38
+    for i, name in enumerate(("sparkrl", "transformers")):
+        ax.bar([x + (i - 0.5) * w for x in xs], [r["tok_per_s"][name] for r in rows], w, label=name)
+    for x, r in zip(xs, rows):
+        ax.text(x, max(r["tok_per_s"].values()) * 1.02, f"{r['ratio']:.2f}x", ha="center")
+    ax.set_xticks(list(xs), [f"batch {r['batch']}" for r in rows])
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title("Autoregressive sampling, default model, CPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
