@@ -97,6 +97,7 @@ def _plot(rows, path):
     for x, r in zip(xs, rows):
         ax.text(x, max(r["tok_per_s"].values()) * 1.02, f"{r['ratio']:.2f}x", ha="center")
     ax.set_xticks(list(xs), [f"batch {r['batch']}" for r in rows])
+    ax.set_ylim(0, max(max(r["tok_per_s"].values()) for r in rows) * 1.15)
     ax.set_ylabel("generated tokens / s")
     ax.set_title("Autoregressive sampling, default model, CPU")
     ax.legend()
