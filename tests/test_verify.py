@@ -1,0 +1,172 @@
+"""Exactness of acceptance (pure functions): committed sequences follow the target exactly.
+
+A toy target and a toy drafter over a small vocabulary: logits are random tables indexed by the
+whole context, so every position has its own distribution. Many rows generate L tokens through
+rounds of (draft -> accept); the histogram of the committed sequences is tested by chi-square
+against the exact product distribution.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from sparkrl.sampling import target_probs
+from sparkrl.verify import Tree, accept_chain, accept_tree, uniforms_per_round
+
+V, L = 4, 3  # vocabulary, committed tokens per sequence
+
+
+class ToyLM:
+    """Random logits per context (a tuple of previous tokens, up to length L + depth)."""
+
+    def __init__(self, seed, scale=2.0):
+        self.g = torch.Generator().manual_seed(seed)
+        self.scale, self.table = scale, {}
+
+    def logits(self, ctx: tuple) -> torch.Tensor:
+        if ctx not in self.table:
+            self.table[ctx] = torch.randn(V, generator=self.g) * self.scale
+        return self.table[ctx]
+
+
+def exact_probs(target: ToyLM, temperature, top_p) -> dict:
+    out = {}
+    for seq in itertools.product(range(V), repeat=L):
+        pr = 1.0
+        for i in range(L):
+            pr *= float(target_probs(target.logits(seq[:i])[None], temperature, top_p)[0, seq[i]])
+        out[seq] = pr
+    return out
+
+
+def build_tree(draft: ToyLM, ctx: tuple, depth: int, branch: int, keep_prob: float, g) -> tuple:
+    """Top-`branch` children per node by draft probability, BFS; nodes randomly pruned (ragged)."""
+    tokens, parents, depths, paths = [0], [-1], [0], [()]
+    frontier = [0]
+    for d in range(depth):
+        nxt = []
+        for n in frontier:
+            q = torch.softmax(draft.logits(ctx + paths[n]), -1)
+            for x in q.argsort(descending=True)[:branch].tolist():
+                if torch.rand((), generator=g) > keep_prob:
+                    continue
+                tokens.append(x), parents.append(n), depths.append(d + 1), paths.append(paths[n] + (x,))
+                nxt.append(len(tokens) - 1)
+        frontier = nxt
+    return tokens, parents, depths, paths
+
+
+def run_tree(target, draft, rows, temperature, top_p, depth=2, branch=2, keep_prob=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    seqs = [() for _ in range(rows)]
+    while any(len(s) < L for s in seqs):
+        live = [i for i, s in enumerate(seqs) if len(s) < L]
+        trees = [build_tree(draft, seqs[i], depth, branch, keep_prob, g) for i in live]
+        N = max(len(t[0]) for t in trees)
+        B = len(live)
+        tok = torch.zeros(B, N, dtype=torch.long)
+        par = torch.full((B, N), -1)
+        val = torch.zeros(B, N, dtype=torch.bool)
+        dep = torch.zeros(B, N, dtype=torch.long)
+        logits = torch.zeros(B, N, V)
+        for b, (t, p, d, paths) in enumerate(trees):
+            n = len(t)
+            tok[b, :n], par[b, :n], dep[b, :n], val[b, :n] = torch.tensor(t), torch.tensor(p), torch.tensor(d), True
+            for j in range(n):
+                logits[b, j] = target.logits(seqs[live[b]] + paths[j])
+        u = torch.rand(B, uniforms_per_round(depth, branch), generator=g, dtype=torch.float64)
+        acc = accept_tree(Tree(tok, par, val, dep), logits, temperature, top_p, u, depth, branch)
+        for b, i in enumerate(live):
+            path = [int(tok[b, n]) for n in acc.path[b, :int(acc.n_accepted[b])]]
+            seqs[i] = (seqs[i] + tuple(path) + (int(acc.bonus[b]),))[:L]
+    return seqs
+
+
+def run_chain(target, draft, rows, temperature, top_p, depth=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    seqs = [() for _ in range(rows)]
+    while any(len(s) < L for s in seqs):
+        live = [i for i, s in enumerate(seqs) if len(s) < L]
+        B = len(live)
+        toks = torch.zeros(B, depth, dtype=torch.long)
+        q = torch.zeros(B, depth, V)
+        logits = torch.zeros(B, depth + 1, V)
+        for b, i in enumerate(live):
+            ctx = seqs[i]
+            for d in range(depth):
+                q[b, d] = target_probs(draft.logits(ctx)[None], 1.0, 1.0)[0]
+                toks[b, d] = int(torch.multinomial(q[b, d], 1, generator=g))
+                logits[b, d] = target.logits(ctx)
+                ctx = ctx + (int(toks[b, d]),)
+            logits[b, depth] = target.logits(ctx)
+        u = torch.rand(B, depth + 1, generator=g, dtype=torch.float64)
+        acc = accept_chain(toks, q, logits, temperature, top_p, u)
+        for b, i in enumerate(live):
+            n = int(acc.n_accepted[b])
+            seqs[i] = (seqs[i] + tuple(toks[b, :n].tolist()) + (int(acc.bonus[b]),))[:L]
+    return seqs
+
+
+def assert_matches(seqs, exact):
+    n = len(seqs)
+    counts = {s: 0 for s in exact}
+    for s in seqs:
+        counts[s] += 1
+    support = [s for s in exact if exact[s] > 0]
+    assert sum(counts[s] for s in exact if exact[s] == 0) == 0, "a sequence outside the target's support"
+    tot = sum(exact[s] for s in support)
+    big = [s for s in support if exact[s] / tot * n >= 5]  # chi-square needs expected counts >= 5:
+    small = [s for s in support if s not in big]  # pool the rare sequences into one cell
+    obs = [counts[s] for s in big] + ([sum(counts[s] for s in small)] if small else [])
+    exp = [exact[s] / tot * n for s in big] + ([sum(exact[s] for s in small) / tot * n] if small else [])
+    assert chisquare(obs, exp).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
+@pytest.mark.parametrize("keep_prob", [1.0, 0.6])  # full trees, and ragged pruned ones
+def test_tree_acceptance_is_exact(temperature, top_p, keep_prob):
+    target, draft = ToyLM(1), ToyLM(2)
+    seqs = run_tree(target, draft, 6000, temperature, top_p, depth=2, branch=2, keep_prob=keep_prob, seed=3)
+    assert_matches(seqs, exact_probs(target, temperature, top_p))
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.7)])
+def test_chain_acceptance_is_exact(temperature, top_p):
+    target, draft = ToyLM(4), ToyLM(5)
+    seqs = run_chain(target, draft, 6000, temperature, top_p, depth=2, seed=6)
+    assert_matches(seqs, exact_probs(target, temperature, top_p))
+
+
+def test_a_wrong_rule_is_detected():
+    """The harness has power: accepting the draft's top child always (greedy drafting) is caught."""
+    target, draft = ToyLM(1), ToyLM(2)
+    exact = exact_probs(target, 1.0, 1.0)
+    seqs = []
+    for _ in range(3000):
+        ctx = ()
+        while len(ctx) < L:
+            ctx += (int(torch.softmax(draft.logits(ctx), -1).argmax()),)
+        seqs.append(ctx)
+    with pytest.raises(AssertionError):
+        assert_matches(seqs, exact)
+
+
+def test_greedy_tree_commits_target_argmax():
+    target = ToyLM(7)
+    seqs = run_tree(target, target, 5, 0.0, 1.0, depth=2, branch=2)
+    ctx = ()
+    for _ in range(L):
+        ctx += (int(target.logits(ctx).argmax()),)
+    assert all(s == ctx for s in seqs)
+
+
+def test_tree_masks():
+    t = Tree(torch.tensor([[5, 1, 2, 3]]), torch.tensor([[-1, 0, 0, 1]]), torch.ones(1, 4, dtype=torch.bool),
+             torch.tensor([[0, 1, 1, 2]]))
+    m = t.ancestor_mask()[0].int().tolist()
+    assert m == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    assert t.max_children() == 2
