@@ -133,13 +133,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class KVCache:
     """Per-layer K/V buffers (B, H_kv, capacity, D) and a committed length per sequence.
 
-    Tokens at cache positions >= `lengths[b]` are speculative: they are visible only to the forward
-    that wrote them and are overwritten by the next one unless `commit` keeps them.
+    Tokens at cache positions >= `lengths[b]` are speculative: every forward appends its tokens to
+    the speculative region (`pending` grows), later forwards may attend to them (a draft tree built
+    level by level), and `commit` keeps a chosen subset and empties the region.
     """
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     lengths: torch.Tensor  # (B,) int64, committed tokens per sequence
+    pending: int = 0  # speculative tokens written after lengths[b] by forwards since the last commit
 
     @classmethod
     def empty(cls, args: ModelArgs, batch: int, capacity: int, device, dtype) -> "KVCache":
@@ -159,11 +161,11 @@ class KVCache:
         return self.k[0].shape[2]
 
     def commit(self, keep: torch.Tensor | None = None, n_keep: torch.Tensor | None = None) -> None:
-        """Make speculative tokens permanent.
+        """Make speculative tokens permanent and drop the rest of the speculative region.
 
-        keep: (B, K) indices into the last forward's new tokens (0-based, ascending), of which the
-        first `n_keep[b]` are kept for sequence b; the kept tokens are moved to consecutive positions.
-        With keep=None the first n_keep[b] new tokens are kept where they are (a chain).
+        keep: (B, K) indices into the speculative region (0-based, ascending), of which the first
+        `n_keep[b]` are kept for sequence b; the kept tokens are moved to consecutive positions.
+        With keep=None the first n_keep[b] speculative tokens are kept where they are (a chain).
         """
         if keep is not None and keep.shape[1] > 0:
             B, K = keep.shape
@@ -175,6 +177,7 @@ class KVCache:
                 idx_d = dst.expand(B, buf.shape[1], K, buf.shape[3])
                 buf.scatter_(2, idx_d, buf.gather(2, idx_s))
         self.lengths = self.lengths + n_keep
+        self.pending = 0
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only the sequences `rows` (1-D indices), in that order; drops the others."""
@@ -259,14 +262,86 @@ class Output:
     taps: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, T, d) layer output
 
 
-class Backbone(nn.Module):
-    """Hugging Face's `model.` prefix: embeddings, layers, final norm."""
+class Stack(nn.Module):
+    """Decoder layers and the final norm over input embeddings: RoPE, masks and the ragged cache.
+
+    The policy's `Backbone` adds the token embedding; a drafter builds its own input embeddings.
+    """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.args = args
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(args).float(), persistent=False)
+
+    def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _context(self, cache: KVCache, T: int, tree_mask, device) -> _Context:
+        B, P = cache.batch, cache.pending
+        a = self.args
+        base = cache.lengths[:, None]  # (B, 1)
+        slots = base + P + torch.arange(T, device=device)  # (B, T) cache positions of the new tokens
+        span = int(cache.lengths.max()) + P + T  # host sync: the attention span
+        if span > cache.capacity:
+            raise ValueError(f"KV cache capacity {cache.capacity} exceeded ({span} tokens)")
+        write_idx = slots[:, None, :, None].expand(B, a.num_kv_heads, T, a.head_dim)
+        keys = torch.arange(span, device=device)
+        prefix = keys[None, None, :] < base[:, :, None]  # (B, 1, span)
+        rel = keys[None, None, :] - base[:, :, None]  # (B, 1, span) offset into the speculative region
+        inside = (rel >= 0) & (rel < P + T)
+        if tree_mask is None:  # all pending tokens, then causal among the new ones
+            new = inside & (rel <= P + torch.arange(T, device=device)[None, :, None])  # (B, T, span)
+        else:
+            new = inside & tree_mask.gather(2, rel.clamp(0, P + T - 1).expand(B, T, span))
+        return _Context(write_idx, (prefix | new)[:, None], span)
+
+    def forward(self, x, cache: KVCache | None = None, *, tree_mask=None, depth=None, taps=()) -> Output:
+        """Run T new positions per sequence; x: (B, T, d) input embeddings.
+
+        Without a cache: a plain causal forward from position 0 (training, scoring); right padding
+        is harmless there. With a cache: the new positions are appended to the speculative region
+        (after the committed prefix and the `cache.pending` speculative tokens of earlier forwards)
+        and attend to the committed prefix plus the speculative tokens allowed by `tree_mask`
+        (B, T, pending + T) (default: every pending token, causal among the new ones). `depth` (B, T)
+        is each new token's RoPE offset from lengths[b] (default: pending + t). Nothing is committed:
+        call `cache.commit`, which keeps a chosen subset of the speculative region.
+        taps: layer indices whose outputs to return (after the layer, before the final norm).
+        """
+        B, T, _ = x.shape
+        device = x.device
+        pending = 0 if cache is None else cache.pending
+        if depth is None:
+            depth = (pending + torch.arange(T, device=device)).expand(B, T)
+        ctx = None
+        positions = depth
+        if cache is not None:
+            positions = cache.lengths[:, None] + depth
+            ctx = self._context(cache, T, tree_mask, device)
+        cos, sin = self._rope(positions, x.dtype)
+        out = Output(hidden=x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, cache, ctx)
+            if i in taps:
+                out.taps[i] = x
+        out.hidden = self.norm(x)
+        if cache is not None:
+            cache.pending += T
+        return out
+
+    def new_cache(self, batch: int, capacity: int, device, dtype) -> KVCache:
+        return KVCache.empty(self.args, batch, capacity, device, dtype)
+
+
+class Backbone(Stack):
+    """Hugging Face's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
 
 
 class Transformer(nn.Module):
@@ -277,67 +352,11 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(args).float(), persistent=False)
 
-    def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        cache: KVCache | None = None,
-        *,
-        tree_mask: torch.Tensor | None = None,
-        depth: torch.Tensor | None = None,
-        taps: tuple[int, ...] = (),
-    ) -> Output:
-        """Run T new tokens per sequence.
-
-        tokens: (B, T). Without a cache: a plain causal forward from position 0 (training, scoring);
-        right padding is harmless there. With a cache: the new tokens go to cache positions
-        lengths[b] + t, and attend to the committed prefix plus the new tokens allowed by
-        `tree_mask` (B, T, T) (default: causal). `depth` (B, T) gives each new token's RoPE offset
-        from lengths[b] (default: t). Nothing is committed; call `cache.commit` afterwards.
-        taps: layer indices whose outputs to return (after the layer, before the final norm).
-        """
-        B, T = tokens.shape
-        device = tokens.device
-        x = self.model.embed_tokens(tokens)
-        ar = torch.arange(T, device=device)
-        if depth is None:
-            depth = ar.expand(B, T)
-        ctx = None
-        if cache is None:
-            positions = depth
-        else:
-            base = cache.lengths[:, None]  # (B, 1)
-            positions = base + depth
-            slots = base + ar  # (B, T) cache positions of the new tokens
-            span = int(cache.lengths.max()) + T  # host sync: the attention span
-            if span > cache.capacity:
-                raise ValueError(f"KV cache capacity {cache.capacity} exceeded ({span} tokens)")
-            a = self.args
-            write_idx = slots[:, None, :, None].expand(B, a.num_kv_heads, T, a.head_dim)
-            keys = torch.arange(span, device=device)
-            prefix = keys[None, None, :] < base[:, :, None]  # (B, 1, span)
-            rel = keys[None, None, :] - base[:, :, None]  # (B, 1, span) offset into the new tokens
-            if tree_mask is None:
-                new = (rel >= 0) & (rel <= ar[None, :, None])  # (B, T, span) causal
-            else:
-                inside = (rel >= 0) & (rel < T)
-                gathered = tree_mask.gather(2, rel.clamp(0, T - 1).expand(B, T, span))
-                new = inside & gathered
-            ctx = _Context(write_idx, (prefix | new)[:, None], span)
-        cos, sin = self._rope(positions, x.dtype)
-        out = Output(hidden=x)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, cache, ctx)
-            if i in taps:
-                out.taps[i] = x
-        out.hidden = self.model.norm(x)
-        return out
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, tree_mask=None, depth=None,
+                taps: tuple[int, ...] = ()) -> Output:
+        """tokens (B, T); see `Stack.forward` for the cache, tree mask, depth and taps."""
+        return self.model(self.model.embed_tokens(tokens), cache, tree_mask=tree_mask, depth=depth, taps=taps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head in float32: (..., d) -> (..., V)."""
@@ -345,4 +364,4 @@ class Transformer(nn.Module):
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         w = self.lm_head.weight
-        return KVCache.empty(self.args, batch, capacity, w.device, w.dtype)
+        return self.model.new_cache(batch, capacity, w.device, w.dtype)

@@ -1,12 +1,20 @@
 """The rollout engine: batched generation of G responses for each of P prompts.
 
-Autoregressive mode (the baseline every speculative mode is compared against):
+Both modes share the bookkeeping:
   * each distinct prompt is prefilled once and its KV cache rows are copied to its G responses;
-  * every step runs one token per *active* response; a response that samples an EOS id or reaches
-    max_new_tokens leaves the batch (its cache rows are dropped), so the work shrinks as the batch
-    finishes;
-  * response i draws its randomness only from its own `torch.Generator`, so its tokens do not depend
-    on which other responses share the batch.
+  * a response that commits an EOS id or reaches max_new_tokens leaves the batch (its cache rows are
+    dropped), so the work shrinks as the batch finishes;
+  * response i draws its randomness only from its own `torch.Generator`, a fixed amount per step, so
+    its tokens do not depend on which other responses share the batch.
+
+Autoregressive mode (`generate`): one policy forward per token.
+
+Speculative mode (`generate_speculative`, paper section 3.1): rounds of
+  draft a tree per active response (drafter) -> verify all trees in ONE batched policy forward with
+  tree attention -> exact acceptance (`verify.accept_tree`) -> commit the accepted path in the
+  policy's cache, roll the drafter's tree back -> feed the policy's features at the accepted tokens
+  to the drafter (its "catch-up" forward, which also yields the next round's first draft level).
+No extra policy forward is spent on features: they are taps of the verification forward.
 """
 
 from __future__ import annotations
@@ -17,8 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from sparkrl.config import SamplingConfig
-from sparkrl.model import Transformer
+from sparkrl.model import KVCache, Transformer
 from sparkrl.sampling import sample
+from sparkrl.verify import accept_tree, uniforms_per_round
 
 
 @dataclass
@@ -51,20 +60,57 @@ def response_generators(seed: int, n_prompts: int, group_size: int, offset: int 
     return gens
 
 
-def _prefill(model: Transformer, prompts: list[list[int]], capacity: int):
-    """Run the prompts into a fresh cache; returns (cache, last-position logits (P, V))."""
-    device = model.lm_head.weight.device
-    P = len(prompts)
+class _Batch:
+    """Which responses are still running, what each has committed, and why each stopped."""
+
+    def __init__(self, n: int, eos_ids: tuple[int, ...], max_new_tokens: int):
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.reason = ["length"] * n
+        self.active = list(range(n))  # response index of each batch row
+        self.eos, self.max_new = set(eos_ids), max_new_tokens
+
+    def commit(self, new: list[list[int]]) -> list[bool]:
+        """Append each active row's new tokens (cut after an EOS or at the length limit).
+
+        Returns, per row, whether the response has finished."""
+        done = []
+        for r, toks in zip(self.active, new):
+            out = self.tokens[r]
+            for t in toks:
+                if len(out) >= self.max_new:
+                    break
+                out.append(t)
+                if t in self.eos:
+                    self.reason[r] = "stop"
+                    break
+            done.append(self.reason[r] == "stop" or len(out) >= self.max_new)
+        return done
+
+    def drop(self, done: list[bool]) -> torch.Tensor | None:
+        """Remove finished rows; returns the kept row indices (None when every row stays)."""
+        if not any(done):
+            return None
+        keep = [i for i, d in enumerate(done) if not d]
+        self.active = [self.active[i] for i in keep]
+        return torch.tensor(keep, dtype=torch.long)
+
+
+def _pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     lens = torch.tensor([len(p) for p in prompts], device=device)
-    T = int(lens.max())
-    toks = torch.zeros(P, T, dtype=torch.long, device=device)
+    toks = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         toks[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-    cache = model.new_cache(P, capacity)
-    out = model(toks, cache)
+    return toks, lens
+
+
+def _prefill(model: Transformer, prompts: list[list[int]], capacity: int, taps: tuple[int, ...] = ()):
+    """Run the prompts into a fresh cache; returns (cache, last-position logits (P, V), output)."""
+    toks, lens = _pad(prompts, model.lm_head.weight.device)
+    cache = model.new_cache(len(prompts), capacity)
+    out = model(toks, cache, taps=taps)
     cache.commit(n_keep=lens)
-    last = out.hidden[torch.arange(P, device=device), lens - 1]  # (P, d)
-    return cache, model.logits(last)
+    last = out.hidden[torch.arange(len(prompts), device=toks.device), lens - 1]  # (P, d)
+    return cache, model.logits(last), out
 
 
 @torch.no_grad()
@@ -84,47 +130,150 @@ def generate(
     """
     t0 = time.perf_counter()
     G, P = group_size, len(prompts)
-    N = P * G
-    assert len(generators) == N, "one generator per response"
+    assert len(generators) == P * G, "one generator per response"
     device = model.lm_head.weight.device
-    capacity = max(len(p) for p in prompts) + sampling.max_new_tokens
-    cache, logits = _prefill(model, prompts, capacity)
+    cache, logits, _ = _prefill(model, prompts, max(len(p) for p in prompts) + sampling.max_new_tokens)
     rows = torch.arange(P, device=device).repeat_interleave(G)
     cache.keep_rows(rows)
     logits = logits.index_select(0, rows)
-
-    eos = torch.tensor(eos_ids or (-1,), device=device)
-    tokens: list[list[int]] = [[] for _ in range(N)]
-    reason = ["length"] * N
-    active = list(range(N))  # response index of each batch row
+    batch = _Batch(P * G, eos_ids, sampling.max_new_tokens)
     steps = 0
-    while active:
-        nxt = sample(logits, sampling.temperature, sampling.top_p, [generators[r] for r in active])  # (B,)
-        done = torch.isin(nxt, eos)
-        ids = nxt.tolist()  # host sync: tokens are appended to Python lists
-        for r, t in zip(active, ids):
-            tokens[r].append(t)
+    while batch.active:
+        nxt = sample(logits, sampling.temperature, sampling.top_p, [generators[r] for r in batch.active])  # (B,)
+        done = batch.commit([[t] for t in nxt.tolist()])  # host sync: tokens go to Python lists
         steps += 1
-        stop = done.tolist()  # host sync: which rows leave
-        if steps >= sampling.max_new_tokens:
-            stop = [True] * len(active)
-        for r, s, is_eos in zip(active, stop, done.tolist()):
-            if is_eos:
-                reason[r] = "stop"
         if progress is not None:
-            progress(len(active))
-        if any(stop):
-            keep = [i for i, s in enumerate(stop) if not s]
-            active = [active[i] for i in keep]
-            if not active:
-                break
-            keep_t = torch.tensor(keep, device=device)
-            cache.keep_rows(keep_t)
-            nxt = nxt.index_select(0, keep_t)
+            progress(len(done))
+        keep = batch.drop(done)
+        if not batch.active:
+            break
+        if keep is not None:
+            keep = keep.to(device)
+            cache.keep_rows(keep)
+            nxt = nxt.index_select(0, keep)
         out = model(nxt[:, None], cache)
-        cache.commit(n_keep=torch.ones(len(active), dtype=torch.long, device=device))
+        cache.commit(n_keep=torch.ones(len(batch.active), dtype=torch.long, device=device))
         logits = model.logits(out.hidden[:, -1])
-    r = Rollout([list(p) for p in prompts], G, tokens, reason)
-    r.gen_s = time.perf_counter() - t0
-    r.stats = {"decode_steps": steps}
-    return r
+    return Rollout([list(p) for p in prompts], G, batch.tokens, batch.reason, time.perf_counter() - t0,
+                   {"decode_steps": steps, "policy_forwards": steps})
+
+
+@dataclass
+class _DraftState:
+    """Per active row: the root (last committed token, not yet run by the policy) and the drafter's
+    output at the root's position (logits of the first draft level, feature of its nodes)."""
+
+    root: torch.Tensor  # (B,)
+    z: torch.Tensor  # (B, Vd)
+    a: torch.Tensor  # (B, d)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.root, self.z, self.a = self.root[rows], self.z[rows], self.a[rows]
+
+
+def _catch_up(drafter, cache: KVCache, tokens: torch.Tensor, feats, n: torch.Tensor) -> _DraftState:
+    """Drafter forward over newly committed positions: tokens (B, T) are the tokens after each
+    position, feats (B, T, d) the policy's features there, n (B,) how many are real (>= 1)."""
+    step = drafter(tokens, feats, cache)
+    cache.commit(n_keep=n)
+    last = (n - 1)[:, None, None]
+    pick = lambda t: t.gather(1, last.expand(-1, 1, t.shape[-1]))[:, 0]
+    return _DraftState(tokens.gather(1, (n - 1)[:, None])[:, 0], pick(step.z), pick(step.a))
+
+
+def _gather_feats(drafter, taps: dict, idx: torch.Tensor):
+    """Fused drafter features at node indices idx (B, K) of a policy forward's taps."""
+    sel = {i: t.gather(1, idx[..., None].expand(-1, -1, t.shape[-1])) for i, t in taps.items()}
+    return drafter.features(sel)
+
+
+@torch.no_grad()
+def generate_speculative(
+    policy: Transformer,
+    drafter,
+    prompts: list[list[int]],
+    sampling: SamplingConfig,
+    eos_ids: tuple[int, ...],
+    generators: list[torch.Generator],
+    shape,
+    group_size: int = 1,
+    progress=None,
+) -> Rollout:
+    """Exact speculative sampling with draft trees; same contract and outputs as `generate`.
+
+    shape: `drafters.tree.TreeShape`. The committed tokens follow the policy's sampling
+    distribution exactly, whatever the drafter proposes.
+    """
+    from sparkrl.drafters.tree import build_tree
+
+    t0 = time.perf_counter()
+    G, P = group_size, len(prompts)
+    N = P * G
+    assert len(generators) == N, "one generator per response"
+    device = policy.lm_head.weight.device
+    drafter.bind(policy)
+    taps = tuple(drafter.feature_layers)
+    spec = max(shape.nodes, shape.depth * shape.branch)  # speculative region of either cache
+    capacity = max(len(p) for p in prompts) + sampling.max_new_tokens + spec + 2
+    pcache, logits, out = _prefill(policy, prompts, capacity, taps)
+    toks, lens = _pad(prompts, device)
+    dcache = drafter.new_cache(P, capacity)
+    feats = drafter.features(out.taps)
+    drafter.prefill(toks, lens, feats, dcache)
+    rows = torch.arange(P, device=device).repeat_interleave(G)
+    pcache.keep_rows(rows)
+    dcache.keep_rows(rows)
+    logits = logits.index_select(0, rows)
+    root = sample(logits, sampling.temperature, sampling.top_p, generators)  # (N,)
+    batch = _Batch(N, eos_ids, sampling.max_new_tokens)
+    done = batch.commit([[t] for t in root.tolist()])  # host sync
+    last_feat = None
+    if feats is not None:
+        last_feat = feats[torch.arange(P, device=device), lens - 1].index_select(0, rows)[:, None]  # (N, 1, d)
+    state = _catch_up(drafter, dcache, root[:, None], last_feat, torch.ones(N, dtype=torch.long, device=device))
+    stats = {"rounds": 0, "row_rounds": 0, "committed": 0, "policy_forwards": 1, "draft_s": 0.0, "verify_s": 0.0,
+             "accept_s": 0.0, "accepted_at_depth": [0] * shape.depth}
+    M = uniforms_per_round(shape.depth, shape.max_children)
+    while True:
+        keep = batch.drop(done)
+        if not batch.active:
+            break
+        if keep is not None:
+            keep = keep.to(device)
+            pcache.keep_rows(keep)
+            dcache.keep_rows(keep)
+            state.keep(keep)
+        B = len(batch.active)
+        t1 = time.perf_counter()
+        tree = build_tree(drafter, dcache, state.root, state.z, state.a, shape)
+        dcache.commit(n_keep=torch.zeros(B, dtype=torch.long, device=device))  # roll the tree back
+        t2 = time.perf_counter()
+        out = policy(tree.tokens, pcache, tree_mask=tree.ancestor_mask(), depth=tree.depth, taps=taps)
+        node_logits = policy.logits(out.hidden)  # (B, n, V)
+        t3 = time.perf_counter()
+        u = torch.stack([torch.rand(M, generator=generators[r], dtype=torch.float64) for r in batch.active])
+        acc = accept_tree(tree, node_logits, sampling.temperature, sampling.top_p, u, shape.depth, shape.max_children)
+        n_acc = acc.n_accepted
+        kept = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), acc.path.clamp(min=0)], 1)  # (B, 1+D)
+        pcache.commit(kept, n_acc + 1)
+        new = tree.tokens.gather(1, kept)[:, 1:]  # (B, D) accepted tokens (then padding)
+        new = torch.cat([new, new[:, :1]], 1).scatter(1, n_acc[:, None], acc.bonus[:, None])  # (B, 1+D) + bonus
+        counts = (n_acc + 1).tolist()  # host sync: tokens go to Python lists
+        rows_new = new.tolist()
+        done = batch.commit([r[:c] for r, c in zip(rows_new, counts)])
+        t4 = time.perf_counter()
+        state = _catch_up(drafter, dcache, new, _gather_feats(drafter, out.taps, kept), n_acc + 1)
+        t5 = time.perf_counter()
+        stats["rounds"] += 1
+        stats["row_rounds"] += B
+        stats["policy_forwards"] += 1
+        stats["committed"] += sum(counts)
+        for d in range(shape.depth):
+            stats["accepted_at_depth"][d] += sum(c > d + 1 for c in counts)
+        stats["draft_s"] += (t2 - t1) + (t5 - t4)
+        stats["verify_s"] += t3 - t2
+        stats["accept_s"] += t4 - t3
+        if progress is not None:
+            progress(sum(counts))
+    stats["aal"] = stats["committed"] / max(stats["row_rounds"], 1)
+    return Rollout([list(p) for p in prompts], G, batch.tokens, batch.reason, time.perf_counter() - t0, stats)

@@ -1,0 +1,40 @@
+"""The policy as its own drafter: proposals from the policy's own distribution.
+
+For tests (a greedy tree then accepts every level: depth + 1 tokens per round) and as an upper
+bound on acceptance. It keeps its own KV cache one position ahead of an EAGLE-style drafter's
+(drafter position i processes token i + 1, which the policy processes at position i + 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparkrl.drafters.eagle3 import DraftStep
+from sparkrl.model import KVCache, Transformer
+
+
+class SelfDrafter:
+    kind = "self"
+    feature_layers = ()
+
+    def __init__(self, policy: Transformer):
+        self.policy = policy
+        self.vocab_ids = torch.arange(policy.args.vocab_size, device=policy.lm_head.weight.device)
+
+    def bind(self, policy):
+        self.policy = policy
+        return self
+
+    def features(self, taps):
+        return None
+
+    def prefill(self, prompts, lens, feats, cache: KVCache) -> None:
+        self(prompts, None, cache)
+        cache.commit(n_keep=lens)
+
+    def __call__(self, tokens, feats, cache=None, *, tree_mask=None, depth=None) -> DraftStep:
+        out = self.policy(tokens, cache, tree_mask=tree_mask, depth=depth)
+        return DraftStep(out.hidden, out.hidden, self.policy.logits(out.hidden))
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        return self.policy.new_cache(batch, capacity + 1)

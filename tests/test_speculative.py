@@ -1,0 +1,120 @@
+"""Speculative rollouts through the real engine: exactness by chi-square, greedy equalities."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import hf_model, ours_from_hf
+from sparkrl.config import SamplingConfig
+from sparkrl.drafters.eagle3 import Eagle3Drafter
+from sparkrl.drafters.selfdraft import SelfDrafter
+from sparkrl.drafters.tree import TreeShape
+from sparkrl.rollout import generate, generate_speculative, response_generators
+from sparkrl.sampling import target_probs
+
+V, EOS = 6, 5
+
+
+def small_policy(seed=0):
+    """A tiny random policy over 6 tokens with peaked, context-dependent distributions."""
+    m = ours_from_hf(hf_model("llama", seed=seed, vocab_size=V, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=2, tie_word_embeddings=False))
+    with torch.no_grad():
+        m.lm_head.weight.mul_(6.0)
+    return m
+
+
+def exact_sequences(policy, prompt, L, temperature, top_p):
+    """Probability of every response (length L, or shorter when it ends with EOS)."""
+    out = {}
+    for seq in itertools.product(range(V), repeat=L):
+        if EOS in seq:
+            seq = seq[:seq.index(EOS) + 1]
+        if seq in out:
+            continue
+        pr = 1.0
+        for i in range(len(seq)):
+            with torch.no_grad():
+                logits = policy.logits(policy(torch.tensor([prompt + list(seq[:i])])).hidden)[0, -1]
+            pr *= float(target_probs(logits[None], temperature, top_p)[0, seq[i]])
+        out[seq] = pr
+    return out
+
+
+def chi2_ok(samples, exact):
+    n = len(samples)
+    counts = {s: 0 for s in exact}
+    for s in samples:
+        assert s in counts, f"impossible response {s}"
+        counts[s] += 1
+    tot = sum(exact.values())
+    big = [s for s in exact if exact[s] / tot * n >= 5]
+    small = [s for s in exact if s not in big]
+    obs = [counts[s] for s in big] + [sum(counts[s] for s in small)]
+    exp = [exact[s] / tot * n for s in big] + [sum(exact[s] for s in small) / tot * n]
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp).pvalue
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.7)])
+def test_tree_rollouts_are_exact_in_ragged_batches(temperature, top_p):
+    torch.manual_seed(0)
+    policy = small_policy()
+    drafter = Eagle3Drafter(policy.args).bind(policy)
+    prompts = [[1, 2, 3, 4], [2, 0]]  # ragged prefixes; EOS ends responses at different rounds
+    G, L = 3000, 3
+    sc = SamplingConfig(temperature, top_p, L)
+    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G),
+                             TreeShape(depth=2, branch=2, nodes=4), group_size=G)
+    assert r.stats["rounds"] >= 1 and r.stats["aal"] > 1.0
+    for i, prompt in enumerate(prompts):
+        samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]
+        assert chi2_ok(samples, exact_sequences(policy, prompt, L, temperature, top_p)) > 1e-3
+
+
+def test_greedy_self_drafting_accepts_every_level_and_equals_greedy():
+    policy = small_policy(seed=3)
+    prompts = [[1, 2, 3], [4, 0, 1, 2, 3]]
+    sc = SamplingConfig(0.0, 1.0, 9)
+    ar = generate(policy, prompts, sc, (), response_generators(0, 2, 2), group_size=2)
+    for shape in (TreeShape(depth=3, branch=2, nodes=6), TreeShape(depth=3, branch=1, nodes=3)):
+        sp = generate_speculative(policy, SelfDrafter(policy), prompts, sc, (), response_generators(0, 2, 2), shape,
+                                  group_size=2)
+        assert sp.tokens == ar.tokens
+    # with one branch the tree is the drafter's greedy chain, which the greedy policy accepts whole:
+    # 1 token from the prefill, then rounds of depth + 1 = 4 tokens: 9 = 1 + 4 + 4
+    assert sp.stats["rounds"] == 2 and sp.stats["aal"] == 4.0
+
+
+def test_greedy_with_random_drafter_equals_greedy(tiny_llama):
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    sc = SamplingConfig(0.0, 1.0, 12)
+    ar = generate(tiny_llama, prompts, sc, (5,), response_generators(0, 2, 3), group_size=3)
+    sp = generate_speculative(tiny_llama, Eagle3Drafter(tiny_llama.args), prompts, sc, (5,),
+                              response_generators(0, 2, 3), TreeShape(4, 3, 8), group_size=3)
+    assert sp.tokens == ar.tokens and sp.finish_reason == ar.finish_reason
+
+
+def test_response_does_not_depend_on_batch_speculative(tiny_llama):
+    drafter = Eagle3Drafter(tiny_llama.args)
+    sc = SamplingConfig(1.0, 0.9, 10)
+    shape = TreeShape(3, 2, 5)
+    both = generate_speculative(tiny_llama, drafter, [[1, 2, 3], [9, 8, 7, 6]], sc, (5,),
+                                response_generators(0, 2, 2), shape, group_size=2)
+    alone = generate_speculative(tiny_llama, drafter, [[1, 2, 3]], sc, (5,), response_generators(0, 1, 2), shape,
+                                 group_size=2)
+    assert both.tokens[:2] == alone.tokens
+
+
+def test_tree_shape_errors():
+    from sparkrl.errors import UserError
+
+    for kw, msg in [(dict(depth=2, branch=2, nodes=0), "--tree-nodes"), (dict(depth=2, branch=0, nodes=4), "--tree-branch"),
+                    (dict(depth=5, branch=2, nodes=4), "larger than the node budget")]:
+        with pytest.raises(UserError, match=msg):
+            TreeShape(**kw)
