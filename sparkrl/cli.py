@@ -12,12 +12,13 @@ import json
 import os
 import sys
 
-from sparkrl.config import GenerateConfig, RunConfig, build, field_docs, leaf_fields
+from sparkrl.config import GenerateConfig, PretrainConfig, RunConfig, build, field_docs, leaf_fields
 from sparkrl.errors import UserError
 
 COMMANDS = {
     "train": (RunConfig, "GRPO training (rollouts, rewards, policy updates, checkpoints)"),
     "generate": (GenerateConfig, "sample responses from a model"),
+    "pretrain-draft": (PretrainConfig, "pretrain a drafter on text the policy generates (and an optional corpus)"),
 }
 
 
@@ -56,7 +57,8 @@ def run_generate(cfg: GenerateConfig) -> None:
     import torch
 
     from sparkrl.data import chat_prompt_ids
-    from sparkrl.rollout import generate, response_generators
+    from sparkrl.drafters import make_drafter
+    from sparkrl.rollout import generate, generate_speculative, response_generators
     from sparkrl.weights import load_model
 
     if cfg.prompts_file:
@@ -77,7 +79,12 @@ def run_generate(cfg: GenerateConfig) -> None:
     if any(not p for p in prompts):
         raise UserError("a prompt is empty after tokenization")
     gens = response_generators(cfg.seed, len(prompts), cfg.n)
-    r = generate(lm.model, prompts, cfg.sampling, lm.eos_ids, gens, group_size=cfg.n)
+    drafter = make_drafter(cfg.draft, lm.model, cfg.seed)
+    if drafter is None:
+        r = generate(lm.model, prompts, cfg.sampling, lm.eos_ids, gens, group_size=cfg.n)
+    else:
+        r = generate_speculative(lm.model, drafter, prompts, cfg.sampling, lm.eos_ids, gens, cfg.draft.shape(),
+                                 group_size=cfg.n)
     for i, toks in enumerate(r.tokens):
         text = tok.decode(toks, skip_special_tokens=True)
         if cfg.json:
@@ -86,8 +93,13 @@ def run_generate(cfg: GenerateConfig) -> None:
                               "finish_reason": r.finish_reason[i]}), flush=True)
         else:
             print(f"--- prompt {i // cfg.n} response {i % cfg.n} ({r.finish_reason[i]}) ---\n{text}", flush=True)
-    print(f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({r.num_tokens / max(r.gen_s, 1e-9):.1f} tok/s)",
-          file=sys.stderr)
+    print(f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({r.num_tokens / max(r.gen_s, 1e-9):.1f} tok/s), "
+          f"{r.stats['policy_forwards']} policy forwards", file=sys.stderr)
+    if "aal" in r.stats:
+        s = r.stats
+        depth = " ".join(f"{n / max(s['row_rounds'], 1):.2f}" for n in s["accepted_at_depth"])
+        print(f"sparkrl: drafting: aal {s['aal']:.2f}, {s['rounds']} rounds, acceptance per depth [{depth}], "
+              f"draft {s['draft_s']:.2f}s verify {s['verify_s']:.2f}s accept+commit {s['accept_s']:.2f}s", file=sys.stderr)
 
 
 def run_train(cfg: RunConfig) -> None:
@@ -103,10 +115,18 @@ def run_train(cfg: RunConfig) -> None:
     print("\n".join(lines), file=sys.stderr)
 
 
+def run_pretrain(cfg: PretrainConfig) -> None:
+    from sparkrl.draft_train import pretrain
+
+    s = pretrain(cfg)
+    print(f"sparkrl: drafter trained on {s['sequences']} sequences ({s['tokens']} tokens), draft vocabulary "
+          f"{s['draft_vocab']}, last top-1 agreement {s['last_top1']:.2f} -> {s['out']}/drafter.pt", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cmd, cfg = parse(sys.argv[1:] if argv is None else argv)
-        {"train": run_train, "generate": run_generate}[cmd](cfg)
+        {"train": run_train, "generate": run_generate, "pretrain-draft": run_pretrain}[cmd](cfg)
     except UserError as e:
         print(f"sparkrl: error: {e}", file=sys.stderr)
         return 2

@@ -102,6 +102,35 @@ class GRPOConfig:
 
 
 @dataclass(frozen=True)
+class DraftConfig:
+    draft: str = field(default="none", metadata={"choices": ("none", "eagle3")})
+    """Speculative rollouts: none (autoregressive) or eagle3 (one-layer drafter, dynamic trees)."""
+    draft_checkpoint: str = ""
+    """Drafter checkpoint from `sparkrl pretrain-draft` (empty: a freshly initialised drafter)."""
+    tree_depth: int = 5
+    """Draft tree depth (levels below the root)."""
+    tree_branch: int = 4
+    """Children per expanded node, and nodes expanded per level."""
+    tree_nodes: int = 16
+    """Draft nodes verified per response per round (the root not counted)."""
+    draft_lr: float = 1e-4
+    """Online drafter learning rate (AdamW), one step per rollout."""
+
+    def __post_init__(self):
+        _check(self.draft in ("none", "eagle3"), f"--draft must be none or eagle3, got {self.draft!r}")
+        _check(self.draft_lr > 0, f"--draft-lr must be > 0, got {self.draft_lr}")
+        if self.draft != "none":
+            from sparkrl.drafters.tree import TreeShape
+
+            TreeShape(self.tree_depth, self.tree_branch, self.tree_nodes)  # checks the shape
+
+    def shape(self):
+        from sparkrl.drafters.tree import TreeShape
+
+        return TreeShape(self.tree_depth, self.tree_branch, self.tree_nodes)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     out: str = ""
     """Output directory: config.json, metrics.jsonl, checkpoints/."""
@@ -119,6 +148,7 @@ class RunConfig:
     sampling: SamplingConfig = SamplingConfig()
     data: DataConfig = DataConfig()
     grpo: GRPOConfig = GRPOConfig()
+    draft: DraftConfig = DraftConfig()
 
     def __post_init__(self):
         _check(bool(self.out), "--out is required: the directory for config, metrics and checkpoints")
@@ -143,10 +173,45 @@ class GenerateConfig:
     """Print one JSON object per response."""
     model: ModelConfig = ModelConfig()
     sampling: SamplingConfig = SamplingConfig()
+    draft: DraftConfig = DraftConfig()
 
     def __post_init__(self):
         _check(bool(self.prompt) != bool(self.prompts_file), "give exactly one of --prompt TEXT or --prompts-file FILE")
         _check(self.n >= 1, f"--n must be >= 1, got {self.n}")
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    out: str = ""
+    """Output directory: drafter.pt (the checkpoint), config.json, pretrain.jsonl."""
+    draft: str = field(default="eagle3", metadata={"choices": ("eagle3",)})
+    """Drafter kind."""
+    corpus: str = ""
+    """Optional local text corpus (.txt: one document per line; .jsonl: a 'text' field) used in
+    addition to responses the policy generates."""
+    prompts: int = 64
+    """Prompts (math problems from --data, and built-in chat prompts) the policy answers to make the corpus."""
+    epochs: int = 4
+    """Passes over the corpus."""
+    lr: float = 5e-4
+    """Pretraining learning rate (AdamW)."""
+    draft_vocab: int = 8192
+    """Draft vocabulary: the most frequent corpus tokens (0: the policy's whole vocabulary)."""
+    micro_batch: int = 8
+    """Sequences per training step."""
+    seed: int = 0
+    """Seed for prompt choice, sampling and initialisation."""
+    model: ModelConfig = ModelConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    data: DataConfig = DataConfig()
+
+    def __post_init__(self):
+        _check(bool(self.out), "--out is required: the directory for the drafter checkpoint")
+        _check(self.prompts >= 1, f"--prompts must be >= 1, got {self.prompts}")
+        _check(self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}")
+        _check(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        _check(self.draft_vocab >= 0, f"--draft-vocab must be >= 0, got {self.draft_vocab}")
+        _check(self.micro_batch >= 1, f"--micro-batch must be >= 1, got {self.micro_batch}")
 
 
 # --- dataclass <-> flat dict / argparse helpers -----------------------------------------------

@@ -26,7 +26,9 @@ from sparkrl.errors import UserError
 from sparkrl.grpo import grpo_loss, group_advantages, token_logprobs
 from sparkrl.model import Transformer
 from sparkrl.rewards import Grader
-from sparkrl.rollout import Rollout, generate, response_generators
+from sparkrl.draft_train import DraftTrainer
+from sparkrl.drafters import make_drafter
+from sparkrl.rollout import Rollout, generate, generate_speculative, response_generators
 from sparkrl.weights import load_model, resolve_model_path
 
 # Settings that may change between a run and its resumption (they do not change the maths).
@@ -88,8 +90,12 @@ def deferred_sigint():
 
 
 def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Rollout, adv: torch.Tensor,
-                  cfg: RunConfig) -> dict:
-    """One GRPO update on a rollout; gradients are accumulated over micro-batches."""
+                  cfg: RunConfig, draft_trainer: DraftTrainer | None = None) -> dict:
+    """One GRPO update on a rollout; gradients are accumulated over micro-batches.
+
+    With a draft trainer, each micro-batch's policy features (taps of this same forward, taken
+    before the policy changes) also feed the drafter's online loss: no extra policy forward.
+    """
     g = cfg.grpo
     device = policy.lm_head.weight.device
     rows = [r for r in range(len(rollout.tokens)) if rollout.tokens[r]]
@@ -106,22 +112,30 @@ def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Ro
         for j, s in enumerate(seqs):
             toks[j, :len(s)] = torch.tensor(s)
         start = torch.tensor([len(rollout.prompt_of(r)) - 1 for r in mb])  # predicts the first response token
-        pos = (start[:, None] + torch.arange(R)).clamp(max=L - 2)  # (b, R) hidden positions
-        mask = torch.arange(R)[None, :] < torch.tensor([len(rollout.tokens[r]) for r in mb])[:, None]
-        targets = toks.gather(1, pos + 1)
+        # hidden positions: R that predict the response tokens, plus one (the drafter's last target)
+        pos = (start[:, None] + torch.arange(R + 1)).clamp(max=L - 1)  # (b, R+1)
+        mask = torch.arange(R + 1)[None, :] < torch.tensor([len(rollout.tokens[r]) for r in mb])[:, None]
+        targets = toks.gather(1, (pos[:, :R] + 1).clamp(max=L - 1))
         toks, pos, mask, targets = toks.to(device), pos.to(device), mask.to(device), targets.to(device)
+        taps = tuple(draft_trainer.drafter.feature_layers) if draft_trainer else ()
 
-        def logp_of(model):
-            h = model(toks).hidden  # (b, L, d)
-            h = h.gather(1, pos[..., None].expand(-1, -1, h.shape[-1]))  # (b, R, d)
-            return token_logprobs(model.logits(h), targets, cfg.sampling.temperature)  # (b, R)
+        def forward(model, taps=()):
+            out = model(toks, taps=taps)
+            pick = lambda t: t.gather(1, pos[..., None].expand(-1, -1, t.shape[-1]))  # (b, R+1, d)
+            h = pick(out.hidden)
+            logits = model.logits(h)  # (b, R+1, V)
+            logp = token_logprobs(logits[:, :R], targets, cfg.sampling.temperature)  # (b, R)
+            return logp, h, logits, {i: pick(t) for i, t in out.taps.items()}
 
         ref_logp = None
         if ref is not None:
             with torch.no_grad():
-                ref_logp = logp_of(ref)
-        logp = logp_of(policy)
-        parts = grpo_loss(logp, logp.detach(), ref_logp, adv[mb].to(device), mask, g.clip_eps, g.kl_beta, total)
+                ref_logp = forward(ref)[0]
+        logp, h, logits, tapped = forward(policy, taps)
+        mask_r = mask[:, :R]
+        if draft_trainer is not None:
+            draft_trainer.observe(toks.gather(1, pos), tapped, h, logits, mask, float(mask_r.sum()) / total)
+        parts = grpo_loss(logp, logp.detach(), ref_logp, adv[mb].to(device), mask_r, g.clip_eps, g.kl_beta, total)
         parts.loss.backward()
         loss_sum += parts.loss.item()
         kl += parts.kl_sum
@@ -155,10 +169,14 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
     policy = lm.model
     ref = copy.deepcopy(policy).requires_grad_(False) if cfg.grpo.kl_beta > 0 else None
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
+    drafter = make_drafter(cfg.draft, policy, cfg.seed)
+    drafting = DraftTrainer(drafter, cfg.draft.draft_lr) if drafter is not None else None
     start = 0
     if cfg.resume and (ck := load_latest(cfg.out)) is not None:
         policy.load_state_dict(ck["policy"])
         opt.load_state_dict(ck["optimizer"])
+        if drafting is not None:
+            drafting.load_state_dict(ck["draft"])
         set_rng_state(ck["rng"])
         start = ck["step"]
     _truncate_metrics(cfg.out, start)
@@ -166,7 +184,8 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
     G, grader = cfg.grpo.group_size, grader or Grader()
     totals = {"gen_s": 0.0, "train_s": 0.0, "gen_tokens": 0, "steps": 0}
     first = last = None
-    state = lambda: {"policy": policy.state_dict(), "optimizer": opt.state_dict(), "config": to_dict(cfg)}
+    state = lambda: {"policy": policy.state_dict(), "optimizer": opt.state_dict(), "config": to_dict(cfg),
+                     **({"draft": drafting.state_dict()} if drafting else {})}
     saved_step = start
     bar = tqdm(total=cfg.steps, initial=start, unit="step", desc="grpo", dynamic_ncols=True, file=sys.stderr)
     try:
@@ -180,14 +199,22 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
                 bar.set_postfix_str(f"generating: {made[0]} tokens", refresh=False)
                 bar.refresh() if made[0] % 256 < n else None
 
-            rollout = generate(policy, [prompts.prompt_ids[i] for i in idx], cfg.sampling, lm.eos_ids, gens, G, progress)
+            batch_prompts = [prompts.prompt_ids[i] for i in idx]
+            if drafter is None:
+                rollout = generate(policy, batch_prompts, cfg.sampling, lm.eos_ids, gens, G, progress)
+            else:
+                rollout = generate_speculative(policy, drafter, batch_prompts, cfg.sampling, lm.eos_ids, gens,
+                                               cfg.draft.shape(), G, progress)
             texts = lm.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
             scores = [grader.score(t, prompts.problems[idx[r // G]].answer) for r, t in enumerate(texts)]
             rewards = torch.tensor([s.reward for s in scores])
             bar.set_postfix_str("policy update", refresh=True)
             t0 = time.perf_counter()
-            upd = policy_update(policy, ref, opt, rollout, group_advantages(rewards, G), cfg)
-            train_s = time.perf_counter() - t0
+            upd = policy_update(policy, ref, opt, rollout, group_advantages(rewards, G), cfg, drafting)
+            if drafting is not None:
+                with deferred_sigint():
+                    upd.update(drafting.step())
+            train_s = time.perf_counter() - t0 - upd.get("draft_train_s", 0.0)
             m = {
                 "step": step + 1,
                 "reward_mean": float(rewards.mean()),
@@ -196,12 +223,13 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
                 "format": sum(s.format for s in scores) / len(scores),
                 "gen_s": rollout.gen_s,
                 "train_s": train_s,
-                "draft_train_s": 0.0,
+                "draft_train_s": upd.pop("draft_train_s", 0.0),
                 "gen_tokens": rollout.num_tokens,
                 "gen_tok_per_s": rollout.num_tokens / max(rollout.gen_s, 1e-9),
                 "response_len_mean": rollout.num_tokens / len(rollout.tokens),
                 "truncated_frac": rollout.finish_reason.count("length") / len(rollout.tokens),
                 **upd,
+                **_draft_metrics(rollout.stats),
             }
             _append_metrics(cfg.out, m)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
@@ -228,6 +256,16 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
         grader.close()
     bar.close()
     return _summary(cfg, totals, first, last)
+
+
+def _draft_metrics(stats: dict) -> dict:
+    """Speculative-rollout statistics for metrics.jsonl (empty for autoregressive rollouts)."""
+    if "aal" not in stats:
+        return {"policy_forwards": stats.get("policy_forwards", 0)}
+    rr = max(stats["row_rounds"], 1)
+    return {"aal": stats["aal"], "rounds": stats["rounds"], "policy_forwards": stats["policy_forwards"],
+            "draft_s": stats["draft_s"], "verify_s": stats["verify_s"], "accept_s": stats["accept_s"],
+            "accept_at_depth": [n / rr for n in stats["accepted_at_depth"]]}
 
 
 def _append_metrics(out: str, m: dict) -> None:

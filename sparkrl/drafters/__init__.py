@@ -5,3 +5,26 @@ A drafter exposes, at every drafted context, `h` (the feature entering its outpu
 `bind(policy)`, `features(taps)`, `feature_layers`, `prefill(...)`, `forward(tokens, feats, cache,
 tree_mask=, depth=) -> DraftStep`, `new_cache(batch, capacity)` and `vocab_ids`.
 """
+
+from __future__ import annotations
+
+import sys
+
+
+def make_drafter(cfg, policy, seed: int = 0):
+    """The drafter a `DraftConfig` asks for, on the policy's device, bound to it (None for --draft none)."""
+    import torch
+
+    from sparkrl.drafters.eagle3 import Eagle3Drafter, load_drafter
+
+    if cfg.draft == "none":
+        return None
+    if cfg.draft_checkpoint:
+        d = load_drafter(cfg.draft_checkpoint, policy.args)
+    else:
+        print("sparkrl: warning: --draft eagle3 without --draft-checkpoint starts from a freshly initialised "
+              "drafter (low acceptance until it has trained); make one with `sparkrl pretrain-draft`", file=sys.stderr)
+        torch.manual_seed(seed)
+        d = Eagle3Drafter(policy.args)
+    w = policy.lm_head.weight
+    return d.to(device=w.device, dtype=w.dtype).bind(policy)
