@@ -38,7 +38,7 @@ def draft_loss(drafter, tokens: torch.Tensor, taps: dict[int, torch.Tensor], hid
     loss = (FEATURE_WEIGHT * feat * m).sum() / n + (CE_WEIGHT * ce * m).sum() / n
     with torch.no_grad():
         top1 = (step.z.argmax(-1) == p.argmax(-1)).float()
-    return loss, {"feat": float((feat * m).sum() / n), "ce": float((ce * m).sum() / n),
+    return loss, {"feat": float((feat.detach() * m).sum() / n), "ce": float((ce.detach() * m).sum() / n),
                   "top1": float((top1 * m).sum() / n), "positions": float(n)}
 
 

@@ -1,0 +1,109 @@
+"""Speculative rollouts (EAGLE3-style trees) vs our autoregressive sampler, side by side.
+
+Same policy (the embedded default), same prompts (held-out GSM8K questions in the GRPO prompt
+format), same per-response seeds, temperature 1, top-p 0.95. Batches of 1, 8 and 64 responses
+(1 prompt x 1, 1 prompt x 8, 8 prompts x 8). The two systems alternate within each repeat; medians.
+Optionally (--grpo-step) one GRPO step each way, to split its time into generation, draft training
+and policy training.
+
+    .venv/bin/python bench/spec_vs_ar.py --draft-checkpoint runs/draft/drafter.pt \
+        --data ../shared/data/gsm8k/train.jsonl --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
+from sparkrl.data import build_prompts, load_problems
+from sparkrl.drafters import make_drafter
+from sparkrl.rollout import generate, generate_speculative, response_generators
+from sparkrl.weights import load_model
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft-checkpoint", required=True)
+    ap.add_argument("--data", default="default")
+    ap.add_argument("--batches", default="1x1,1x8,8x8", help="PROMPTSxGROUP per setting")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--tree", default="5,4,16", help="depth,branch,nodes")
+    ap.add_argument("--skip", type=int, default=0, help="problems to skip (e.g. those used for pretraining)")
+    ap.add_argument("--grpo-step", action="store_true")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    depth, branch, nodes = map(int, args.tree.split(","))
+    dcfg = DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, tree_depth=depth, tree_branch=branch,
+                       tree_nodes=nodes)
+    lm = load_model("default")
+    drafter = make_drafter(dcfg, lm.model)
+    ds = load_problems(args.data)
+    prompts = build_prompts(lm.tokenizer, ds.problems[args.skip:args.skip + 64], 512, "skip").prompt_ids
+    sc = SamplingConfig(1.0, 0.95, args.max_new_tokens)
+    rows = []
+    for spec in args.batches.split(","):
+        P, G = map(int, spec.split("x"))
+        ps = prompts[:P]
+        runs = {
+            "autoregressive": lambda: generate(lm.model, ps, sc, lm.eos_ids, response_generators(0, P, G), G),
+            "eagle3": lambda: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids, response_generators(0, P, G),
+                                                   dcfg.shape(), G),
+        }
+        times = {k: [] for k in runs}
+        res = {}
+        for rep in range(args.repeats):
+            for name in (list(runs) if rep % 2 == 0 else list(runs)[::-1]):
+                res[name] = runs[name]()
+                times[name].append(res[name].gen_s)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        tps = {k: res[k].num_tokens / med[k] for k in runs}
+        st = res["eagle3"].stats
+        row = {"prompts": P, "group": G, "responses": P * G, "tokens": {k: res[k].num_tokens for k in runs},
+               "median_s": med, "times_s": times, "tok_per_s": tps, "ratio": tps["eagle3"] / tps["autoregressive"],
+               "aal": st["aal"], "rounds": st["rounds"],
+               "split_s": {k: st[k] for k in ("draft_s", "verify_s", "accept_s")},
+               "accept_at_depth": [n / max(st["row_rounds"], 1) for n in st["accepted_at_depth"]]}
+        rows.append(row)
+        print(f"{P}x{G}: AR {tps['autoregressive']:.1f} tok/s, EAGLE3 {tps['eagle3']:.1f} tok/s, "
+              f"ratio {row['ratio']:.2f}x, AAL {st['aal']:.2f}, split {row['split_s']}", flush=True)
+    result = {"meta": {"tree": [depth, branch, nodes], "max_new_tokens": args.max_new_tokens, "data": args.data,
+                       "draft_checkpoint": args.draft_checkpoint, "repeats": args.repeats,
+                       "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": rows}
+    if args.grpo_step:
+        result["grpo_step"] = grpo_steps(args, depth, branch, nodes)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec_vs_ar.json").write_text(json.dumps(result, indent=2))
+
+
+def grpo_steps(args, depth, branch, nodes) -> dict:
+    """One GRPO step (8 prompts x 8 would be slow here: 2 x 8) with and without drafting."""
+    from sparkrl.trainer import train
+
+    out = {}
+    for name, draft in (("autoregressive", {}), ("eagle3", {"draft": "eagle3", "draft_checkpoint": args.draft_checkpoint,
+                                                            "tree_depth": depth, "tree_branch": branch,
+                                                            "tree_nodes": nodes})):
+        with tempfile.TemporaryDirectory() as d:
+            cfg = build(RunConfig, {"out": d, "steps": 1, "data": args.data, "prompts_per_step": 2, "group_size": 8,
+                                    "max_new_tokens": args.max_new_tokens, **draft})
+            t = time.perf_counter()
+            train(cfg)
+            total = time.perf_counter() - t
+            m = json.loads((Path(d) / "metrics.jsonl").read_text().splitlines()[0])
+        out[name] = {"gen_s": m["gen_s"], "draft_train_s": m["draft_train_s"], "train_s": m["train_s"],
+                     "gen_tokens": m["gen_tokens"], "aal": m.get("aal"), "wall_s": total}
+        print(name, out[name], flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
