@@ -23,7 +23,7 @@ import torch
 
 from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
 from sparkrl.data import build_prompts, load_problems
-from sparkrl.drafters import make_drafter
+from sparkrl.drafters import make_budget, make_drafter
 from sparkrl.rollout import generate, generate_speculative, response_generators
 from sparkrl.weights import load_model
 
@@ -45,6 +45,7 @@ def main():
                        tree_nodes=nodes)
     lm = load_model("default")
     drafter = make_drafter(dcfg, lm.model)
+    budget = make_budget(dcfg, lm.model, drafter)
     ds = load_problems(args.data)
     prompts = build_prompts(lm.tokenizer, ds.problems[args.skip:args.skip + 64], 512, "skip").prompt_ids
     sc = SamplingConfig(1.0, 0.95, args.max_new_tokens)
@@ -56,6 +57,8 @@ def main():
             "autoregressive": lambda: generate(lm.model, ps, sc, lm.eos_ids, response_generators(0, P, G), G),
             "eagle3": lambda: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids, response_generators(0, P, G),
                                                    dcfg.shape(), G),
+            "eagle3+budget": lambda: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
+                                                          response_generators(0, P, G), dcfg.shape(), G, budget=budget),
         }
         times = {k: [] for k in runs}
         res = {}
@@ -65,15 +68,18 @@ def main():
                 times[name].append(res[name].gen_s)
         med = {k: statistics.median(v) for k, v in times.items()}
         tps = {k: res[k].num_tokens / med[k] for k in runs}
-        st = res["eagle3"].stats
+        st, sb = res["eagle3"].stats, res["eagle3+budget"].stats
         row = {"prompts": P, "group": G, "responses": P * G, "tokens": {k: res[k].num_tokens for k in runs},
-               "median_s": med, "times_s": times, "tok_per_s": tps, "ratio": tps["eagle3"] / tps["autoregressive"],
-               "aal": st["aal"], "rounds": st["rounds"],
+               "median_s": med, "times_s": times, "tok_per_s": tps,
+               "ratio": {k: tps[k] / tps["autoregressive"] for k in runs if k != "autoregressive"},
+               "aal": st["aal"], "rounds": st["rounds"], "budget_tree_rounds": [sb["tree_rounds"], sb["rounds"]],
                "split_s": {k: st[k] for k in ("draft_s", "verify_s", "accept_s")},
-               "accept_at_depth": [n / max(st["row_rounds"], 1) for n in st["accepted_at_depth"]]}
+               "accept_at_depth": [n / max(st["tree_row_rounds"], 1) for n in st["accepted_at_depth"]]}
         rows.append(row)
-        print(f"{P}x{G}: AR {tps['autoregressive']:.1f} tok/s, EAGLE3 {tps['eagle3']:.1f} tok/s, "
-              f"ratio {row['ratio']:.2f}x, AAL {st['aal']:.2f}, split {row['split_s']}", flush=True)
+        print(f"{P}x{G}: AR {tps['autoregressive']:.1f} tok/s, EAGLE3 {tps['eagle3']:.1f} tok/s "
+              f"({row['ratio']['eagle3']:.2f}x, AAL {st['aal']:.2f}), with budget {tps['eagle3+budget']:.1f} tok/s "
+              f"({row['ratio']['eagle3+budget']:.2f}x, {sb['tree_rounds']}/{sb['rounds']} tree rounds), "
+              f"split {row['split_s']}", flush=True)
     result = {"meta": {"tree": [depth, branch, nodes], "max_new_tokens": args.max_new_tokens, "data": args.data,
                        "draft_checkpoint": args.draft_checkpoint, "repeats": args.repeats,
                        "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": rows}

@@ -57,7 +57,7 @@ def run_generate(cfg: GenerateConfig) -> None:
     import torch
 
     from sparkrl.data import chat_prompt_ids
-    from sparkrl.drafters import make_drafter
+    from sparkrl.drafters import make_budget, make_drafter
     from sparkrl.rollout import generate, generate_speculative, response_generators
     from sparkrl.weights import load_model
 
@@ -84,7 +84,7 @@ def run_generate(cfg: GenerateConfig) -> None:
         r = generate(lm.model, prompts, cfg.sampling, lm.eos_ids, gens, group_size=cfg.n)
     else:
         r = generate_speculative(lm.model, drafter, prompts, cfg.sampling, lm.eos_ids, gens, cfg.draft.shape(),
-                                 group_size=cfg.n)
+                                 group_size=cfg.n, budget=make_budget(cfg.draft, lm.model, drafter))
     for i, toks in enumerate(r.tokens):
         text = tok.decode(toks, skip_special_tokens=True)
         if cfg.json:
@@ -97,8 +97,9 @@ def run_generate(cfg: GenerateConfig) -> None:
           f"{r.stats['policy_forwards']} policy forwards", file=sys.stderr)
     if "aal" in r.stats:
         s = r.stats
-        depth = " ".join(f"{n / max(s['row_rounds'], 1):.2f}" for n in s["accepted_at_depth"])
-        print(f"sparkrl: drafting: aal {s['aal']:.2f}, {s['rounds']} rounds, acceptance per depth [{depth}], "
+        depth = " ".join(f"{n / max(s['tree_row_rounds'], 1):.2f}" for n in s["accepted_at_depth"])
+        print(f"sparkrl: drafting: aal {s['aal']:.2f}, {s['rounds']} rounds ({s['tree_rounds']} with a tree), "
+              f"acceptance per depth [{depth}], "
               f"draft {s['draft_s']:.2f}s verify {s['verify_s']:.2f}s accept+commit {s['accept_s']:.2f}s", file=sys.stderr)
 
 

@@ -115,9 +115,13 @@ class DraftConfig:
     """Draft nodes verified per response per round (the root not counted)."""
     draft_lr: float = 1e-4
     """Online drafter learning rate (AdamW), one step per rollout."""
+    budget: str = field(default="auto", metadata={"choices": ("auto", "fixed")})
+    """auto: each round, verify the full tree or take an autoregressive step, whichever a cost model
+    measured on this machine says is faster for the number of active responses; fixed: always the tree."""
 
     def __post_init__(self):
         _check(self.draft in ("none", "eagle3"), f"--draft must be none or eagle3, got {self.draft!r}")
+        _check(self.budget in ("auto", "fixed"), f"--budget must be auto or fixed, got {self.budget!r}")
         _check(self.draft_lr > 0, f"--draft-lr must be > 0, got {self.draft_lr}")
         if self.draft != "none":
             from sparkrl.drafters.tree import TreeShape

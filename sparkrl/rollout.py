@@ -27,7 +27,7 @@ import torch
 from sparkrl.config import SamplingConfig
 from sparkrl.model import KVCache, Transformer
 from sparkrl.sampling import sample
-from sparkrl.verify import accept_tree, uniforms_per_round
+from sparkrl.verify import Tree, accept_tree, uniforms_per_round
 
 
 @dataclass
@@ -181,6 +181,13 @@ def _catch_up(drafter, cache: KVCache, tokens: torch.Tensor, feats, n: torch.Ten
     return _DraftState(tokens.gather(1, (n - 1)[:, None])[:, 0], pick(step.z), pick(step.a))
 
 
+def root_only(root: torch.Tensor) -> Tree:
+    """A tree of just the roots (B,): verifying it is one autoregressive step."""
+    B = root.shape[0]
+    z = torch.zeros(B, 1, dtype=torch.long, device=root.device)
+    return Tree(root[:, None], z - 1, torch.ones(B, 1, dtype=torch.bool, device=root.device), z)
+
+
 def _gather_feats(drafter, taps: dict, idx: torch.Tensor):
     """Fused drafter features at node indices idx (B, K) of a policy forward's taps."""
     sel = {i: t.gather(1, idx[..., None].expand(-1, -1, t.shape[-1])) for i, t in taps.items()}
@@ -198,11 +205,16 @@ def generate_speculative(
     shape,
     group_size: int = 1,
     progress=None,
+    budget=None,
 ) -> Rollout:
     """Exact speculative sampling with draft trees; same contract and outputs as `generate`.
 
-    shape: `drafters.tree.TreeShape`. The committed tokens follow the policy's sampling
-    distribution exactly, whatever the drafter proposes.
+    shape: `drafters.tree.TreeShape`. budget: optional `budget.Budget` choosing each round between
+    the full tree and an autoregressive step (a root-only tree) from the number of active responses.
+    The committed tokens follow the policy's sampling distribution exactly, whatever the drafter
+    proposes and whatever the budget chooses (which round is speculative may then depend on the
+    batch, so with a budget a response's exact realisation can depend on its batch; its
+    distribution does not).
     """
     from sparkrl.drafters.tree import build_tree
 
@@ -232,7 +244,7 @@ def generate_speculative(
         last_feat = feats[torch.arange(P, device=device), lens - 1].index_select(0, rows)[:, None]  # (N, 1, d)
     state = _catch_up(drafter, dcache, root[:, None], last_feat, torch.ones(N, dtype=torch.long, device=device))
     stats = {"rounds": 0, "row_rounds": 0, "committed": 0, "policy_forwards": 1, "draft_s": 0.0, "verify_s": 0.0,
-             "accept_s": 0.0, "accepted_at_depth": [0] * shape.depth}
+             "accept_s": 0.0, "accepted_at_depth": [0] * shape.depth, "tree_rounds": 0, "tree_row_rounds": 0}
     M = uniforms_per_round(shape.depth, shape.max_children)
     while True:
         keep = batch.drop(done)
@@ -245,8 +257,12 @@ def generate_speculative(
             state.keep(keep)
         B = len(batch.active)
         t1 = time.perf_counter()
-        tree = build_tree(drafter, dcache, state.root, state.z, state.a, shape)
-        dcache.commit(n_keep=torch.zeros(B, dtype=torch.long, device=device))  # roll the tree back
+        nodes = shape.nodes if budget is None else budget.choose(B)
+        if nodes:
+            tree = build_tree(drafter, dcache, state.root, state.z, state.a, shape)
+            dcache.commit(n_keep=torch.zeros(B, dtype=torch.long, device=device))  # roll the tree back
+        else:  # an autoregressive step: the root alone
+            tree = root_only(state.root)
         t2 = time.perf_counter()
         out = policy(tree.tokens, pcache, tree_mask=tree.ancestor_mask(), depth=tree.depth, taps=taps)
         node_logits = policy.logits(out.hidden)  # (B, n, V)
@@ -268,8 +284,13 @@ def generate_speculative(
         stats["row_rounds"] += B
         stats["policy_forwards"] += 1
         stats["committed"] += sum(counts)
-        for d in range(shape.depth):
-            stats["accepted_at_depth"][d] += sum(c > d + 1 for c in counts)
+        if nodes:
+            stats["tree_rounds"] += 1
+            stats["tree_row_rounds"] += B
+            for d in range(shape.depth):
+                stats["accepted_at_depth"][d] += sum(c > d + 1 for c in counts)
+            if budget is not None:
+                budget.observe(nodes, sum(counts) / B)
         stats["draft_s"] += (t2 - t1) + (t5 - t4)
         stats["verify_s"] += t3 - t2
         stats["accept_s"] += t4 - t3

@@ -27,7 +27,7 @@ from sparkrl.grpo import grpo_loss, group_advantages, token_logprobs
 from sparkrl.model import Transformer
 from sparkrl.rewards import Grader
 from sparkrl.draft_train import DraftTrainer
-from sparkrl.drafters import make_drafter
+from sparkrl.drafters import make_budget, make_drafter
 from sparkrl.rollout import Rollout, generate, generate_speculative, response_generators
 from sparkrl.weights import load_model, resolve_model_path
 
@@ -171,6 +171,7 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
     drafter = make_drafter(cfg.draft, policy, cfg.seed)
     drafting = DraftTrainer(drafter, cfg.draft.draft_lr) if drafter is not None else None
+    budget = make_budget(cfg.draft, policy, drafter)
     start = 0
     if cfg.resume and (ck := load_latest(cfg.out)) is not None:
         policy.load_state_dict(ck["policy"])
@@ -204,7 +205,7 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
                 rollout = generate(policy, batch_prompts, cfg.sampling, lm.eos_ids, gens, G, progress)
             else:
                 rollout = generate_speculative(policy, drafter, batch_prompts, cfg.sampling, lm.eos_ids, gens,
-                                               cfg.draft.shape(), G, progress)
+                                               cfg.draft.shape(), G, progress, budget)
             texts = lm.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
             scores = [grader.score(t, prompts.problems[idx[r // G]].answer) for r, t in enumerate(texts)]
             rewards = torch.tensor([s.reward for s in scores])
@@ -262,10 +263,10 @@ def _draft_metrics(stats: dict) -> dict:
     """Speculative-rollout statistics for metrics.jsonl (empty for autoregressive rollouts)."""
     if "aal" not in stats:
         return {"policy_forwards": stats.get("policy_forwards", 0)}
-    rr = max(stats["row_rounds"], 1)
-    return {"aal": stats["aal"], "rounds": stats["rounds"], "policy_forwards": stats["policy_forwards"],
-            "draft_s": stats["draft_s"], "verify_s": stats["verify_s"], "accept_s": stats["accept_s"],
-            "accept_at_depth": [n / rr for n in stats["accepted_at_depth"]]}
+    rr = max(stats["tree_row_rounds"], 1)
+    return {"aal": stats["aal"], "rounds": stats["rounds"], "tree_rounds": stats["tree_rounds"],
+            "policy_forwards": stats["policy_forwards"], "draft_s": stats["draft_s"], "verify_s": stats["verify_s"],
+            "accept_s": stats["accept_s"], "accept_at_depth": [n / rr for n in stats["accepted_at_depth"]]}
 
 
 def _append_metrics(out: str, m: dict) -> None:

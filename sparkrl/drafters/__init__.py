@@ -28,3 +28,12 @@ def make_drafter(cfg, policy, seed: int = 0):
         d = Eagle3Drafter(policy.args)
     w = policy.lm_head.weight
     return d.to(device=w.device, dtype=w.dtype).bind(policy)
+
+
+def make_budget(cfg, policy, drafter):
+    """The per-round speculation budget (None: always the full tree)."""
+    if drafter is None or cfg.budget == "fixed":
+        return None
+    from sparkrl.budget import Budget, CostModel
+
+    return Budget(CostModel.measure(policy, drafter, cfg.shape()), cfg.shape())
