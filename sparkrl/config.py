@@ -113,6 +113,9 @@ class DraftConfig:
     """Children per expanded node, and nodes expanded per level."""
     tree_nodes: int = 16
     """Draft nodes verified per response per round (the root not counted)."""
+    draft_mode: str = field(default="tree", metadata={"choices": ("tree", "chain")})
+    """tree: top-k trees of point-mass candidates; chain: tree-depth tokens sampled from the draft,
+    accepted with min(1, p/q)."""
     draft_lr: float = 1e-4
     """Online drafter learning rate (AdamW), one step per rollout."""
     budget: str = field(default="auto", metadata={"choices": ("auto", "fixed")})
@@ -126,12 +129,12 @@ class DraftConfig:
         if self.draft != "none":
             from sparkrl.drafters.tree import TreeShape
 
-            TreeShape(self.tree_depth, self.tree_branch, self.tree_nodes)  # checks the shape
+            self.shape()  # checks it
 
     def shape(self):
         from sparkrl.drafters.tree import TreeShape
 
-        return TreeShape(self.tree_depth, self.tree_branch, self.tree_nodes)
+        return TreeShape(self.tree_depth, self.tree_branch, self.tree_nodes, self.draft_mode)
 
 
 @dataclass(frozen=True)

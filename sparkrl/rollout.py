@@ -27,7 +27,7 @@ import torch
 from sparkrl.config import SamplingConfig
 from sparkrl.model import KVCache, Transformer
 from sparkrl.sampling import sample
-from sparkrl.verify import Tree, accept_tree, uniforms_per_round
+from sparkrl.verify import Tree, accept_chain, accept_tree, uniforms_per_round
 
 
 @dataclass
@@ -216,7 +216,7 @@ def generate_speculative(
     batch, so with a budget a response's exact realisation can depend on its batch; its
     distribution does not).
     """
-    from sparkrl.drafters.tree import build_tree
+    from sparkrl.drafters.tree import build_chain, build_tree
 
     t0 = time.perf_counter()
     G, P = group_size, len(prompts)
@@ -245,7 +245,8 @@ def generate_speculative(
     state = _catch_up(drafter, dcache, root[:, None], last_feat, torch.ones(N, dtype=torch.long, device=device))
     stats = {"rounds": 0, "row_rounds": 0, "committed": 0, "policy_forwards": 1, "draft_s": 0.0, "verify_s": 0.0,
              "accept_s": 0.0, "accepted_at_depth": [0] * shape.depth, "tree_rounds": 0, "tree_row_rounds": 0}
-    M = uniforms_per_round(shape.depth, shape.max_children)
+    chain = shape.mode == "chain"
+    M = 2 * shape.depth + 1 if chain else uniforms_per_round(shape.depth, shape.max_children)
     while True:
         keep = batch.drop(done)
         if not batch.active:
@@ -258,17 +259,27 @@ def generate_speculative(
         B = len(batch.active)
         t1 = time.perf_counter()
         nodes = shape.nodes if budget is None else budget.choose(B)
-        if nodes:
+        u = torch.stack([torch.rand(M, generator=generators[r], dtype=torch.float64) for r in batch.active]).to(device)
+        if nodes and chain:
+            tree, q = build_chain(drafter, dcache, state.root, state.z, state.a, shape.depth, sampling.temperature,
+                                  u[:, shape.depth + 1:])
+        elif nodes:
             tree = build_tree(drafter, dcache, state.root, state.z, state.a, shape)
-            dcache.commit(n_keep=torch.zeros(B, dtype=torch.long, device=device))  # roll the tree back
         else:  # an autoregressive step: the root alone
             tree = root_only(state.root)
+        dcache.commit(n_keep=torch.zeros(B, dtype=torch.long, device=device))  # roll the draft back
         t2 = time.perf_counter()
         out = policy(tree.tokens, pcache, tree_mask=tree.ancestor_mask(), depth=tree.depth, taps=taps)
         node_logits = policy.logits(out.hidden)  # (B, n, V)
         t3 = time.perf_counter()
-        u = torch.stack([torch.rand(M, generator=generators[r], dtype=torch.float64) for r in batch.active])
-        acc = accept_tree(tree, node_logits, sampling.temperature, sampling.top_p, u, shape.depth, shape.max_children)
+        if nodes and chain:
+            q_full = torch.zeros(*q.shape[:2], node_logits.shape[-1], device=device).index_copy_(
+                2, drafter.vocab_ids, q)  # (B, D, V): q over the policy's vocabulary
+            acc = accept_chain(tree.tokens[:, 1:], q_full, node_logits, sampling.temperature, sampling.top_p,
+                               u[:, :shape.depth + 1])
+        else:
+            acc = accept_tree(tree, node_logits, sampling.temperature, sampling.top_p, u, shape.depth,
+                              shape.max_children)
         n_acc = acc.n_accepted
         kept = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), acc.path.clamp(min=0)], 1)  # (B, 1+D)
         pcache.commit(kept, n_acc + 1)

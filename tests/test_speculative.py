@@ -61,8 +61,9 @@ def chi2_ok(samples, exact):
     return chisquare(obs, exp).pvalue
 
 
+@pytest.mark.parametrize("mode", ["tree", "chain"])
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.7)])
-def test_tree_rollouts_are_exact_in_ragged_batches(temperature, top_p):
+def test_rollouts_are_exact_in_ragged_batches(temperature, top_p, mode):
     torch.manual_seed(0)
     policy = small_policy()
     drafter = Eagle3Drafter(policy.args).bind(policy)
@@ -70,7 +71,7 @@ def test_tree_rollouts_are_exact_in_ragged_batches(temperature, top_p):
     G, L = 3000, 3
     sc = SamplingConfig(temperature, top_p, L)
     r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G),
-                             TreeShape(depth=2, branch=2, nodes=4), group_size=G)
+                             TreeShape(depth=2, branch=2, nodes=4, mode=mode), group_size=G)
     assert r.stats["rounds"] >= 1 and r.stats["aal"] > 1.0
     for i, prompt in enumerate(prompts):
         samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]

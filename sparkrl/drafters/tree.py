@@ -27,8 +27,14 @@ class TreeShape:
     depth: int  # draft levels below the root
     branch: int  # children per expanded node, and nodes expanded per level
     nodes: int  # draft nodes kept (the root not counted)
+    mode: str = "tree"  # "tree": point-mass top-k trees; "chain": `depth` tokens sampled from q
 
     def __post_init__(self):
+        if self.mode not in ("tree", "chain"):
+            raise UserError(f"--draft-mode must be tree or chain, got {self.mode!r}")
+        if self.mode == "chain":
+            object.__setattr__(self, "branch", 1)
+            object.__setattr__(self, "nodes", self.depth)
         if self.nodes < 1:
             raise UserError(f"--tree-nodes must be >= 1, got {self.nodes}")
         if self.branch < 1:
@@ -106,3 +112,34 @@ def _select(tok, score, parent, depth, root, nodes) -> Tree:
         valid=torch.ones(B, n + 1, dtype=torch.bool, device=dev),
         depth=torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), depth.gather(1, keep)], 1),
     )
+
+
+def build_chain(drafter, cache, root, z, a, depth: int, temperature: float, u: torch.Tensor):
+    """Chains of `depth` tokens sampled from the draft distribution q = softmax(z / temperature).
+
+    u: (B, depth) uniforms. Returns (Tree, q (B, depth, Vd)): q[:, d] is the distribution token d was
+    drawn from (point masses at temperature 0).
+    """
+    from sparkrl.sampling import sample_from
+
+    B = root.shape[0]
+    dev = root.device
+    ids = drafter.vocab_ids
+    qs, toks = [], []
+    feat = a[:, None]
+    for d in range(depth):
+        if d:
+            step = drafter(toks[-1][:, None], feat, cache, depth=torch.full((B, 1), d - 1, device=dev))
+            z, feat = step.z[:, 0], step.a
+        q = torch.softmax(z.float() / temperature, -1) if temperature > 0 else \
+            torch.nn.functional.one_hot(z.argmax(-1), z.shape[-1]).float()
+        qs.append(q)
+        toks.append(ids[sample_from(q, u[:, d])])
+    n = torch.arange(depth + 1, device=dev)
+    tree = Tree(
+        tokens=torch.cat([root[:, None], torch.stack(toks, 1)], 1),
+        parents=(n - 1).expand(B, -1).clone(),
+        valid=torch.ones(B, depth + 1, dtype=torch.bool, device=dev),
+        depth=n.expand(B, -1).clone(),
+    )
+    return tree, torch.stack(qs, 1)
