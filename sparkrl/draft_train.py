@@ -21,25 +21,68 @@ import torch.nn.functional as F
 FEATURE_WEIGHT, CE_WEIGHT = 2.0, 0.1
 
 
-def draft_loss(drafter, tokens: torch.Tensor, taps: dict[int, torch.Tensor], hidden: torch.Tensor,
-               target_logits: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """tokens (B, T); taps: policy layer outputs (B, T, d); hidden (B, T, d) policy final normed
-    hidden; target_logits (B, T, V) policy logits; mask (B, T) positions whose *next* token the
-    drafter should learn to predict (position t is trained to predict token t + 2 from token t + 1).
+def unrolled_mask(n: int, steps: int, device) -> torch.Tensor:
+    """(1, 1, steps*n, steps*n) attention among `steps` segments of n positions: segment 1 is causal;
+    position j of segment s (a depth s-1 tree node drafted from position j) sees segment 1 up to j
+    (the committed prefix) and position j of segments 2..s (its ancestors and itself)."""
+    j = torch.arange(n, device=device)
+    seg = torch.arange(steps, device=device)
+    qs, qj = seg.repeat_interleave(n), j.repeat(steps)  # segment and position of every row
+    prefix = (qs[None, :] == 0) & (qj[None, :] <= qj[:, None])
+    chain = (qs[None, :] > 0) & (qs[None, :] <= qs[:, None]) & (qj[None, :] == qj[:, None])
+    return (prefix | chain)[None, None]
 
-    Returns (loss averaged over trained positions, stats)."""
-    feats = drafter.features({i: t[:, :-1] for i, t in taps.items()})  # (B, T-1, d)
-    step = drafter(tokens[:, 1:], feats)  # position i: token i+1 with feature i
-    m = mask[:, :-1].to(hidden.dtype)  # (B, T-1)
-    n = m.sum().clamp(min=1)
-    feat = F.smooth_l1_loss(step.a, hidden[:, 1:].detach(), reduction="none").mean(-1)  # (B, T-1)
-    p = torch.softmax(target_logits[:, 1:].float(), -1)[..., drafter.vocab_ids]  # (B, T-1, Vd)
-    ce = -(p * torch.log_softmax(step.z, -1)).sum(-1)  # (B, T-1)
-    loss = (FEATURE_WEIGHT * feat * m).sum() / n + (CE_WEIGHT * ce * m).sum() / n
-    with torch.no_grad():
-        top1 = (step.z.argmax(-1) == p.argmax(-1)).float()
-    return loss, {"feat": float((feat.detach() * m).sum() / n), "ce": float((ce.detach() * m).sum() / n),
-                  "top1": float((top1 * m).sum() / n), "positions": float(n)}
+
+def unrolled(drafter, tokens: torch.Tensor, feats: torch.Tensor, steps: int) -> list:
+    """Drafter outputs of segments 1..steps (see `draft_loss`), each (a, z) over n = T - 1 positions.
+
+    tokens (B, T) padded on the right by `steps` extra positions; feats (B, n, d) policy features."""
+    B, n = feats.shape[:2]
+    j = torch.arange(n, device=tokens.device)
+    seg_tokens, seg_feats, seg_depth, outs = [], [], [], []
+    for s in range(1, steps + 1):
+        seg_tokens.append(tokens[:, s:s + n])
+        seg_feats.append(feats if s == 1 else outs[-1][0])
+        seg_depth.append(j + s - 1)
+        step = drafter(torch.cat(seg_tokens, 1), torch.cat(seg_feats, 1),
+                       depth=torch.cat(seg_depth).expand(B, -1), mask=unrolled_mask(n, s, tokens.device))
+        outs.append((step.a[:, -n:], step.z[:, -n:]))
+    return outs
+
+
+def draft_loss(drafter, tokens: torch.Tensor, taps: dict[int, torch.Tensor], hidden: torch.Tensor,
+               target_logits: torch.Tensor, mask: torch.Tensor, steps: int = 3) -> tuple[torch.Tensor, dict]:
+    """tokens (B, T); taps: policy layer outputs (B, T, d); hidden (B, T, d) policy final normed
+    hidden; target_logits (B, T, V) policy logits; mask (B, T): position t is trained to predict
+    token t + 2 from token t + 1 (targets at t + 1).
+
+    Training-time test (EAGLE-3): besides the teacher-forced step, `steps - 1` unrolled steps feed
+    the drafter its own previous output as the feature, as at tree depth >= 2 (segment s, position j:
+    token j + s, feature = segment s-1's output at j, targets at j + s, RoPE position j + s - 1).
+    Returns (loss averaged over steps and trained positions, stats; top1_s per segment).
+    """
+    B, T = tokens.shape
+    n = T - 1
+    K = max(1, min(steps, n))
+    pad = lambda t: torch.cat([t, t[:, -1:].expand(-1, K, *t.shape[2:])], 1)
+    toks_p, hid_p, log_p, m_p = pad(tokens), pad(hidden.detach()), pad(target_logits), pad(mask)
+    feats = drafter.features({i: t[:, :-1] for i, t in taps.items()})  # (B, n, d) features at 0..n-1
+    j = torch.arange(n, device=tokens.device)
+    total, stats = 0.0, {}
+    for s, (a, z) in enumerate(unrolled(drafter, toks_p, feats, K), start=1):
+        m = (m_p[:, s - 1:s - 1 + n] & (j + s <= T - 1)).to(hidden.dtype)  # (B, n)
+        cnt = m.sum().clamp(min=1)
+        feat = F.smooth_l1_loss(a, hid_p[:, s:s + n], reduction="none").mean(-1)  # (B, n)
+        p = torch.softmax(log_p[:, s:s + n].float(), -1)[..., drafter.vocab_ids]  # (B, n, Vd)
+        ce = -(p * torch.log_softmax(z, -1)).sum(-1)
+        total = total + ((FEATURE_WEIGHT * feat + CE_WEIGHT * ce) * m).sum() / cnt
+        with torch.no_grad():
+            top1 = float(((z.argmax(-1) == p.argmax(-1)).float() * m).sum() / cnt)
+            stats[f"top1_{s}"] = top1
+            if s == 1:
+                stats.update(feat=float((feat.detach() * m).sum() / cnt), ce=float((ce.detach() * m).sum() / cnt),
+                             top1=top1, positions=float(cnt))
+    return total / K, stats
 
 
 class DraftTrainer:

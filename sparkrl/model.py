@@ -209,8 +209,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is None:
+        if cache is None and ctx is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
+        elif cache is None:  # an explicit mask among the positions (drafter training)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, enable_gqa=True)
         else:
             kbuf, vbuf = cache.k[layer], cache.v[layer]
             kbuf.scatter_(2, ctx.write_idx, k)
@@ -299,7 +301,7 @@ class Stack(nn.Module):
             new = inside & tree_mask.gather(2, rel.clamp(0, P + T - 1).expand(B, T, span))
         return _Context(write_idx, (prefix | new)[:, None], span)
 
-    def forward(self, x, cache: KVCache | None = None, *, tree_mask=None, depth=None, taps=()) -> Output:
+    def forward(self, x, cache: KVCache | None = None, *, tree_mask=None, depth=None, taps=(), mask=None) -> Output:
         """Run T new positions per sequence; x: (B, T, d) input embeddings.
 
         Without a cache: a plain causal forward from position 0 (training, scoring); right padding
@@ -310,13 +312,15 @@ class Stack(nn.Module):
         is each new token's RoPE offset from lengths[b] (default: pending + t). Nothing is committed:
         call `cache.commit`, which keeps a chosen subset of the speculative region.
         taps: layer indices whose outputs to return (after the layer, before the final norm).
+        mask: without a cache, an explicit (B or 1, 1, T, T) bool attention mask instead of causal
+        (with `depth` then giving the absolute positions).
         """
         B, T, _ = x.shape
         device = x.device
         pending = 0 if cache is None else cache.pending
         if depth is None:
             depth = (pending + torch.arange(T, device=device)).expand(B, T)
-        ctx = None
+        ctx = None if mask is None else _Context(None, mask, T)
         positions = depth
         if cache is not None:
             positions = cache.lengths[:, None] + depth

@@ -48,7 +48,7 @@ def test_draft_loss_by_hand(tiny_llama):
     with torch.no_grad():
         out = tiny_llama(toks, taps=d.feature_layers)
         logits = tiny_llama.logits(out.hidden)
-        loss, _ = draft_loss(d, toks, out.taps, out.hidden, logits, mask)
+        loss, _ = draft_loss(d, toks, out.taps, out.hidden, logits, mask, steps=1)
         step = d(toks[:, 1:], d.features({i: t[:, :-1] for i, t in out.taps.items()}))
     total, n = 0.0, 0
     for b in range(2):
@@ -62,6 +62,34 @@ def test_draft_loss_by_hand(tiny_llama):
             total += 2 * sl1 + 0.1 * ce
             n += 1
     assert abs(loss.item() - total.item() / n) < 1e-5
+
+
+def test_unrolled_training_matches_tree_drafting(tiny_llama):
+    """Segment 2 of the unrolled training forward at position j computes exactly what the engine
+    computes for a depth-1 tree node drafted after the committed prefix 0..j."""
+    from sparkrl.draft_train import unrolled
+
+    torch.manual_seed(2)
+    d = Eagle3Drafter(tiny_llama.args).bind(tiny_llama)
+    toks = torch.randint(0, 97, (1, 10))
+    with torch.no_grad():
+        out = tiny_llama(toks, taps=d.feature_layers)
+        feats = d.features({i: t[:, :-1] for i, t in out.taps.items()})  # (1, 9, d)
+        padded = torch.cat([toks, toks[:, -1:].expand(-1, 3)], 1)
+        segs = unrolled(d, padded, feats, 3)
+        for j in (0, 4, 7):
+            cache = d.new_cache(1, 32)
+            first = d(toks[:, 1:j + 2], feats[:, :j + 1], cache)
+            cache.commit(n_keep=torch.tensor([j + 1]))
+            a1 = first.a[:, -1:]
+            assert torch.allclose(a1[0, 0], segs[0][0][0, j], atol=1e-5)
+            node = d(toks[:, j + 2:j + 3], a1, cache, tree_mask=torch.ones(1, 1, 1, dtype=torch.bool),
+                     depth=torch.zeros(1, 1, dtype=torch.long))
+            assert torch.allclose(node.z[0, 0], segs[1][1][0, j], atol=1e-4)
+            if j + 3 < 10:
+                node2 = d(toks[:, j + 3:j + 4], node.a, cache, tree_mask=torch.ones(1, 1, 2, dtype=torch.bool),
+                          depth=torch.ones(1, 1, dtype=torch.long))
+                assert torch.allclose(node2.z[0, 0], segs[2][1][0, j], atol=1e-4)
 
 
 def test_checkpoint_round_trip_and_mismatch_errors(tmp_path, tiny_llama):

@@ -73,12 +73,12 @@ class Eagle3Drafter(nn.Module):
         return self.fc(torch.cat([taps[i] for i in self.feature_layers], dim=-1))
 
     def forward(self, tokens: torch.Tensor, feats: torch.Tensor, cache: KVCache | None = None, *,
-                tree_mask=None, depth=None) -> DraftStep:
+                tree_mask=None, depth=None, mask=None) -> DraftStep:
         """tokens (B, T) (next tokens, policy ids), feats (B, T, d) -> DraftStep at these positions."""
         with torch.no_grad():
             emb = self._shared[0](tokens)
         x = self.fuse(torch.cat([emb.to(feats.dtype), feats], dim=-1))
-        out = self.stack(x, cache, tree_mask=tree_mask, depth=depth, taps=(0,))
+        out = self.stack(x, cache, tree_mask=tree_mask, depth=depth, taps=(0,), mask=mask)
         return DraftStep(out.hidden, out.taps[0], self.logits(out.hidden))
 
     def prefill(self, prompts: torch.Tensor, lens: torch.Tensor, feats: torch.Tensor, cache: KVCache) -> None:
