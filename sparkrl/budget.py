@@ -82,7 +82,7 @@ class CostModel:
                     for _ in range(repeats):
                         t = time.perf_counter()
                         out = policy(torch.randint(0, V, (B, T), device=dev), pc, taps=tuple(drafter.feature_layers))
-                        policy.logits(out.hidden)
+                        policy.logits(out.hidden[:, :shape.depth + 1])  # the head runs on the visited nodes
                         pc.commit(n_keep=torch.zeros(B, dtype=torch.long, device=dev))
                         best = min(best, time.perf_counter() - t)
                     return best

@@ -270,16 +270,17 @@ def generate_speculative(
         dcache.commit(n_keep=torch.zeros(B, dtype=torch.long, device=device))  # roll the draft back
         t2 = time.perf_counter()
         out = policy(tree.tokens, pcache, tree_mask=tree.ancestor_mask(), depth=tree.depth, taps=taps)
-        node_logits = policy.logits(out.hidden)  # (B, n, V)
         t3 = time.perf_counter()
         if nodes and chain:
+            node_logits = policy.logits(out.hidden)  # (B, 1+D, V): every chain node is needed
             q_full = torch.zeros(*q.shape[:2], node_logits.shape[-1], device=device).index_copy_(
                 2, drafter.vocab_ids, q)  # (B, D, V): q over the policy's vocabulary
             acc = accept_chain(tree.tokens[:, 1:], q_full, node_logits, sampling.temperature, sampling.top_p,
                                u[:, :shape.depth + 1])
-        else:
-            acc = accept_tree(tree, node_logits, sampling.temperature, sampling.top_p, u, shape.depth,
-                              shape.max_children)
+        else:  # the LM head runs only on the nodes the acceptance walk visits
+            rows_b = torch.arange(B, device=device)
+            acc = accept_tree(tree, lambda nodes: policy.logits(out.hidden[rows_b, nodes]), sampling.temperature,
+                              sampling.top_p, u, shape.depth, shape.max_children)
         n_acc = acc.n_accepted
         kept = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), acc.path.clamp(min=0)], 1)  # (B, 1+D)
         pcache.commit(kept, n_acc + 1)

@@ -69,11 +69,13 @@ def uniforms_per_round(max_depth: int, max_children: int) -> int:
     return (max_depth + 1) * (max_children + 1)
 
 
-def accept_tree(tree: Tree, logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor,
+def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.Tensor,
                 max_depth: int, max_children: int) -> Acceptance:
     """Walk every row's tree with point-mass acceptance.
 
-    logits: (B, N, V) policy logits at every node (the distribution of the token after the node).
+    logits: (B, N, V) policy logits at every node (the distribution of the token after the node),
+    or a callable node (B,) -> (B, V) logits at those nodes (so the LM head runs only on the nodes
+    the walk visits).
     u: (B, uniforms_per_round(max_depth, max_children)) float64 in [0, 1).
     No node may be deeper than max_depth or have more than max_children children.
     """
@@ -89,8 +91,9 @@ def accept_tree(tree: Tree, logits: torch.Tensor, temperature: float, top_p: flo
     bonus = torch.zeros(B, dtype=torch.long, device=dev)
     last = torch.zeros(B, dtype=torch.long, device=dev)
     node_ids = torch.arange(N, device=dev)
+    at = logits if callable(logits) else (lambda nodes: logits[rows, nodes])
     for level in range(max_depth + 1):
-        p = target_probs(logits[rows, cur], temperature, top_p).double()  # (B, V)
+        p = target_probs(at(cur), temperature, top_p).double()  # (B, V)
         # children of the current node, in node order
         is_child = (tree.parents == cur[:, None]) & tree.valid & (tree.parents >= 0)  # (B, N)
         order = torch.where(is_child, node_ids, N).sort(-1).values[:, :max_children]  # (B, C) first C children
