@@ -65,7 +65,8 @@ def draft_loss(drafter, tokens: torch.Tensor, taps: dict[int, torch.Tensor], hid
     n = T - 1
     K = max(1, min(steps, n))
     pad = lambda t: torch.cat([t, t[:, -1:].expand(-1, K, *t.shape[2:])], 1)
-    toks_p, hid_p, log_p, m_p = pad(tokens), pad(hidden.detach()), pad(target_logits), pad(mask)
+    target = torch.softmax(target_logits.float(), -1)[..., drafter.vocab_ids]  # (B, T, Vd), once
+    toks_p, hid_p, p_p, m_p = pad(tokens), pad(hidden.detach()), pad(target), pad(mask)
     feats = drafter.features({i: t[:, :-1] for i, t in taps.items()})  # (B, n, d) features at 0..n-1
     j = torch.arange(n, device=tokens.device)
     total, stats = 0.0, {}
@@ -73,7 +74,7 @@ def draft_loss(drafter, tokens: torch.Tensor, taps: dict[int, torch.Tensor], hid
         m = (m_p[:, s - 1:s - 1 + n] & (j + s <= T - 1)).to(hidden.dtype)  # (B, n)
         cnt = m.sum().clamp(min=1)
         feat = F.smooth_l1_loss(a, hid_p[:, s:s + n], reduction="none").mean(-1)  # (B, n)
-        p = torch.softmax(log_p[:, s:s + n].float(), -1)[..., drafter.vocab_ids]  # (B, n, Vd)
+        p = p_p[:, s:s + n]  # (B, n, Vd) the policy's distribution on the draft vocabulary
         ce = -(p * torch.log_softmax(z, -1)).sum(-1)
         total = total + ((FEATURE_WEIGHT * feat + CE_WEIGHT * ce) * m).sum() / cnt
         with torch.no_grad():
@@ -189,8 +190,8 @@ def pretrain(cfg) -> dict:
     prompts = [chat_prompt_ids(tok, t)[: cfg.data.max_prompt_tokens] for t in texts]
     seqs = []
     bar = tqdm(total=len(prompts), desc="corpus", unit="prompt", file=sys.stderr)
-    for i in range(0, len(prompts), 16):
-        chunk = prompts[i:i + 16]
+    for i in range(0, len(prompts), 64):
+        chunk = prompts[i:i + 64]
         r = generate(policy, chunk, cfg.sampling, lm.eos_ids, response_generators(cfg.seed, len(chunk), 1, offset=i))
         seqs += [p + t for p, t in zip(chunk, r.tokens)]
         bar.update(len(chunk))
