@@ -1,16 +1,21 @@
 """How much to speculate each round: a cost model measured on the running machine.
 
 Verifying a tree of n nodes for each of B responses costs one policy forward of B x (n + 1) tokens
-plus the drafting; it pays only if the tokens it commits per response (the AAL) outweigh that cost
-against a plain autoregressive step (B x 1 tokens). With many active responses the forward is
-compute-bound and big trees lose (FastGRPO's concurrency-aware point); in the long tail of a rollout
-few responses remain and speculation wins. Each round the engine asks `Budget.choose(B)` for the
-node count: the full tree or none (a root-only tree is exactly an autoregressive step, and keeps the
-drafter in sync for later rounds).
+plus the drafting; it pays only if the tokens it commits per response (1 + accepted drafts) outweigh
+that cost against a plain autoregressive step (B x 1 tokens). With many active responses the
+forward is compute-bound and big trees lose (FastGRPO's concurrency-aware point); in the long tail
+of a rollout few responses remain and speculation wins. On a CPU even one response's forward is
+compute-bound, so the best tree is often small.
 
-The cost model times policy forwards (and tree drafting) on a grid of batch rows x new tokens at
-start-up, once per machine, model and thread count (cached under the user cache dir), and
-interpolates. The AAL of the full tree is a running average over the rounds that used it.
+Each round the engine asks `Budget.choose(B)` for a node count n among 0 (a root-only tree: exactly
+an autoregressive step, which keeps the drafter in sync), 1, 2, 4, ... up to the configured nodes,
+minimising measured seconds / expected committed tokens. The `n` best nodes of a tree are also the
+best of any larger one, so from a round that verified n nodes the accepted drafts a smaller tree
+would have kept are known: the accepted path's leading nodes of rank <= n' (`observe`). Running
+averages of those feed the expectations.
+
+The cost model times policy forwards and tree drafting on a grid of rows x sizes at start-up, once
+per machine, model, thread count and tree shape (cached under the user cache dir), and interpolates.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ ROWS = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT = 192  # committed tokens per row while timing (a typical mid-rollout length)
 
 
+def tree_sizes(nodes: int) -> list[int]:
+    """Candidate node counts: powers of two below `nodes`, and `nodes`."""
+    return [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n < nodes] + [nodes]
+
+
 def _interp(xs, ys, x):
     """Piecewise-linear interpolation, linear extrapolation past the last point."""
     if x <= xs[0]:
@@ -43,15 +53,12 @@ def _interp(xs, ys, x):
 @dataclass
 class CostModel:
     rows: tuple[int, ...]
-    verify_ar: list[float]  # seconds of a B x 1 policy forward (+ LM head), per row count
-    verify_tree: list[float]  # seconds of a B x (nodes + 1) policy forward (+ LM head)
-    draft: list[float]  # seconds of drafting one tree per row
+    verify: dict[int, list[float]]  # node count (0 = autoregressive) -> seconds per row count
+    draft: list[float]  # seconds of drafting one tree per row, per row count
 
-    def seconds_per_token(self, B: int, nodes: int, aal: float) -> float:
-        if nodes == 0:
-            return _interp(self.rows, self.verify_ar, B) / B
-        t = _interp(self.rows, self.verify_tree, B) + _interp(self.rows, self.draft, B)
-        return t / (B * aal)
+    def seconds(self, B: int, nodes: int) -> float:
+        t = _interp(self.rows, self.verify[nodes], B)
+        return t + (_interp(self.rows, self.draft, B) if nodes else 0.0)
 
     @classmethod
     def measure(cls, policy, drafter, shape: TreeShape, repeats: int = 3) -> "CostModel":
@@ -63,10 +70,21 @@ class CostModel:
         path = cache_dir() / "costs" / f"{key}.json"
         if path.exists():
             d = json.loads(path.read_text())
-            return cls(tuple(d["rows"]), d["verify_ar"], d["verify_tree"], d["draft"])
-        ar, tree, draft = [], [], []
+            return cls(tuple(d["rows"]), {int(k): v for k, v in d["verify"].items()}, d["draft"])
+        sizes = [0] + (tree_sizes(shape.nodes) if shape.mode == "tree" else [shape.nodes])
+        verify = {n: [] for n in sizes}
+        draft = []
         dev = policy.lm_head.weight.device
         V = policy.args.vocab_size
+
+        def best_of(fn):
+            best = float("inf")
+            for _ in range(repeats):
+                t = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t)
+            return best
+
         with torch.no_grad():
             for B in ROWS:
                 pc = policy.new_cache(B, CONTEXT + shape.nodes + 2)
@@ -76,46 +94,47 @@ class CostModel:
                 root = torch.randint(0, V, (B,), device=dev)
                 z = torch.randn(B, drafter.vocab_ids.numel(), device=dev)
                 a = torch.randn(B, policy.args.hidden_size, device=dev, dtype=policy.lm_head.weight.dtype)
+                zeros = torch.zeros(B, dtype=torch.long, device=dev)
 
-                def t_forward(T):
-                    best = float("inf")
-                    for _ in range(repeats):
-                        t = time.perf_counter()
-                        out = policy(torch.randint(0, V, (B, T), device=dev), pc, taps=tuple(drafter.feature_layers))
-                        policy.logits(out.hidden[:, :shape.depth + 1])  # the head runs on the visited nodes
-                        pc.commit(n_keep=torch.zeros(B, dtype=torch.long, device=dev))
-                        best = min(best, time.perf_counter() - t)
-                    return best
+                def forward(T):
+                    out = policy(torch.randint(0, V, (B, T), device=dev), pc, taps=tuple(drafter.feature_layers))
+                    policy.logits(out.hidden[:, :shape.depth + 1])  # the head runs on the visited nodes
+                    pc.commit(n_keep=zeros)
 
-                def t_draft():
-                    best = float("inf")
-                    for _ in range(repeats):
-                        t = time.perf_counter()
-                        build_tree(drafter, dc, root, z, a, shape)
-                        dc.commit(n_keep=torch.zeros(B, dtype=torch.long, device=dev))
-                        best = min(best, time.perf_counter() - t)
-                    return best
+                def tree():
+                    build_tree(drafter, dc, root, z, a, shape)
+                    dc.commit(n_keep=zeros)
 
-                ar.append(t_forward(1))
-                tree.append(t_forward(shape.nodes + 1))
-                draft.append(t_draft())
+                for n in sizes:
+                    verify[n].append(best_of(lambda: forward(n + 1)))
+                draft.append(best_of(tree))
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"rows": ROWS, "verify_ar": ar, "verify_tree": tree, "draft": draft}))
-        return cls(ROWS, ar, tree, draft)
+        path.write_text(json.dumps({"rows": ROWS, "verify": verify, "draft": draft}))
+        return cls(ROWS, verify, draft)
 
 
 class Budget:
-    """Chooses each round's node count (the full tree or 0) from the number of active responses."""
+    """Chooses each round's node count from the number of active responses."""
 
-    def __init__(self, cost: CostModel, shape: TreeShape, prior_aal: float = 2.0, momentum: float = 0.9):
+    def __init__(self, cost: CostModel, shape: TreeShape, prior_accept: float = 2.0, momentum: float = 0.9):
         self.cost, self.shape = cost, shape
-        self.aal = prior_aal  # running AAL of full-tree rounds; kept across rollouts
+        self.sizes = tree_sizes(shape.nodes) if shape.mode == "tree" else [shape.nodes]
+        # expected accepted drafts per round for each size; optimistic at first, kept across rollouts
+        self.accepted = {n: prior_accept * min(n, shape.depth) / shape.depth for n in self.sizes}
         self.momentum = momentum
 
     def choose(self, B: int) -> int:
-        full = self.cost.seconds_per_token(B, self.shape.nodes, self.aal)
-        return self.shape.nodes if full < self.cost.seconds_per_token(B, 0, 1.0) else 0
+        best, best_t = 0, self.cost.seconds(B, 0)
+        for n in self.sizes:
+            t = self.cost.seconds(B, n) / (1.0 + self.accepted[n])
+            if t < best_t:
+                best, best_t = n, t
+        return best
 
-    def observe(self, nodes: int, aal: float) -> None:
-        if nodes:
-            self.aal = self.momentum * self.aal + (1 - self.momentum) * aal
+    def observe(self, nodes: int, path_ranks: torch.Tensor) -> None:
+        """path_ranks (B, D): ranks of the accepted path's nodes (a large number past its end)."""
+        for n in self.sizes:
+            if n > nodes:
+                break
+            kept = (path_ranks <= n).long().cumprod(-1).sum(-1).double().mean().item()  # host sync
+            self.accepted[n] = self.momentum * self.accepted[n] + (1 - self.momentum) * kept

@@ -264,7 +264,7 @@ def generate_speculative(
             tree, q = build_chain(drafter, dcache, state.root, state.z, state.a, shape.depth, sampling.temperature,
                                   u[:, shape.depth + 1:])
         elif nodes:
-            tree = build_tree(drafter, dcache, state.root, state.z, state.a, shape)
+            tree = build_tree(drafter, dcache, state.root, state.z, state.a, shape, nodes)
         else:  # an autoregressive step: the root alone
             tree = root_only(state.root)
         dcache.commit(n_keep=torch.zeros(B, dtype=torch.long, device=device))  # roll the draft back
@@ -302,7 +302,9 @@ def generate_speculative(
             for d in range(shape.depth):
                 stats["accepted_at_depth"][d] += sum(c > d + 1 for c in counts)
             if budget is not None:
-                budget.observe(nodes, sum(counts) / B)
+                rank = tree.rank if tree.rank is not None else torch.arange(tree.size, device=device).expand(B, -1)
+                path_rank = torch.where(acc.path >= 0, rank.gather(1, acc.path.clamp(min=0)), tree.size + 1)
+                budget.observe(nodes, path_rank)
         stats["draft_s"] += (t2 - t1) + (t5 - t4)
         stats["verify_s"] += t3 - t2
         stats["accept_s"] += t4 - t3

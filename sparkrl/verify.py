@@ -32,6 +32,7 @@ class Tree:
     parents: torch.Tensor  # (B, N) int64, -1 for the root and for padding
     valid: torch.Tensor  # (B, N) bool
     depth: torch.Tensor  # (B, N) int64, 0 for the root
+    rank: torch.Tensor | None = None  # (B, N) the builder's preference order (1 = best; root 0)
 
     @property
     def size(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sparkrl.budget import Budget, CostModel
 from sparkrl.config import SamplingConfig
@@ -13,18 +14,29 @@ from sparkrl.rollout import generate, generate_speculative, response_generators
 ROWS = (1, 2, 4, 8)
 
 
-def synthetic(ar=(1.0, 1.1, 1.3, 2.0), tree=(1.5, 2.5, 4.5, 9.0), draft=(0.1, 0.1, 0.2, 0.3)):
-    return CostModel(ROWS, list(ar), list(tree), list(draft))
+def synthetic():
+    """Seconds per round by node count (0 = autoregressive) at 1, 2, 4, 8 rows."""
+    verify = {0: [1.0, 1.1, 1.3, 2.0], 1: [1.1, 1.3, 1.8, 3.0], 2: [1.2, 1.5, 2.3, 4.0], 4: [1.3, 1.9, 3.0, 6.0],
+              6: [1.5, 2.5, 4.5, 9.0]}
+    return CostModel(ROWS, verify, [0.1, 0.1, 0.2, 0.3])
 
 
 def test_budget_speculates_with_few_rows_and_not_with_many():
-    b = Budget(synthetic(), TreeShape(3, 2, 6), prior_aal=2.5)
-    assert b.choose(1) == 6  # (1.5 + 0.1) / 2.5 < 1.0
-    assert b.choose(8) == 0  # (9.0 + 0.3) / (8 * 2.5) > 2.0 / 8
-    b.observe(6, 1.0)  # poor acceptance lowers the running AAL
-    assert b.aal < 2.5
-    b.observe(0, 5.0)  # autoregressive rounds say nothing about the tree
-    assert b.aal == pytest.approx(0.9 * 2.5 + 0.1)
+    b = Budget(synthetic(), TreeShape(3, 2, 6), prior_accept=1.5)
+    assert b.sizes == [1, 2, 4, 6]
+    # expected drafts start at 1.5 * min(n, depth) / depth: 4 and 6 nodes both expect 1.5, 4 is cheaper
+    assert b.choose(1) == 4  # (1.3 + 0.1) / 2.5 beats 1.0 and the other trees
+    assert b.choose(8) == 0  # 2.0 beats (3.0 + 0.3) / 1.5 and the larger trees
+    # a round of 6 nodes whose accepted paths had ranks (1, 5) and (2, 3, 4): a tree of 4 nodes
+    # would have kept 1 and 3 of those drafts, a tree of 1 node 1 and 0
+    big = 99
+    b.observe(6, torch.tensor([[1, 5, big], [2, 3, 4]]))
+    assert b.accepted[6] == pytest.approx(0.9 * 1.5 + 0.1 * 2.5)
+    assert b.accepted[4] == pytest.approx(0.9 * 1.5 + 0.1 * 2.0)
+    assert b.accepted[1] == pytest.approx(0.9 * 0.5 + 0.1 * 0.5)
+    before = dict(b.accepted)
+    b.observe(2, torch.tensor([[1, 2, big]]))  # says nothing about trees larger than 2
+    assert b.accepted[4] == before[4] and b.accepted[6] == before[6]
 
 
 def test_cost_model_is_measured_once_and_cached(tiny_llama, tmp_path, monkeypatch):
@@ -32,7 +44,7 @@ def test_cost_model_is_measured_once_and_cached(tiny_llama, tmp_path, monkeypatc
     d = Eagle3Drafter(tiny_llama.args).bind(tiny_llama)
     shape = TreeShape(2, 2, 3)
     cm = CostModel.measure(tiny_llama, d, shape, repeats=1)
-    assert all(t > 0 for t in cm.verify_ar + cm.verify_tree + cm.draft)
+    assert sorted(cm.verify) == [0, 1, 2, 3] and all(t > 0 for v in cm.verify.values() for t in v)
     assert len(list((tmp_path / "costs").glob("*.json"))) == 1
     again = CostModel.measure(tiny_llama, d, shape)
     assert again == cm

@@ -49,11 +49,14 @@ class TreeShape:
         return self.branch
 
 
-def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Tensor, shape: TreeShape) -> Tree:
+def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Tensor, shape: TreeShape,
+               nodes: int | None = None) -> Tree:
     """Trees for a batch of roots.
 
     root: (B,) policy ids of the roots; z: (B, Vd) drafter logits after the root; a: (B, d) the
-    drafter feature at the root's position (parent feature of the level-1 nodes).
+    drafter feature at the root's position (parent feature of the level-1 nodes). nodes: keep this
+    many nodes instead of shape.nodes (the `nodes` best are also the best of any larger tree, so
+    smaller trees are subsets of larger ones).
     """
     B = root.shape[0]
     dev = root.device
@@ -90,7 +93,7 @@ def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Ten
         F = k
     return _select(torch.cat(rec_tok, 1), torch.cat(rec_score, 1), torch.cat(rec_parent, 1),
                    torch.cat([torch.full_like(s, d, dtype=torch.long) for s, d in zip(rec_score, rec_depth)], 1),
-                   root, shape.nodes)
+                   root, nodes or shape.nodes)
 
 
 def _select(tok, score, parent, depth, root, nodes) -> Tree:
@@ -101,7 +104,8 @@ def _select(tok, score, parent, depth, root, nodes) -> Tree:
     rank = score.double() - 1e-6 * depth  # strict: a parent always ranks above its children
     keep = rank.topk(n, dim=-1).indices  # (B, n)
     order_key = depth.gather(1, keep) * 1e6 - rank.gather(1, keep)  # depth first, best first
-    keep = keep.gather(1, order_key.argsort(-1))
+    perm = order_key.argsort(-1)
+    keep = keep.gather(1, perm)  # keep was in rank order: perm + 1 is each kept node's rank
     new_index = torch.zeros(B, M, dtype=torch.long, device=dev)
     new_index.scatter_(1, keep, torch.arange(1, n + 1, device=dev).expand(B, n))
     par = parent.gather(1, keep)
@@ -111,6 +115,7 @@ def _select(tok, score, parent, depth, root, nodes) -> Tree:
         parents=torch.cat([torch.full((B, 1), -1, device=dev), par], 1),
         valid=torch.ones(B, n + 1, dtype=torch.bool, device=dev),
         depth=torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), depth.gather(1, keep)], 1),
+        rank=torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), perm + 1], 1),
     )
 
 
