@@ -32,7 +32,7 @@ import torch
 from sparkrl.drafters.tree import TreeShape, build_tree
 from sparkrl.weights import cache_dir
 
-ROWS = (1, 2, 4, 8, 16, 32, 64)
+ROWS = (1, 4, 16, 64)
 CONTEXT = 192  # committed tokens per row while timing (a typical mid-rollout length)
 
 
@@ -61,7 +61,7 @@ class CostModel:
         return t + (_interp(self.rows, self.draft, B) if nodes else 0.0)
 
     @classmethod
-    def measure(cls, policy, drafter, shape: TreeShape, repeats: int = 3) -> "CostModel":
+    def measure(cls, policy, drafter, shape: TreeShape, repeats: int = 2) -> "CostModel":
         """Time the policy and the drafter on this machine (cached per machine/model/threads/shape)."""
         key = hashlib.sha1(json.dumps([platform.processor(), platform.machine(), torch.get_num_threads(),
                                        str(policy.lm_head.weight.device), str(policy.lm_head.weight.dtype),
