@@ -27,7 +27,7 @@ import torch
 from sparkrl.config import SamplingConfig
 from sparkrl.model import KVCache, Transformer
 from sparkrl.sampling import sample
-from sparkrl.verify import Tree, accept_chain, accept_tree, uniforms_per_round
+from sparkrl.verify import accept_chain, accept_tree, uniforms_per_round
 
 
 @dataclass
@@ -181,11 +181,27 @@ def _catch_up(drafter, cache: KVCache, tokens: torch.Tensor, feats, n: torch.Ten
     return _DraftState(tokens.gather(1, (n - 1)[:, None])[:, 0], pick(step.z), pick(step.a))
 
 
-def root_only(root: torch.Tensor) -> Tree:
-    """A tree of just the roots (B,): verifying it is one autoregressive step."""
-    B = root.shape[0]
-    z = torch.zeros(B, 1, dtype=torch.long, device=root.device)
-    return Tree(root[:, None], z - 1, torch.ones(B, 1, dtype=torch.bool, device=root.device), z)
+class _Backlog:
+    """Drafter inputs of autoregressive rounds (the sampled token, the policy's features at its
+    predecessor) that the drafter has not run yet: it runs them all at the next tree round."""
+
+    def __init__(self):
+        self.tokens, self.feats = [], []
+
+    def add(self, tokens: torch.Tensor, feats) -> None:
+        self.tokens.append(tokens)
+        self.feats.append(feats)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.tokens = [t[rows] for t in self.tokens]
+        self.feats = [None if f is None else f[rows] for f in self.feats]
+
+    def pop(self):
+        tokens = torch.cat(self.tokens, 1)
+        feats = None if self.feats[0] is None else torch.cat(self.feats, 1)
+        self.tokens, self.feats = [], []
+        n = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=tokens.device)
+        return tokens, feats, n
 
 
 def _gather_feats(drafter, taps: dict, idx: torch.Tensor):
@@ -209,8 +225,8 @@ def generate_speculative(
 ) -> Rollout:
     """Exact speculative sampling with draft trees; same contract and outputs as `generate`.
 
-    shape: `drafters.tree.TreeShape`. budget: optional `budget.Budget` choosing each round between
-    the full tree and an autoregressive step (a root-only tree) from the number of active responses.
+    shape: `drafters.tree.TreeShape`. budget: optional `budget.Budget` choosing each round's tree
+    size, or an autoregressive step, from the number of active responses.
     The committed tokens follow the policy's sampling distribution exactly, whatever the drafter
     proposes and whatever the budget chooses (which round is speculative may then depend on the
     batch, so with a budget a response's exact realisation can depend on its batch; its
@@ -247,6 +263,7 @@ def generate_speculative(
              "accept_s": 0.0, "accepted_at_depth": [0] * shape.depth, "tree_rounds": 0, "tree_row_rounds": 0}
     chain = shape.mode == "chain"
     M = 2 * shape.depth + 1 if chain else uniforms_per_round(shape.depth, shape.max_children)
+    backlog = _Backlog()
     while True:
         keep = batch.drop(done)
         if not batch.active:
@@ -256,22 +273,39 @@ def generate_speculative(
             pcache.keep_rows(keep)
             dcache.keep_rows(keep)
             state.keep(keep)
+            backlog.keep(keep)
         B = len(batch.active)
         t1 = time.perf_counter()
         nodes = shape.nodes if budget is None else budget.choose(B)
+        if nodes == 0:  # an autoregressive step; the drafter catches up later, in one forward
+            out = policy(state.root[:, None], pcache, taps=taps)
+            pcache.commit(n_keep=torch.ones(B, dtype=torch.long, device=device))
+            nxt = sample(policy.logits(out.hidden[:, -1]), sampling.temperature, sampling.top_p,
+                         [generators[r] for r in batch.active])
+            done = batch.commit([[t] for t in nxt.tolist()])  # host sync: tokens go to Python lists
+            backlog.add(nxt[:, None], drafter.features(out.taps))
+            state.root = nxt
+            stats["verify_s"] += time.perf_counter() - t1
+            stats["rounds"] += 1
+            stats["row_rounds"] += B
+            stats["policy_forwards"] += 1
+            stats["committed"] += B
+            if progress is not None:
+                progress(B)
+            continue
+        if backlog.tokens:
+            state = _catch_up(drafter, dcache, *backlog.pop())
         u = torch.stack([torch.rand(M, generator=generators[r], dtype=torch.float64) for r in batch.active]).to(device)
-        if nodes and chain:
+        if chain:
             tree, q = build_chain(drafter, dcache, state.root, state.z, state.a, shape.depth, sampling.temperature,
                                   u[:, shape.depth + 1:])
-        elif nodes:
+        else:
             tree = build_tree(drafter, dcache, state.root, state.z, state.a, shape, nodes)
-        else:  # an autoregressive step: the root alone
-            tree = root_only(state.root)
         dcache.commit(n_keep=torch.zeros(B, dtype=torch.long, device=device))  # roll the draft back
         t2 = time.perf_counter()
         out = policy(tree.tokens, pcache, tree_mask=tree.ancestor_mask(), depth=tree.depth, taps=taps)
         t3 = time.perf_counter()
-        if nodes and chain:
+        if chain:
             node_logits = policy.logits(out.hidden)  # (B, 1+D, V): every chain node is needed
             q_full = torch.zeros(*q.shape[:2], node_logits.shape[-1], device=device).index_copy_(
                 2, drafter.vocab_ids, q)  # (B, D, V): q over the policy's vocabulary
@@ -296,15 +330,14 @@ def generate_speculative(
         stats["row_rounds"] += B
         stats["policy_forwards"] += 1
         stats["committed"] += sum(counts)
-        if nodes:
-            stats["tree_rounds"] += 1
-            stats["tree_row_rounds"] += B
-            for d in range(shape.depth):
-                stats["accepted_at_depth"][d] += sum(c > d + 1 for c in counts)
-            if budget is not None:
-                rank = tree.rank if tree.rank is not None else torch.arange(tree.size, device=device).expand(B, -1)
-                path_rank = torch.where(acc.path >= 0, rank.gather(1, acc.path.clamp(min=0)), tree.size + 1)
-                budget.observe(nodes, path_rank)
+        stats["tree_rounds"] += 1
+        stats["tree_row_rounds"] += B
+        for d in range(shape.depth):
+            stats["accepted_at_depth"][d] += sum(c > d + 1 for c in counts)
+        if budget is not None:
+            rank = tree.rank if tree.rank is not None else torch.arange(tree.size, device=device).expand(B, -1)
+            path_rank = torch.where(acc.path >= 0, rank.gather(1, acc.path.clamp(min=0)), tree.size + 1)
+            budget.observe(nodes, path_rank)
         stats["draft_s"] += (t2 - t1) + (t5 - t4)
         stats["verify_s"] += t3 - t2
         stats["accept_s"] += t4 - t3

@@ -70,3 +70,19 @@ def test_mixed_rounds_stay_exact_greedy(tiny_llama):
                               response_generators(0, 2, 3), shape, group_size=3, budget=b)
     assert sp.tokens == ar.tokens
     assert 0 < sp.stats["tree_rounds"] < sp.stats["rounds"]
+
+
+def test_drafter_catches_up_after_autoregressive_rounds():
+    """After autoregressive rounds the drafter runs their backlog in one forward: a self-drafter kept
+    in sync then has every greedy chain accepted whole."""
+    from sparkrl.drafters.selfdraft import SelfDrafter
+    from test_speculative import small_policy
+
+    policy = small_policy(seed=3)
+    shape = TreeShape(3, 1, 3)
+    sc = SamplingConfig(0.0, 1.0, 25)
+    sp = generate_speculative(policy, SelfDrafter(policy), [[1, 2, 3], [4, 0, 1]], sc, (),
+                              response_generators(0, 2, 2), shape, group_size=2, budget=Alternating(synthetic(), shape))
+    st = sp.stats
+    assert 0 < st["tree_rounds"] < st["rounds"]
+    assert st["accepted_at_depth"] == [st["tree_row_rounds"]] * 3
