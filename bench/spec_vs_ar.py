@@ -88,6 +88,34 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec_vs_ar.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / "spec_vs_ar.png")
+
+
+def plot(result: dict, path: Path) -> None:
+    """Generated tokens/s per system and batch, with ratios to autoregressive and the tree's AAL."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = list(rows[0]["tok_per_s"])
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    w = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [x + (i - (len(names) - 1) / 2) * w for x in range(len(rows))]
+        ys = [r["tok_per_s"][name] for r in rows]
+        ax.bar(xs, ys, w, label=name)
+        for x, y, r in zip(xs, ys, rows):
+            if name != "autoregressive":
+                ax.text(x, y * 1.02, f"{r['ratio'][name]:.2f}x", ha="center", fontsize=8)
+    ax.set_xticks(range(len(rows)), [f"{r['prompts']}x{r['group']} (AAL {r['aal']:.2f})" for r in rows])
+    ax.set_ylim(0, max(max(r["tok_per_s"].values()) for r in rows) * 1.15)
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title("Speculative (EAGLE3-style) vs autoregressive rollouts, default model, CPU")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def grpo_steps(args, depth, branch, nodes) -> dict:
