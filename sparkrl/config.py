@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import os
 import textwrap
 from dataclasses import dataclass, field
 from functools import cache
@@ -125,6 +126,8 @@ class DraftConfig:
     def __post_init__(self):
         _check(self.draft in ("none", "eagle3"), f"--draft must be none or eagle3, got {self.draft!r}")
         _check(self.budget in ("auto", "fixed"), f"--budget must be auto or fixed, got {self.budget!r}")
+        _check(not self.draft_checkpoint or os.path.exists(self.draft_checkpoint),
+               f"--draft-checkpoint {self.draft_checkpoint} does not exist; make one with `sparkrl pretrain-draft`")
         _check(self.draft_lr > 0, f"--draft-lr must be > 0, got {self.draft_lr}")
         if self.draft != "none":
             from sparkrl.drafters.tree import TreeShape

@@ -103,6 +103,10 @@ def test_data_order_covers_each_epoch():
     (["train", "--out", "X", "--data", "/no/such.jsonl"], "is not a file"),
     (["train", "--out", "X", "--bogus"], "unrecognized arguments"),
     (["generate", "--prompt", "a", "--prompts-file", "b"], "exactly one of"),
+    (["train", "--out", "X", "--draft", "eagle3", "--draft-checkpoint", "/no/such.pt"], "does not exist"),
+    (["train", "--out", "X", "--draft", "eagle3", "--tree-nodes", "0"], "--tree-nodes must be >= 1"),
+    (["train", "--out", "X", "--draft", "eagle3", "--tree-depth", "9", "--tree-nodes", "4"], "larger than the node budget"),
+    (["train", "--out", "X", "--draft", "eagle3", "--tree-branch", "0"], "--tree-branch must be >= 1"),
 ])
 def test_bad_input_is_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
