@@ -7,7 +7,6 @@ Flags are generated from the config dataclasses (`config.py`): field `max_new_to
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys

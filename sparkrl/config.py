@@ -130,8 +130,6 @@ class DraftConfig:
                f"--draft-checkpoint {self.draft_checkpoint} does not exist; make one with `sparkrl pretrain-draft`")
         _check(self.draft_lr > 0, f"--draft-lr must be > 0, got {self.draft_lr}")
         if self.draft != "none":
-            from sparkrl.drafters.tree import TreeShape
-
             self.shape()  # checks it
 
     def shape(self):

@@ -4,14 +4,13 @@ GRPO with --draft eagle3 trains the drafter online and resumes exactly."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import hf_model, ours_from_hf
 from sparkrl.config import RunConfig, build
-from sparkrl.draft_train import DraftTrainer, draft_loss
+from sparkrl.draft_train import draft_loss
 from sparkrl.drafters.eagle3 import Eagle3Drafter, load_drafter
 from sparkrl.errors import UserError
 from sparkrl.trainer import train
