@@ -91,7 +91,8 @@ def deferred_sigint():
 
 def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Rollout, adv: torch.Tensor,
                   cfg: RunConfig, draft_trainer: DraftTrainer | None = None) -> dict:
-    """One GRPO update on a rollout; gradients are accumulated over micro-batches.
+    """Gradients of one GRPO update on a rollout, accumulated over micro-batches; `apply_update`
+    then steps the optimizer (the policy does not change here).
 
     With a draft trainer, each micro-batch's policy features (taps of this same forward, taken
     before the policy changes) also feed the drafter's online loss: no extra policy forward.
@@ -140,12 +141,14 @@ def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Ro
         loss_sum += parts.loss.item()
         kl += parts.kl_sum
         clipped += parts.clipped
-    with deferred_sigint():
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), g.max_grad_norm)
-        opt.step()
+    return {"loss": loss_sum, "kl": kl / max(total, 1), "clip_frac": clipped / max(total, 1)}
+
+
+def apply_update(policy: Transformer, opt, max_grad_norm: float) -> dict:
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
+    opt.step()
     opt.zero_grad(set_to_none=True)
-    return {"loss": loss_sum, "kl": kl / max(total, 1), "clip_frac": clipped / max(total, 1),
-            "grad_norm": float(grad_norm)}
+    return {"grad_norm": float(grad_norm)}
 
 
 def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
@@ -212,33 +215,35 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
             bar.set_postfix_str("policy update", refresh=True)
             t0 = time.perf_counter()
             upd = policy_update(policy, ref, opt, rollout, group_advantages(rewards, G), cfg, drafting)
-            if drafting is not None:
-                with deferred_sigint():
+            # Ctrl-C waits here: the step's updates, its metrics and its checkpoint land together,
+            # so an interrupted run's last checkpoint always matches its last metrics line
+            with deferred_sigint():
+                upd.update(apply_update(policy, opt, cfg.grpo.max_grad_norm))
+                if drafting is not None:
                     upd.update(drafting.step())
-            train_s = time.perf_counter() - t0 - upd.get("draft_train_s", 0.0)
-            m = {
-                "step": step + 1,
-                "reward_mean": float(rewards.mean()),
-                "reward_std": float(rewards.std()),
-                "accuracy": sum(s.accuracy for s in scores) / len(scores),
-                "format": sum(s.format for s in scores) / len(scores),
-                "gen_s": rollout.gen_s,
-                "train_s": train_s,
-                "draft_train_s": upd.pop("draft_train_s", 0.0),
-                "gen_tokens": rollout.num_tokens,
-                "gen_tok_per_s": rollout.num_tokens / max(rollout.gen_s, 1e-9),
-                "response_len_mean": rollout.num_tokens / len(rollout.tokens),
-                "truncated_frac": rollout.finish_reason.count("length") / len(rollout.tokens),
-                **upd,
-                **_draft_metrics(rollout.stats),
-            }
-            _append_metrics(cfg.out, m)
-            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-                with deferred_sigint():
+                train_s = time.perf_counter() - t0 - upd.get("draft_train_s", 0.0)
+                m = {
+                    "step": step + 1,
+                    "reward_mean": float(rewards.mean()),
+                    "reward_std": float(rewards.std()),
+                    "accuracy": sum(s.accuracy for s in scores) / len(scores),
+                    "format": sum(s.format for s in scores) / len(scores),
+                    "gen_s": rollout.gen_s,
+                    "train_s": train_s,
+                    "draft_train_s": upd.pop("draft_train_s", 0.0),
+                    "gen_tokens": rollout.num_tokens,
+                    "gen_tok_per_s": rollout.num_tokens / max(rollout.gen_s, 1e-9),
+                    "response_len_mean": rollout.num_tokens / len(rollout.tokens),
+                    "truncated_frac": rollout.finish_reason.count("length") / len(rollout.tokens),
+                    **upd,
+                    **_draft_metrics(rollout.stats),
+                }
+                _append_metrics(cfg.out, m)
+                if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                     save_checkpoint(cfg.out, step + 1, state(), cfg.keep_checkpoints)
-                saved_step = step + 1
-            first = first or m
-            last = m
+                    saved_step = step + 1
+                first = first or m
+                last = m
             for k in ("gen_s", "train_s", "gen_tokens"):
                 totals[k] += m[k]
             totals["steps"] += 1
