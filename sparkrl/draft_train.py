@@ -161,6 +161,17 @@ def _corpus_from_file(path: str, tokenizer, max_tokens: int) -> list[list[int]]:
     return docs
 
 
+def draft_vocabulary(counts, size: int, vocab_size: int, always: tuple[int, ...]) -> torch.Tensor:
+    """`size` token ids: `always` (EOS), then the most frequent in `counts`, then (for a corpus with
+    fewer distinct tokens) the lowest unused ids; sorted."""
+    vocab = list(dict.fromkeys(always))
+    vocab += [t for t, _ in counts.most_common() if t not in vocab][: max(0, size - len(vocab))]
+    if len(vocab) < size:
+        used = set(vocab)
+        vocab += [t for t in range(vocab_size) if t not in used][: size - len(vocab)]
+    return torch.tensor(sorted(vocab))
+
+
 def pretrain(cfg) -> dict:
     """`sparkrl pretrain-draft`: make a corpus with the policy, pick the draft vocabulary, train."""
     import json
@@ -199,14 +210,7 @@ def pretrain(cfg) -> dict:
     seqs += extra
     counts = Counter(t for s in seqs for t in s)
     V = policy.args.vocab_size
-    if cfg.draft_vocab and cfg.draft_vocab < V:
-        vocab = [t for t, _ in counts.most_common(cfg.draft_vocab)]
-        vocab += [t for t in lm.eos_ids if t not in vocab]
-        filler = iter(t for t in range(V) if t not in set(vocab))  # pad rare-corpus cases to the asked size
-        vocab += [next(filler) for _ in range(max(0, cfg.draft_vocab - len(vocab)))]
-        vocab_ids = torch.tensor(sorted(vocab[: max(cfg.draft_vocab, len(lm.eos_ids))]))
-    else:
-        vocab_ids = None
+    vocab_ids = draft_vocabulary(counts, cfg.draft_vocab, V, lm.eos_ids) if 0 < cfg.draft_vocab < V else None
     torch.manual_seed(cfg.seed)
     w = policy.lm_head.weight
     drafter = Eagle3Drafter(policy.args, vocab_ids=vocab_ids).to(device=w.device, dtype=w.dtype).bind(policy)

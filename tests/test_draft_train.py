@@ -133,3 +133,13 @@ def test_train_with_drafter_writes_draft_metrics_and_resumes_exactly(tiny_model_
     for k in ca["policy"]:
         assert torch.equal(ca["policy"][k], cb["policy"][k]), k
     assert m[-1]["draft_ce"] != m[0]["draft_ce"]
+
+
+def test_draft_vocabulary_keeps_eos_and_the_most_frequent():
+    from collections import Counter
+
+    from sparkrl.draft_train import draft_vocabulary
+
+    counts = Counter({5: 10, 6: 9, 7: 8, 8: 1})
+    assert draft_vocabulary(counts, 3, 20, (2,)).tolist() == [2, 5, 6]  # EOS kept though rare
+    assert draft_vocabulary(counts, 7, 20, (2,)).tolist() == [0, 1, 2, 5, 6, 7, 8]  # filled with unused ids
