@@ -103,6 +103,48 @@ class GRPOConfig:
 
 
 @dataclass(frozen=True)
+class SparkConfig:
+    spark: bool = False
+    """SPARK: correct the drafter during the rollout from the verifier's feedback (needs --draft)."""
+    spark_rank: int = 8
+    """Rank r of the correction (the projection A is hidden size x r)."""
+    spark_k: int = 16
+    """Feedback tokens per context: TopK(p, k) U TopK(q, k), plus a tail bucket."""
+    spark_eta: float = 0.01
+    """Adaptation rate eta of the in-rollout update of B."""
+    spark_lr: float = 1e-4
+    """Learning rate of the projection A, applied at the draft optimizer step."""
+    spark_every: int = 1
+    """Update B every N verification rounds (ablation; 1 = the paper's method)."""
+    spark_scope: str = field(default="group", metadata={"choices": ("group", "response", "batch")})
+    """Who shares a correction: group (the responses of one prompt), response, or batch (ablations)."""
+    spark_carry: bool = False
+    """Carry B across rollouts instead of resetting it (ablation)."""
+    spark_feedback: str = field(default="all", metadata={"choices": ("all", "accepted")})
+    """Feedback contexts: all (verified path and eligible rejected children) or accepted (ablation)."""
+    spark_frozen_a: bool = False
+    """Keep the projection A at its initialisation (ablation)."""
+    spark_path_weight: float = 1.0
+    """Feedback weight of verified-path contexts."""
+    spark_rejected_weight: float = 1.0
+    """Feedback weight of rejected contexts."""
+
+    def __post_init__(self):
+        _check(self.spark_rank >= 1, f"--spark-rank must be >= 1, got {self.spark_rank}")
+        _check(self.spark_k >= 1, f"--spark-k must be >= 1, got {self.spark_k}")
+        _check(self.spark_eta > 0, f"--spark-eta must be > 0, got {self.spark_eta}")
+        _check(self.spark_lr > 0, f"--spark-lr must be > 0, got {self.spark_lr}")
+        _check(self.spark_every >= 1, f"--spark-every must be >= 1, got {self.spark_every}")
+        _check(self.spark_scope in ("group", "response", "batch"),
+               f"--spark-scope must be group, response or batch, got {self.spark_scope!r}")
+        _check(self.spark_feedback in ("all", "accepted"),
+               f"--spark-feedback must be all or accepted, got {self.spark_feedback!r}")
+        _check(self.spark_path_weight >= 0 and self.spark_rejected_weight >= 0
+               and self.spark_path_weight + self.spark_rejected_weight > 0,
+               "--spark-path-weight and --spark-rejected-weight must be >= 0 and not both 0")
+
+
+@dataclass(frozen=True)
 class DraftConfig:
     draft: str = field(default="none", metadata={"choices": ("none", "eagle3")})
     """Speculative rollouts: none (autoregressive) or eagle3 (one-layer drafter, dynamic trees)."""
@@ -122,6 +164,10 @@ class DraftConfig:
     budget: str = field(default="auto", metadata={"choices": ("auto", "fixed")})
     """auto: each round, verify the full tree or take an autoregressive step, whichever a cost model
     measured on this machine says is faster for the number of active responses; fixed: always the tree."""
+    round_log: str = ""
+    """Append each rollout's per-token drafting outcomes (hit, miss, undrafted; round) to this JSONL
+    file, for `sparkrl analyze`."""
+    spark_config: SparkConfig = SparkConfig()
 
     def __post_init__(self):
         _check(self.draft in ("none", "eagle3"), f"--draft must be none or eagle3, got {self.draft!r}")
@@ -131,6 +177,7 @@ class DraftConfig:
         _check(self.draft_lr > 0, f"--draft-lr must be > 0, got {self.draft_lr}")
         if self.draft != "none":
             self.shape()  # checks it
+        _check(self.draft != "none" or not self.spark_config.spark, "--spark corrects a drafter: pass --draft eagle3")
 
     def shape(self):
         from sparkrl.drafters.tree import TreeShape

@@ -26,7 +26,7 @@ import torch
 
 from sparkrl.config import SamplingConfig
 from sparkrl.model import KVCache, Transformer
-from sparkrl.sampling import sample
+from sparkrl.sampling import sample, target_probs
 from sparkrl.verify import accept_chain, accept_tree, uniforms_per_round
 
 
@@ -40,6 +40,8 @@ class Rollout:
     finish_reason: list[str]  # "stop" (EOS) or "length"
     gen_s: float = 0.0
     stats: dict = field(default_factory=dict)
+    outcome: list[list[int]] = field(default_factory=list)  # per token: HIT, MISS or UNDRAFTED (speculative)
+    round_of: list[list[int]] = field(default_factory=list)  # per token: the round that committed it
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +49,12 @@ class Rollout:
 
     def prompt_of(self, r: int) -> list[int]:
         return self.prompt_ids[r // self.group_size]
+
+
+HIT, MISS, UNDRAFTED = 1, 0, -1
+"""Per-token drafting outcome: an accepted draft; the target's token where the drafter proposed other
+tokens (a miss, paper section 2); no proposal at that position (autoregressive step, first token, or
+the token after a fully accepted branch)."""
 
 
 def response_generators(seed: int, n_prompts: int, group_size: int, offset: int = 0) -> list[torch.Generator]:
@@ -65,21 +73,26 @@ class _Batch:
 
     def __init__(self, n: int, eos_ids: tuple[int, ...], max_new_tokens: int):
         self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.outcome: list[list[int]] = [[] for _ in range(n)]
+        self.round_of: list[list[int]] = [[] for _ in range(n)]
         self.reason = ["length"] * n
         self.active = list(range(n))  # response index of each batch row
         self.eos, self.max_new = set(eos_ids), max_new_tokens
 
-    def commit(self, new: list[list[int]]) -> list[bool]:
-        """Append each active row's new tokens (cut after an EOS or at the length limit).
+    def commit(self, new: list[list[int]], outcome: list[list[int]] | None = None, round_: int = 0) -> list[bool]:
+        """Append each active row's new tokens (cut after an EOS or at the length limit), with their
+        drafting outcomes (default UNDRAFTED) and round.
 
         Returns, per row, whether the response has finished."""
         done = []
-        for r, toks in zip(self.active, new):
+        for i, (r, toks) in enumerate(zip(self.active, new)):
             out = self.tokens[r]
-            for t in toks:
+            for j, t in enumerate(toks):
                 if len(out) >= self.max_new:
                     break
                 out.append(t)
+                self.outcome[r].append(outcome[i][j] if outcome else UNDRAFTED)
+                self.round_of[r].append(round_)
                 if t in self.eos:
                     self.reason[r] = "stop"
                     break
@@ -166,9 +179,10 @@ class _DraftState:
     root: torch.Tensor  # (B,)
     z: torch.Tensor  # (B, Vd)
     a: torch.Tensor  # (B, d)
+    h: torch.Tensor  # (B, d) the head feature behind z (SPARK corrects z with it)
 
     def keep(self, rows: torch.Tensor) -> None:
-        self.root, self.z, self.a = self.root[rows], self.z[rows], self.a[rows]
+        self.root, self.z, self.a, self.h = self.root[rows], self.z[rows], self.a[rows], self.h[rows]
 
 
 def _catch_up(drafter, cache: KVCache, tokens: torch.Tensor, feats, n: torch.Tensor) -> _DraftState:
@@ -178,7 +192,7 @@ def _catch_up(drafter, cache: KVCache, tokens: torch.Tensor, feats, n: torch.Ten
     cache.commit(n_keep=n)
     last = (n - 1)[:, None, None]
     pick = lambda t: t.gather(1, last.expand(-1, 1, t.shape[-1]))[:, 0]
-    return _DraftState(tokens.gather(1, (n - 1)[:, None])[:, 0], pick(step.z), pick(step.a))
+    return _DraftState(tokens.gather(1, (n - 1)[:, None])[:, 0], pick(step.z), pick(step.a), pick(step.h))
 
 
 class _Backlog:
@@ -222,17 +236,21 @@ def generate_speculative(
     group_size: int = 1,
     progress=None,
     budget=None,
+    spark=None,
 ) -> Rollout:
     """Exact speculative sampling with draft trees; same contract and outputs as `generate`.
 
     shape: `drafters.tree.TreeShape`. budget: optional `budget.Budget` choosing each round's tree
-    size, or an autoregressive step, from the number of active responses.
+    size, or an autoregressive step, from the number of active responses. spark: optional
+    `spark.Spark` correcting the proposals from the feedback of earlier rounds (its `begin` is
+    called here; the A gradient it accumulates is left for the caller).
     The committed tokens follow the policy's sampling distribution exactly, whatever the drafter
     proposes and whatever the budget chooses (which round is speculative may then depend on the
     batch, so with a budget a response's exact realisation can depend on its batch; its
     distribution does not).
     """
     from sparkrl.drafters.tree import build_chain, build_tree
+    from sparkrl.spark import chain_feedback, tree_feedback
 
     t0 = time.perf_counter()
     G, P = group_size, len(prompts)
@@ -255,12 +273,15 @@ def generate_speculative(
     root = sample(logits, sampling.temperature, sampling.top_p, generators)  # (N,)
     batch = _Batch(N, eos_ids, sampling.max_new_tokens)
     done = batch.commit([[t] for t in root.tolist()])  # host sync
+    if spark is not None:
+        spark.begin(P, G)
     last_feat = None
     if feats is not None:
         last_feat = feats[torch.arange(P, device=device), lens - 1].index_select(0, rows)[:, None]  # (N, 1, d)
     state = _catch_up(drafter, dcache, root[:, None], last_feat, torch.ones(N, dtype=torch.long, device=device))
     stats = {"rounds": 0, "row_rounds": 0, "committed": 0, "policy_forwards": 1, "draft_s": 0.0, "verify_s": 0.0,
-             "accept_s": 0.0, "accepted_at_depth": [0] * shape.depth, "tree_rounds": 0, "tree_row_rounds": 0}
+             "accept_s": 0.0, "accepted_at_depth": [0] * shape.depth, "tree_rounds": 0, "tree_row_rounds": 0,
+             "spark_s": 0.0, "tree_rounds_aal": []}
     chain = shape.mode == "chain"
     M = 2 * shape.depth + 1 if chain else uniforms_per_round(shape.depth, shape.max_children)
     backlog = _Backlog()
@@ -282,7 +303,7 @@ def generate_speculative(
             pcache.commit(n_keep=torch.ones(B, dtype=torch.long, device=device))
             nxt = sample(policy.logits(out.hidden[:, -1]), sampling.temperature, sampling.top_p,
                          [generators[r] for r in batch.active])
-            done = batch.commit([[t] for t in nxt.tolist()])  # host sync: tokens go to Python lists
+            done = batch.commit([[t] for t in nxt.tolist()], None, stats["rounds"])  # host sync: tokens to lists
             backlog.add(nxt[:, None], drafter.features(out.taps))
             state.root = nxt
             stats["verify_s"] += time.perf_counter() - t1
@@ -296,11 +317,15 @@ def generate_speculative(
         if backlog.tokens:
             state = _catch_up(drafter, dcache, *backlog.pop())
         u = torch.stack([torch.rand(M, generator=generators[r], dtype=torch.float64) for r in batch.active]).to(device)
+        if spark is not None:
+            ts = time.perf_counter()
+            spark.select(torch.tensor(batch.active, device=device))
+            stats["spark_s"] += time.perf_counter() - ts
         if chain:
-            tree, q = build_chain(drafter, dcache, state.root, state.z, state.a, shape.depth, sampling.temperature,
-                                  u[:, shape.depth + 1:])
+            tree, q, ctx = build_chain(drafter, dcache, state.root, state.z, state.a, shape.depth, sampling.temperature,
+                                       u[:, shape.depth + 1:], state.h, spark)
         else:
-            tree = build_tree(drafter, dcache, state.root, state.z, state.a, shape, nodes)
+            tree, ctx = build_tree(drafter, dcache, state.root, state.z, state.a, shape, nodes, state.h, spark)
         dcache.commit(n_keep=torch.zeros(B, dtype=torch.long, device=device))  # roll the draft back
         t2 = time.perf_counter()
         out = policy(tree.tokens, pcache, tree_mask=tree.ancestor_mask(), depth=tree.depth, taps=taps)
@@ -313,8 +338,10 @@ def generate_speculative(
                                u[:, :shape.depth + 1])
         else:  # the LM head runs only on the nodes the acceptance walk visits
             rows_b = torch.arange(B, device=device)
+            levels = []  # SPARK: (current node, target on the draft vocabulary) per level of the walk
+            seen = None if spark is None else (lambda cur, p: levels.append((cur, p[:, drafter.vocab_ids].float())))
             acc = accept_tree(tree, lambda nodes: policy.logits(out.hidden[rows_b, nodes]), sampling.temperature,
-                              sampling.top_p, u, shape.depth, shape.max_children)
+                              sampling.top_p, u, shape.depth, shape.max_children, seen)
         n_acc = acc.n_accepted
         kept = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), acc.path.clamp(min=0)], 1)  # (B, 1+D)
         pcache.commit(kept, n_acc + 1)
@@ -322,8 +349,20 @@ def generate_speculative(
         new = torch.cat([new, new[:, :1]], 1).scatter(1, n_acc[:, None], acc.bonus[:, None])  # (B, 1+D) + bonus
         counts = (n_acc + 1).tolist()  # host sync: tokens go to Python lists
         rows_new = new.tolist()
-        done = batch.commit([r[:c] for r, c in zip(rows_new, counts)])
+        missed = (n_acc < shape.depth) if chain else _has_children(tree).gather(1, acc.last[:, None])[:, 0]
+        tags = [[HIT] * (c - 1) + [MISS if m else UNDRAFTED] for c, m in zip(counts, missed.tolist())]
+        done = batch.commit([r[:c] for r, c in zip(rows_new, counts)], tags, stats["rounds"])
         t4 = time.perf_counter()
+        if spark is not None:  # feedback of this round, for the next round's proposals
+            target = lambda rows, nodes: target_probs(policy.logits(out.hidden[rows, nodes]), sampling.temperature,
+                                                      sampling.top_p)[:, drafter.vocab_ids]
+            if chain:
+                chain_feedback(spark, acc, ctx, target)
+            else:
+                tree_feedback(spark, tree, acc, ctx, levels, target, shape.max_children)
+            spark.end_round()
+            stats["spark_s"] += time.perf_counter() - t4
+            t4 = time.perf_counter()
         state = _catch_up(drafter, dcache, new, _gather_feats(drafter, out.taps, kept), n_acc + 1)
         t5 = time.perf_counter()
         stats["rounds"] += 1
@@ -332,6 +371,7 @@ def generate_speculative(
         stats["committed"] += sum(counts)
         stats["tree_rounds"] += 1
         stats["tree_row_rounds"] += B
+        stats["tree_rounds_aal"].append((B, sum(counts) / B))  # (active responses, AAL) per round, paper Fig. 5
         for d in range(shape.depth):
             stats["accepted_at_depth"][d] += sum(c > d + 1 for c in counts)
         if budget is not None:
@@ -344,4 +384,14 @@ def generate_speculative(
         if progress is not None:
             progress(sum(counts))
     stats["aal"] = stats["committed"] / max(stats["row_rounds"], 1)
-    return Rollout([list(p) for p in prompts], G, batch.tokens, batch.reason, time.perf_counter() - t0, stats)
+    if spark is not None:
+        stats.update(spark.stats, spark_rows=len(spark.store))
+    return Rollout([list(p) for p in prompts], G, batch.tokens, batch.reason, time.perf_counter() - t0, stats,
+                   batch.outcome, batch.round_of)
+
+
+def _has_children(tree) -> torch.Tensor:
+    """(B, N) bool: the node has at least one valid child (a proposal was made after it)."""
+    n = torch.zeros_like(tree.tokens)
+    n.scatter_add_(1, tree.parents.clamp(min=0), (tree.valid & (tree.parents >= 0)).long())
+    return n > 0

@@ -71,7 +71,7 @@ def uniforms_per_round(max_depth: int, max_children: int) -> int:
 
 
 def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.Tensor,
-                max_depth: int, max_children: int) -> Acceptance:
+                max_depth: int, max_children: int, on_target=None) -> Acceptance:
     """Walk every row's tree with point-mass acceptance.
 
     logits: (B, N, V) policy logits at every node (the distribution of the token after the node),
@@ -79,6 +79,8 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
     the walk visits).
     u: (B, uniforms_per_round(max_depth, max_children)) float64 in [0, 1).
     No node may be deeper than max_depth or have more than max_children children.
+    on_target: optional callable(cur (B,), p (B, V)) seeing, at every level the walk reaches, each
+    row's current node and its target distribution before any rejection (SPARK's feedback).
     """
     B, N = tree.tokens.shape
     dev = tree.tokens.device
@@ -95,6 +97,8 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
     at = logits if callable(logits) else (lambda nodes: logits[rows, nodes])
     for level in range(max_depth + 1):
         p = target_probs(at(cur), temperature, top_p).double()  # (B, V)
+        if on_target is not None:
+            on_target(cur, p)
         # children of the current node, in node order
         is_child = (tree.parents == cur[:, None]) & tree.valid & (tree.parents >= 0)  # (B, N)
         order = torch.where(is_child, node_ids, N).sort(-1).values[:, :max_children]  # (B, C) first C children

@@ -49,19 +49,33 @@ class TreeShape:
         return self.branch
 
 
+@dataclass
+class Contexts:
+    """The drafted contexts of a round, for SPARK's feedback: every position where the drafter computed
+    a distribution (the root, expanded tree nodes, chain positions)."""
+
+    h: torch.Tensor  # (B, C, d) features entering the draft head
+    z: torch.Tensor  # (B, C, Vd) the (corrected) logits the proposals came from
+    node: torch.Tensor  # (B, N) context index of each tree node, -1 where the drafter did not expand it
+
+
 def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Tensor, shape: TreeShape,
-               nodes: int | None = None) -> Tree:
+               nodes: int | None = None, h: torch.Tensor | None = None, spark=None) -> tuple[Tree, Contexts | None]:
     """Trees for a batch of roots.
 
     root: (B,) policy ids of the roots; z: (B, Vd) drafter logits after the root; a: (B, d) the
     drafter feature at the root's position (parent feature of the level-1 nodes). nodes: keep this
     many nodes instead of shape.nodes (the `nodes` best are also the best of any larger tree, so
-    smaller trees are subsets of larger ones).
+    smaller trees are subsets of larger ones). spark: a `spark.Spark` correcting every context's
+    logits (h (B, d): the root's head feature); then the contexts are returned too, else None.
     """
     B = root.shape[0]
     dev = root.device
     k = shape.branch
     ids = drafter.vocab_ids
+    if spark is not None:
+        z = spark.correct(z, h)
+        ctx_h, ctx_z, expanded = [h[:, None]], [z[:, None]], []  # expanded: (recorded ids, first context)
     logq = torch.log_softmax(z.float(), -1)  # (B, Vd)
     score, tok = logq.topk(min(k, logq.shape[-1]), dim=-1)  # (B, F)
     F = score.shape[1]
@@ -75,7 +89,13 @@ def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Ten
         mask = torch.cat([front_anc, torch.eye(F, dtype=torch.bool, device=dev).expand(B, F, F)], -1)
         step = drafter(rec_tok[-1], front_feat, cache, tree_mask=mask,
                        depth=torch.full((B, F), level - 2, device=dev))
-        cs, ci = torch.log_softmax(step.z, -1).topk(k, dim=-1)  # (B, F, k)
+        zs = step.z
+        if spark is not None:
+            zs = spark.correct(zs, step.h)  # (B, F, Vd)
+            expanded.append((front_id, sum(c.shape[1] for c in ctx_z)))
+            ctx_h.append(step.h)
+            ctx_z.append(zs)
+        cs, ci = torch.log_softmax(zs, -1).topk(k, dim=-1)  # (B, F, k)
         cum = (rec_score[-1][:, :, None] + cs).flatten(1)  # (B, F*k)
         score, sel = cum.topk(k, dim=-1)  # (B, k) next frontier
         slot = sel // k  # frontier slot of each child's parent
@@ -91,12 +111,19 @@ def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Ten
         anc = torch.cat([front_anc, torch.zeros(B, F, F, dtype=torch.bool, device=dev)], -1)
         front_anc = anc.gather(1, slot[..., None].expand(-1, -1, P + F)) | own
         F = k
-    return _select(torch.cat(rec_tok, 1), torch.cat(rec_score, 1), torch.cat(rec_parent, 1),
-                   torch.cat([torch.full_like(s, d, dtype=torch.long) for s, d in zip(rec_score, rec_depth)], 1),
-                   root, nodes or shape.nodes)
+    tree, keep = _select(torch.cat(rec_tok, 1), torch.cat(rec_score, 1), torch.cat(rec_parent, 1),
+                         torch.cat([torch.full_like(s, d, dtype=torch.long) for s, d in zip(rec_score, rec_depth)], 1),
+                         root, nodes or shape.nodes)
+    if spark is None:
+        return tree, None
+    rec_ctx = torch.full((B, n_rec), -1, dtype=torch.long, device=dev)  # context of each recorded node
+    for ids_, first in expanded:
+        rec_ctx.scatter_(1, ids_, first + torch.arange(ids_.shape[1], device=dev).expand_as(ids_))
+    node = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), rec_ctx.gather(1, keep)], 1)
+    return tree, Contexts(torch.cat(ctx_h, 1), torch.cat(ctx_z, 1), node)
 
 
-def _select(tok, score, parent, depth, root, nodes) -> Tree:
+def _select(tok, score, parent, depth, root, nodes) -> tuple[Tree, torch.Tensor]:
     """Keep the `nodes` best recorded nodes (ancestor-closed), ordered by depth then score."""
     B, M = tok.shape
     dev = tok.device
@@ -116,26 +143,31 @@ def _select(tok, score, parent, depth, root, nodes) -> Tree:
         valid=torch.ones(B, n + 1, dtype=torch.bool, device=dev),
         depth=torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), depth.gather(1, keep)], 1),
         rank=torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), perm + 1], 1),
-    )
+    ), keep
 
 
-def build_chain(drafter, cache, root, z, a, depth: int, temperature: float, u: torch.Tensor):
+def build_chain(drafter, cache, root, z, a, depth: int, temperature: float, u: torch.Tensor, h=None, spark=None):
     """Chains of `depth` tokens sampled from the draft distribution q = softmax(z / temperature).
 
-    u: (B, depth) uniforms. Returns (Tree, q (B, depth, Vd)): q[:, d] is the distribution token d was
-    drawn from (point masses at temperature 0).
+    u: (B, depth) uniforms. Returns (Tree, q (B, depth, Vd), Contexts | None): q[:, d] is the
+    distribution token d was drawn from (point masses at temperature 0), after SPARK's correction
+    when `spark` is given (h (B, d): the root's head feature); chain position d is context d.
     """
     from sparkrl.sampling import sample_from
 
     B = root.shape[0]
     dev = root.device
     ids = drafter.vocab_ids
-    qs, toks = [], []
+    qs, toks, hs, zs = [], [], [], []
     feat = a[:, None]
     for d in range(depth):
         if d:
             step = drafter(toks[-1][:, None], feat, cache, depth=torch.full((B, 1), d - 1, device=dev))
-            z, feat = step.z[:, 0], step.a
+            z, feat, h = step.z[:, 0], step.a, step.h[:, 0]
+        if spark is not None:
+            z = spark.correct(z, h)
+            hs.append(h)
+            zs.append(z)
         q = torch.softmax(z.float() / temperature, -1) if temperature > 0 else \
             torch.nn.functional.one_hot(z.argmax(-1), z.shape[-1]).float()
         qs.append(q)
@@ -147,4 +179,8 @@ def build_chain(drafter, cache, root, z, a, depth: int, temperature: float, u: t
         valid=torch.ones(B, depth + 1, dtype=torch.bool, device=dev),
         depth=n.expand(B, -1).clone(),
     )
-    return tree, torch.stack(qs, 1)
+    ctx = None
+    if spark is not None:
+        node = torch.where(n < depth, n, -1).expand(B, -1).clone()
+        ctx = Contexts(torch.stack(hs, 1), torch.stack(zs, 1), node)
+    return tree, torch.stack(qs, 1), ctx

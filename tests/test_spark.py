@@ -1,0 +1,291 @@
+"""SPARK: the update against a float64 reference of Eq. (5), the A gradient against autograd, the
+properties of appendix B (locality, isolation, reset, fixed point) and exactness through the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparkrl.config import SamplingConfig
+from sparkrl.drafters.eagle3 import Eagle3Drafter
+from sparkrl.drafters.tree import TreeShape, build_chain, build_tree
+from sparkrl.errors import UserError
+from sparkrl.rollout import generate, generate_speculative, response_generators
+from sparkrl.spark import Projection, SparseRows, Spark, init_projection, sparse_delta
+from test_speculative import EOS, chi2_ok, exact_sequences, small_policy
+
+V, D, R = 40, 12, 3
+
+
+def random_round(n, owners, g, peaked=3.0):
+    """n feedback contexts: batch row, h, z, target p (sums to <= 1, as on a reduced vocabulary), w."""
+    row = torch.randint(0, len(owners), (n,), generator=g)
+    h = torch.randn(n, D, generator=g)
+    z = torch.randn(n, V, generator=g) * peaked
+    p = torch.softmax(torch.randn(n, V, generator=g) * peaked, -1) * 0.97
+    w = torch.rand(n, generator=g) + 0.5
+    return row, h, z, p, w
+
+
+def reference(rounds, owners_of_rows, A, k, eta, T, n_owners):
+    """Eq. (5) in float64 with dense B (n_owners, V, r), one context at a time; also sum (w/W) G^A."""
+    A = A.double()
+    B = torch.zeros(n_owners, V, A.shape[1], dtype=torch.float64)
+    gA = torch.zeros_like(A)
+    updates = 0
+    for row, h, z, p, w in rounds:
+        h, z, p, w = h.double(), z.double(), p.double(), w.double()
+        own = owners_of_rows[row]
+        W = {int(o): float(w[own == o].sum()) for o in own.unique()}
+        step = torch.zeros_like(B)
+        for c in range(len(row)):
+            g = int(own[c])
+            u = A.T @ h[c]
+            q = torch.softmax((z[c] + B[g] @ u) / T, -1)
+            S = set(p[c].topk(k).indices.tolist()) | set(q.topk(k).indices.tolist())
+            delta = torch.zeros(V, dtype=torch.float64)
+            for v in S:
+                delta[v] = q[v] - p[c, v]
+            tail = (1 - sum(float(q[v]) for v in S)) - (1 - sum(float(p[c, v]) for v in S))
+            for v in S:
+                delta[v] -= tail
+            lam = float(w[c]) / W[g]
+            step[g] -= eta * lam * torch.outer(delta, u)
+            gA += lam * torch.outer(h[c], B[g].T @ delta)
+        updates += len(W)
+        B = B + step
+    return B, gA / updates
+
+
+def run_spark(spark, rounds, responses, T):
+    """Drive a Spark like the engine: correct the logits with the current B, feed back, end the round."""
+    for row, h, z, p, w in rounds:
+        spark.select(responses[row])  # one batch row per context
+        zc = spark.correct(z, h)
+        spark.feedback(torch.arange(len(row)), h, zc, p, w)
+        spark.end_round()
+
+
+def dense(spark, n_owners):
+    B = torch.zeros(n_owners, V, spark.A.shape[1], dtype=torch.float64)
+    for key, row in zip(spark.store.keys.tolist(), spark.store.rows.double()):
+        B[key // V, key % V] = row
+    return B
+
+
+@pytest.mark.parametrize("k,T", [(4, 1.0), (16, 0.7), (V, 1.0)])
+def test_update_and_A_gradient_equal_float64_reference(k, T):
+    g = torch.Generator().manual_seed(k)
+    P, G = 3, 2
+    A = init_projection(torch.randn(50, D, generator=g), R)
+    spark = Spark(A, V, k=k, eta=0.5, temperature=T)
+    spark.begin(P, G)
+    responses = torch.tensor([0, 2, 3, 5])  # active responses: owners (groups) 0, 1, 1, 2
+    rounds = [random_round(9, responses, g) for _ in range(4)]
+    run_spark(spark, rounds, responses, T)
+    B_ref, gA_ref = reference(rounds, responses // G, A, k, 0.5, T, P)
+    assert torch.allclose(dense(spark, P), B_ref, atol=1e-5)
+    assert torch.allclose(spark.take_grad().double(), gA_ref, atol=1e-5)
+    # the correction applied to new contexts is z + B_g A^T h
+    row, h, z, _, _ = random_round(6, responses, g)
+    own = (responses // G)[row]
+    want = z.double() + torch.einsum("nvr,nr->nv", B_ref[own], h.double() @ A.double())
+    spark.select(responses[row])  # correct() works on batch rows: one row per context
+    assert torch.allclose(spark.correct(z, h).double(), want, atol=1e-5)
+
+
+def test_A_gradient_is_autograd_of_the_truncated_loss():
+    """With S_c the whole vocabulary, G^A_c = h (B^T (q - p))^T = d KL(p || softmax(z + B A^T h)) / dA, B fixed."""
+    g = torch.Generator().manual_seed(1)
+    A = torch.randn(D, R, generator=g, dtype=torch.float64)
+    B = torch.randn(V, R, generator=g, dtype=torch.float64)
+    h = torch.randn(D, generator=g, dtype=torch.float64)
+    z = torch.randn(V, generator=g, dtype=torch.float64)
+    p = torch.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 2, -1)
+    Ad = A.clone().requires_grad_(True)
+    zt = z + B @ (Ad.T @ h)
+    kl = (p * (p.log() - torch.log_softmax(zt, -1))).sum()
+    kl.backward()
+    spark = Spark(A.float(), V, k=V, eta=0.1)
+    spark.begin(1, 1)
+    spark.store.add(torch.arange(V), B.float())
+    spark.select(torch.tensor([0]))
+    zc = spark.correct(z.float()[None], h.float()[None])
+    spark.feedback(torch.tensor([0]), h.float()[None], zc, p.float()[None], torch.ones(1))
+    assert torch.allclose(spark.take_grad().double(), Ad.grad, atol=1e-5)
+
+
+def test_sparse_update_is_a_descent_direction():
+    """<full gradient q - p, folded sparse delta> = sum_S delta^2 + tail^2 >= 0 (appendix B.2)."""
+    g = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        q = torch.softmax(torch.randn(1, V, generator=g) * 3, -1)
+        p = torch.softmax(torch.randn(1, V, generator=g) * 3, -1)
+        idx, delta = sparse_delta(q, p, 4)
+        full = torch.zeros(1, V).scatter_add(1, idx, delta)
+        assert float(((q - p) * full).sum()) >= 0
+
+
+def test_token_locality_isolation_reset_and_fixed_point():
+    g = torch.Generator().manual_seed(3)
+    A = init_projection(torch.randn(50, D, generator=g), R)
+    spark = Spark(A, V, k=3, eta=1.0)
+    spark.begin(2, 2)  # owners: responses 0, 1 -> group 0; 2, 3 -> group 1
+    responses = torch.arange(4)
+    row, h, z, p, w = random_round(5, responses, g)
+    row = row % 2  # feedback only from group 0
+    spark.select(responses)
+    spark.feedback(row, h, spark.correct(z, h), p, w)
+    spark.end_round()
+    touched = set((spark.store.keys % V).tolist())
+    assert 0 < len(touched) < V and (spark.store.keys // V == 0).all()
+    spark.select(responses)
+    _, h2, z2, _, _ = random_round(4, responses, g)
+    zc = spark.correct(z2, h2)  # rows 0..3 of the batch: groups 0, 0, 1, 1
+    assert torch.equal(zc[2:], z2[2:])  # prompt isolation: group 1 untouched, bit for bit
+    untouched = torch.tensor(sorted(set(range(V)) - touched))
+    assert torch.equal(zc[:2, untouched], z2[:2, untouched])  # token locality: logits outside every S_c
+    assert not torch.equal(zc[:2], z2[:2])
+    spark.begin(2, 2)  # reset at the next rollout
+    spark.select(responses)
+    assert torch.equal(spark.correct(z2, h2), z2)
+    carry = Spark(A, V, k=3, eta=1.0, carry=True)
+    carry.begin(2, 2)
+    carry.store = spark.store
+    carry.store.add(torch.tensor([5]), torch.ones(1, R))
+    carry.begin(2, 2)
+    assert len(carry.store) == 1  # carried across rollouts
+    # q = p: delta = 0, the correction stays 0
+    fixed = Spark(A, V, k=5, eta=1.0)
+    fixed.begin(1, 4)
+    for _ in range(3):
+        fixed.select(responses)
+        zc = fixed.correct(z2, h2)
+        fixed.feedback(torch.arange(4), h2, zc, torch.softmax(zc, -1), torch.ones(4))
+        fixed.end_round()
+    assert (fixed.store.rows == 0).all()
+
+
+def test_scopes_and_update_every_n_rounds():
+    g = torch.Generator().manual_seed(4)
+    A = init_projection(torch.randn(50, D, generator=g), R)
+    responses = torch.arange(4)
+    for scope, owners in (("response", {0, 1, 2, 3}), ("batch", {0}), ("group", {0, 1})):
+        s = Spark(A, V, k=3, eta=1.0, scope=scope)
+        s.begin(2, 2)
+        row, h, z, p, w = random_round(16, responses, g)
+        s.select(responses)
+        s.feedback(row, h, z, p, w)
+        s.end_round()
+        assert set((s.store.keys // V).tolist()) == owners
+    s = Spark(A, V, k=3, eta=1.0, every=3)
+    s.begin(1, 4)
+    for t in range(3):
+        row, h, z, p, w = random_round(4, responses, g)
+        s.select(responses[row])
+        s.feedback(torch.arange(4), h, s.correct(z, h), p, w)
+        s.end_round()
+        assert (len(s.store) > 0) == (t == 2)  # B stays 0 until the third round has committed
+
+
+def test_non_finite_feedback_is_skipped_and_counted():
+    g = torch.Generator().manual_seed(5)
+    A = init_projection(torch.randn(50, D, generator=g), R)
+    s = Spark(A, V, k=3, eta=1.0)
+    s.begin(2, 1)
+    s.select(torch.arange(2))
+    row, h, z, p, w = random_round(6, torch.arange(2), g)
+    row = torch.tensor([0, 0, 0, 1, 1, 1])
+    p[4, 3] = float("nan")
+    s.feedback(row, h, z, p, w)
+    s.end_round()
+    assert s.stats["spark_skipped"] == 1 and s.stats["spark_contexts"] == 3
+    assert torch.isfinite(s.store.rows).all() and set((s.store.keys // V).tolist()) == {0}
+
+
+def test_sparse_rows_lookup_and_padding():
+    st = SparseRows(10, 2, "cpu")
+    st.add(torch.tensor([13, 2, 13, 7]), torch.tensor([[1.0, 0], [2, 0], [3, 0], [4, 0]]))
+    assert st.keys.tolist() == [2, 7, 13] and st.rows[:, 0].tolist() == [2, 4, 4]
+    assert st.lookup(torch.tensor([[7, 8], [13, 2]]))[..., 0].tolist() == [[4, 0], [4, 2]]
+    tok, rows = st.of_owners(torch.tensor([1, 0, 2]))
+    assert tok.tolist() == [[3, 0], [2, 7], [0, 0]] and rows[..., 0].tolist() == [[4, 0], [2, 4], [0, 0]]
+
+
+def test_projection_init_and_checkpoint_errors():
+    head = torch.randn(100, D)
+    A = init_projection(head, 4)
+    assert torch.allclose(A.T @ A, torch.eye(4), atol=1e-5)
+    with pytest.raises(UserError, match="--spark-rank"):
+        init_projection(head, D + 1)
+    proj = Projection(A)
+    with pytest.raises(UserError, match="needs 12 x 4"):
+        proj.load(Projection(init_projection(head, 3)).checkpoint())
+    other = Projection(torch.zeros(D, 4))
+    other.load(proj.checkpoint())
+    assert torch.equal(other.A, proj.A)
+
+
+def _drafter_state(policy, B=3, seed=0):
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(policy.args).bind(policy)
+    cache = drafter.new_cache(B, 32)
+    root = torch.tensor([1, 2, 3])[:B]
+    step = drafter(root[:, None], torch.randn(B, 1, policy.args.hidden_size), cache)
+    cache.commit(n_keep=torch.ones(B, dtype=torch.long))
+    return drafter, cache, root, step.z[:, 0], step.a[:, 0], step.h[:, 0]
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_first_round_proposes_what_the_baseline_proposes(tiny_llama, mode):
+    drafter, cache, root, z, a, h = _drafter_state(tiny_llama)
+    shape = TreeShape(3, 2, 5, mode)
+    spark = Spark(init_projection(tiny_llama.lm_head.weight, 4), tiny_llama.args.vocab_size)
+    spark.begin(1, 3)
+    spark.select(torch.arange(3))
+    u = torch.rand(3, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    zero = torch.zeros(3, dtype=torch.long)
+    if mode == "tree":
+        base, none = build_tree(drafter, cache, root, z, a, shape)
+        cache.commit(n_keep=zero)
+        on, ctx = build_tree(drafter, cache, root, z, a, shape, h=h, spark=spark)
+    else:
+        base, q0, none = build_chain(drafter, cache, root, z, a, 3, 1.0, u)
+        cache.commit(n_keep=zero)
+        on, q1, ctx = build_chain(drafter, cache, root, z, a, 3, 1.0, u, h, spark)
+        assert torch.equal(q0, q1)
+    assert none is None and torch.equal(base.tokens, on.tokens) and torch.equal(base.parents, on.parents)
+    assert ctx.z.shape[:2] == ctx.h.shape[:2] and int(ctx.node.max()) < ctx.z.shape[1]
+    assert (ctx.node[:, 0] == 0).all()
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.7)])
+def test_rollouts_with_spark_are_exact(temperature, top_p, mode):
+    """Chi-square of committed sequences with a strongly adapting SPARK (eta 5: proposals change a lot)."""
+    torch.manual_seed(0)
+    policy = small_policy()
+    drafter = Eagle3Drafter(policy.args).bind(policy)
+    spark = Spark(init_projection(policy.lm_head.weight, 4), 6, k=2, eta=5.0, temperature=temperature)
+    prompts = [[1, 2, 3, 4], [2, 0]]
+    G, L = 3000, 3
+    sc = SamplingConfig(temperature, top_p, L)
+    base = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G),
+                                TreeShape(depth=2, branch=2, nodes=4, mode=mode), group_size=G)
+    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G),
+                             TreeShape(depth=2, branch=2, nodes=4, mode=mode), group_size=G, spark=spark)
+    assert r.stats["spark_contexts"] > 0 and len(spark.store) > 0
+    assert r.tokens != base.tokens  # the correction changed proposals (and so which uniforms decided)
+    for i, prompt in enumerate(prompts):
+        samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]
+        assert chi2_ok(samples, exact_sequences(policy, prompt, L, temperature, top_p)) > 1e-3
+
+
+def test_greedy_with_spark_equals_greedy(tiny_llama):
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    sc = SamplingConfig(0.0, 1.0, 12)
+    ar = generate(tiny_llama, prompts, sc, (5,), response_generators(0, 2, 3), group_size=3)
+    spark = Spark(init_projection(tiny_llama.lm_head.weight, 4), tiny_llama.args.vocab_size, eta=5.0)
+    sp = generate_speculative(tiny_llama, Eagle3Drafter(tiny_llama.args), prompts, sc, (5,),
+                              response_generators(0, 2, 3), TreeShape(4, 3, 8), group_size=3, spark=spark)
+    assert sp.tokens == ar.tokens and sp.stats["spark_contexts"] > 0
