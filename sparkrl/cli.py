@@ -11,13 +11,14 @@ import json
 import os
 import sys
 
-from sparkrl.config import GenerateConfig, PretrainConfig, RunConfig, build, field_docs, leaf_fields
+from sparkrl.config import AnalyzeConfig, GenerateConfig, PretrainConfig, RunConfig, build, field_docs, leaf_fields
 from sparkrl.errors import UserError
 
 COMMANDS = {
     "train": (RunConfig, "GRPO training (rollouts, rewards, policy updates, checkpoints)"),
     "generate": (GenerateConfig, "sample responses from a model"),
     "pretrain-draft": (PretrainConfig, "pretrain a drafter on text the policy generates (and an optional corpus)"),
+    "analyze": (AnalyzeConfig, "paper section-2 miss statistics (Fig. 2, Fig. 4) of round logs from --round-log"),
 }
 
 
@@ -58,6 +59,7 @@ def run_generate(cfg: GenerateConfig) -> None:
     from sparkrl.data import chat_prompt_ids
     from sparkrl.drafters import make_budget, make_drafter
     from sparkrl.rollout import generate, generate_speculative, response_generators
+    from sparkrl.spark import make_spark
     from sparkrl.weights import load_model
 
     if cfg.prompts_file:
@@ -79,11 +81,16 @@ def run_generate(cfg: GenerateConfig) -> None:
         raise UserError("a prompt is empty after tokenization")
     gens = response_generators(cfg.seed, len(prompts), cfg.n)
     drafter = make_drafter(cfg.draft, lm.model, cfg.seed)
+    _, spark = make_spark(cfg.draft, lm.model, drafter, cfg.sampling.temperature)
     if drafter is None:
         r = generate(lm.model, prompts, cfg.sampling, lm.eos_ids, gens, group_size=cfg.n)
     else:
         r = generate_speculative(lm.model, drafter, prompts, cfg.sampling, lm.eos_ids, gens, cfg.draft.shape(),
-                                 group_size=cfg.n, budget=make_budget(cfg.draft, lm.model, drafter))
+                                 group_size=cfg.n, budget=make_budget(cfg.draft, lm.model, drafter), spark=spark)
+        if cfg.draft.round_log:
+            from sparkrl.analysis import append_round_log
+
+            append_round_log(cfg.draft.round_log, r, spark=spark is not None, seed=cfg.seed)
     for i, toks in enumerate(r.tokens):
         text = tok.decode(toks, skip_special_tokens=True)
         if cfg.json:
@@ -99,7 +106,9 @@ def run_generate(cfg: GenerateConfig) -> None:
         depth = " ".join(f"{n / max(s['tree_row_rounds'], 1):.2f}" for n in s["accepted_at_depth"])
         print(f"sparkrl: drafting: aal {s['aal']:.2f}, {s['rounds']} rounds ({s['tree_rounds']} with a tree), "
               f"acceptance per depth [{depth}], "
-              f"draft {s['draft_s']:.2f}s verify {s['verify_s']:.2f}s accept+commit {s['accept_s']:.2f}s", file=sys.stderr)
+              f"draft {s['draft_s']:.2f}s verify {s['verify_s']:.2f}s accept+commit {s['accept_s']:.2f}s"
+              + (f", SPARK {s['spark_s']:.2f}s ({s['spark_contexts']} feedback contexts, {s['spark_rows']} rows)"
+                 if "spark_contexts" in s else ""), file=sys.stderr)
 
 
 def run_train(cfg: RunConfig) -> None:
@@ -123,10 +132,24 @@ def run_pretrain(cfg: PretrainConfig) -> None:
           f"{s['draft_vocab']}, last top-1 agreement {s['last_top1']:.2f} -> {s['out']}/drafter.pt", file=sys.stderr)
 
 
+def run_analyze(cfg: AnalyzeConfig) -> None:
+    from sparkrl.analysis import run
+
+    res = run(cfg.logs.split(","), [l for l in cfg.labels.split(",") if l], cfg.out)
+    for lab, r in res.items():
+        f = lambda x: "n/a" if x is None else f"{x:.2f}"
+        print(f"sparkrl: {lab}: {r['drafted_positions']} drafted positions, miss rate {f(r['miss_rate'])}; miss ratio "
+              f"after a miss in the response {f(r['within_response']['ratio'])}, in the previous rollout "
+              f"{f(r['previous_rollout']['ratio'])}, in another response of the prompt {f(r['within_prompt']['ratio'])}; "
+              f"misses seen earlier in the response {f(r['misses_seen_earlier_in_response'])}, in the prompt "
+              f"{f(r['misses_seen_earlier_in_prompt'])}", file=sys.stderr)
+    print(f"sparkrl: {cfg.out}/analysis.json, {cfg.out}/analysis.png", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cmd, cfg = parse(sys.argv[1:] if argv is None else argv)
-        {"train": run_train, "generate": run_generate, "pretrain-draft": run_pretrain}[cmd](cfg)
+        {"train": run_train, "generate": run_generate, "pretrain-draft": run_pretrain, "analyze": run_analyze}[cmd](cfg)
     except UserError as e:
         print(f"sparkrl: error: {e}", file=sys.stderr)
         return 2

@@ -269,6 +269,20 @@ class PretrainConfig:
         _check(self.micro_batch >= 1, f"--micro-batch must be >= 1, got {self.micro_batch}")
 
 
+@dataclass(frozen=True)
+class AnalyzeConfig:
+    logs: str = ""
+    """Round logs to analyse (from --round-log), comma-separated, e.g. a baseline and a SPARK run."""
+    labels: str = ""
+    """Names of the logs in the results, comma-separated (default: the file names)."""
+    out: str = ""
+    """Output directory: analysis.json and analysis.png."""
+
+    def __post_init__(self):
+        _check(bool(self.logs), "--logs is required: one or more round logs written with --round-log")
+        _check(bool(self.out), "--out is required: the directory for analysis.json and the plots")
+
+
 # --- dataclass <-> flat dict / argparse helpers -----------------------------------------------
 
 

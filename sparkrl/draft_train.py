@@ -89,9 +89,16 @@ def draft_loss(drafter, tokens: torch.Tensor, taps: dict[int, torch.Tensor], hid
 class DraftTrainer:
     """The drafter's optimizer and its online updates (one AdamW step per rollout)."""
 
-    def __init__(self, drafter, lr: float = 1e-4, max_grad_norm: float = 1.0):
+    def __init__(self, drafter, lr: float = 1e-4, max_grad_norm: float = 1.0, projection=None,
+                 projection_lr: float = 1e-4, learn_projection: bool = True):
+        """projection: SPARK's `spark.Projection` (saved with the drafter; learned in its own parameter
+        group from the gradient the rollout accumulated, unless learn_projection is False)."""
         self.drafter = drafter
-        self.opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0)
+        self.projection = projection
+        groups = [{"params": list(drafter.parameters())}]
+        if projection is not None and learn_projection:
+            groups.append({"params": [projection.A], "lr": projection_lr})
+        self.opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
         self.max_grad_norm = max_grad_norm
         self.seconds = 0.0
         self._stats: list[dict] = []
@@ -106,9 +113,12 @@ class DraftTrainer:
         self._stats.append(st)
         self.seconds += time.perf_counter() - t0
 
-    def step(self) -> dict:
-        """Apply the accumulated gradient; returns averaged stats and the time spent since the last step."""
+    def step(self, grad_A: torch.Tensor | None = None) -> dict:
+        """Apply the accumulated gradient (and SPARK's A gradient from the rollout, if any); returns
+        averaged stats and the time spent since the last step."""
         t0 = time.perf_counter()
+        if grad_A is not None and self.projection is not None:
+            self.projection.A.grad = grad_A.to(self.projection.A)
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.max_grad_norm)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -120,10 +130,15 @@ class DraftTrainer:
         return out
 
     def state_dict(self) -> dict:
-        return {"drafter": self.drafter.checkpoint(), "optimizer": self.opt.state_dict()}
+        ck = self.drafter.checkpoint()
+        if self.projection is not None:
+            ck["spark"] = self.projection.checkpoint()
+        return {"drafter": ck, "optimizer": self.opt.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.drafter.load_state_dict(state["drafter"]["state"])
+        if self.projection is not None:
+            self.projection.load(state["drafter"]["spark"], "the checkpoint")
         self.opt.load_state_dict(state["optimizer"])
 
 

@@ -26,7 +26,7 @@ import torch
 
 from sparkrl.config import SamplingConfig
 from sparkrl.model import KVCache, Transformer
-from sparkrl.sampling import sample, target_probs
+from sparkrl.sampling import sample
 from sparkrl.verify import accept_chain, accept_tree, uniforms_per_round
 
 
@@ -334,8 +334,10 @@ def generate_speculative(
             node_logits = policy.logits(out.hidden)  # (B, 1+D, V): every chain node is needed
             q_full = torch.zeros(*q.shape[:2], node_logits.shape[-1], device=device).index_copy_(
                 2, drafter.vocab_ids, q)  # (B, D, V): q over the policy's vocabulary
+            seen = None if spark is None else (lambda p: levels.append(p[..., drafter.vocab_ids].float()))
+            levels = []  # SPARK: the target at every chain position, on the draft vocabulary
             acc = accept_chain(tree.tokens[:, 1:], q_full, node_logits, sampling.temperature, sampling.top_p,
-                               u[:, :shape.depth + 1])
+                               u[:, :shape.depth + 1], seen)
         else:  # the LM head runs only on the nodes the acceptance walk visits
             rows_b = torch.arange(B, device=device)
             levels = []  # SPARK: (current node, target on the draft vocabulary) per level of the walk
@@ -354,11 +356,10 @@ def generate_speculative(
         done = batch.commit([r[:c] for r, c in zip(rows_new, counts)], tags, stats["rounds"])
         t4 = time.perf_counter()
         if spark is not None:  # feedback of this round, for the next round's proposals
-            target = lambda rows, nodes: target_probs(policy.logits(out.hidden[rows, nodes]), sampling.temperature,
-                                                      sampling.top_p)[:, drafter.vocab_ids]
             if chain:
-                chain_feedback(spark, acc, ctx, target)
-            else:
+                chain_feedback(spark, acc, ctx, levels[0])
+            else:  # rejected children: the target from the verification forward's hidden states there
+                target = lambda rows, nodes: spark.target(drafter.logits(out.hidden[rows, nodes]))
                 tree_feedback(spark, tree, acc, ctx, levels, target, shape.max_children)
             spark.end_round()
             stats["spark_s"] += time.perf_counter() - t4
@@ -384,8 +385,9 @@ def generate_speculative(
         if progress is not None:
             progress(sum(counts))
     stats["aal"] = stats["committed"] / max(stats["row_rounds"], 1)
-    if spark is not None:
+    if spark is not None:  # SPARK's time: its corrections inside drafting, plus select and feedback here
         stats.update(spark.stats, spark_rows=len(spark.store))
+        stats["spark_s"] += stats.pop("spark_correct_s")
     return Rollout([list(p) for p in prompts], G, batch.tokens, batch.reason, time.perf_counter() - t0, stats,
                    batch.outcome, batch.round_of)
 

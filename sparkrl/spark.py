@@ -16,10 +16,15 @@ Exactness: the correction used in round t is built from rounds < t only (`end_ro
 the round has committed), so the proposals of a round are fixed before it is verified (Theorem B.8).
 
 Departures: p is the target restricted to the drafter's vocabulary (its mass outside that vocabulary
-belongs to the tail); at temperature 0 (p a point mass) q is taken at temperature 1.
+belongs to the tail); at temperature 0 (p a point mass) q is taken at temperature 1. On the verified
+path and on chains p is the verifier's own processed target; at rejected tree children, which the
+acceptance walk never visits, it is the policy's softmax over the draft vocabulary from the
+verification forward's hidden state (no extra policy forward; see `Spark.target`).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
@@ -121,6 +126,30 @@ class Projection(nn.Module):
             self.A.copy_(ck["A"])
 
 
+def make_spark(cfg, policy, drafter, temperature: float) -> tuple[Projection | None, Spark | None]:
+    """The projection and the rollout state a `DraftConfig` asks for ((None, None) without --spark).
+
+    A comes from the drafter checkpoint when it holds one (a GRPO run's checkpoint does), else from
+    the policy's output projection (QR)."""
+    sc = cfg.spark_config
+    if drafter is None or not sc.spark:
+        return None, None
+    proj = Projection.for_policy(policy, sc.spark_rank)
+    if cfg.draft_checkpoint:
+        ck = drafter_checkpoint(cfg.draft_checkpoint)
+        if "spark" in ck:
+            proj.load(ck["spark"], cfg.draft_checkpoint)
+    proj.to(policy.lm_head.weight.device)
+    return proj, Spark.from_config(sc, proj.A, drafter.vocab_ids.numel(), temperature)
+
+
+def drafter_checkpoint(path) -> dict:
+    """The drafter entry of a checkpoint file: a `pretrain-draft` drafter.pt or a GRPO run's step-N.pt."""
+    from sparkrl.drafters.eagle3 import read_checkpoint
+
+    return read_checkpoint(path)
+
+
 class Spark:
     """One rollout's corrections B_g and the feedback that updates them.
 
@@ -135,12 +164,13 @@ class Spark:
         self.A = A.detach().float()  # fixed during the rollout (Theorem B.8, step 1)
         self.V, self.k, self.eta, self.every = vocab, k, eta, every
         self.temperature = temperature if temperature > 0 else 1.0
+        self.greedy = temperature == 0
         self.learn_A, self.scope, self.carry = learn_A, scope, carry
         self.w_path, self.w_rejected, self.accepted_only = w_path, w_rejected, accepted_only
         self.store = SparseRows(vocab, A.shape[1], A.device)
         self.grad_A = torch.zeros_like(self.A, dtype=torch.float64)
         self.updates = 0  # owner-round updates accumulated in grad_A
-        self.stats = {"spark_contexts": 0, "spark_skipped": 0}
+        self.stats = {"spark_contexts": 0, "spark_skipped": 0, "spark_correct_s": 0.0}
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._owner = torch.zeros(0, dtype=torch.long, device=A.device)
         self._tok = self._rows = None
@@ -161,7 +191,7 @@ class Spark:
         if not self.carry:
             self.store = SparseRows(self.V, self.A.shape[1], self.A.device)
         self._pending, self._round = [], 0
-        self.stats = {"spark_contexts": 0, "spark_skipped": 0}
+        self.stats = {"spark_contexts": 0, "spark_skipped": 0, "spark_correct_s": 0.0}
         r = torch.arange(n_prompts * group_size, device=self.A.device)
         self._owners_all = {"group": r // group_size, "response": r, "batch": r * 0}[self.scope]
 
@@ -174,6 +204,7 @@ class Spark:
         """z (B, [T,] V) draft logits, h (B, [T,] d) features of the selected rows -> z + B_g A^T h."""
         if self._tok is None or self._tok.shape[1] == 0:
             return z  # B = 0: exactly the baseline's logits
+        t0 = time.perf_counter()
         squeeze = z.dim() == 2
         if squeeze:
             z, h = z[:, None], h[:, None]
@@ -181,6 +212,7 @@ class Spark:
         u = h.float() @ self.A  # (B, T, r)
         corr = u @ self._rows.transpose(1, 2)  # (B, T, m)
         out = z.float().scatter_add(-1, self._tok[:, None, :].expand(B, T, -1), corr)
+        self.stats["spark_correct_s"] += time.perf_counter() - t0
         return out[:, 0] if squeeze else out
 
     def feedback(self, row: torch.Tensor, h: torch.Tensor, z: torch.Tensor, p: torch.Tensor, w: torch.Tensor) -> None:
@@ -212,6 +244,15 @@ class Spark:
             self.updates += int(torch.unique(owner).numel())  # host sync: count
         step = -self.eta * (coef[:, None] * delta)[..., None] * u[:, None, :]  # (n, 2k, r)
         self._pending.append((keys.reshape(-1), step.reshape(-1, u.shape[1])))
+
+    def target(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target at a rejected child from the policy's logits there on the draft vocabulary (n, V):
+        softmax at the sampling temperature (a point mass at temperature 0), without top-p: the
+        nucleus would need a full-vocabulary sort per context, and the walk never visited these
+        nodes. Only B, never exactness, depends on this."""
+        if self.greedy:
+            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.softmax(logits.float() / self.temperature, -1)
 
     def end_round(self) -> None:
         """The round has committed: apply the pending update (every `every` rounds)."""
@@ -277,10 +318,10 @@ def tree_feedback(spark: Spark, tree, acc, ctx, levels: list, target_at, max_chi
     spark.feedback(rows, ctx.h[rows, cidx], ctx.z[rows, cidx], torch.cat(ps), torch.cat(ws))
 
 
-def chain_feedback(spark: Spark, acc, ctx, target_at) -> None:
+def chain_feedback(spark: Spark, acc, ctx, p: torch.Tensor) -> None:
     """Feed one chain/block round back: the accepted prefix and the first rejected position.
 
-    target_at(rows (n,), positions (n,)) -> (n, Vd): the target at chain position d (the root is 0).
+    p: (B, D + 1, Vd) the verifier's target at every chain position (the root is position 0).
     """
     w_path, w_rejected, accepted_only = spark.w_path, spark.w_rejected, spark.accepted_only
     B, D = ctx.z.shape[:2]
@@ -289,4 +330,4 @@ def chain_feedback(spark: Spark, acc, ctx, target_at) -> None:
     sel = (d < n_acc) if accepted_only else (d <= n_acc)  # (B, D)
     rows, pos = sel.nonzero(as_tuple=True)
     w = torch.where(pos < acc.n_accepted[rows], w_path, w_rejected).float()
-    spark.feedback(rows, ctx.h[rows, pos], ctx.z[rows, pos], target_at(rows, pos), w)
+    spark.feedback(rows, ctx.h[rows, pos], ctx.z[rows, pos], p[rows, pos], w)

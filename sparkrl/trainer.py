@@ -27,8 +27,10 @@ from sparkrl.grpo import grpo_loss, group_advantages, token_logprobs
 from sparkrl.model import Transformer
 from sparkrl.rewards import Grader
 from sparkrl.draft_train import DraftTrainer
+from sparkrl.analysis import append_round_log
 from sparkrl.drafters import make_budget, make_drafter
 from sparkrl.rollout import Rollout, generate, generate_speculative, response_generators
+from sparkrl.spark import make_spark
 from sparkrl.weights import load_model, resolve_model_path
 
 # Settings that may change between a run and its resumption (they do not change the maths).
@@ -173,7 +175,10 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
     ref = copy.deepcopy(policy).requires_grad_(False) if cfg.grpo.kl_beta > 0 else None
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
     drafter = make_drafter(cfg.draft, policy, cfg.seed)
-    drafting = DraftTrainer(drafter, cfg.draft.draft_lr) if drafter is not None else None
+    projection, spark = make_spark(cfg.draft, policy, drafter, cfg.sampling.temperature)
+    sc = cfg.draft.spark_config
+    drafting = None if drafter is None else DraftTrainer(drafter, cfg.draft.draft_lr, projection=projection,
+                                                         projection_lr=sc.spark_lr, learn_projection=not sc.spark_frozen_a)
     budget = make_budget(cfg.draft, policy, drafter)
     start = 0
     if cfg.resume and (ck := load_latest(cfg.out)) is not None:
@@ -208,7 +213,7 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
                 rollout = generate(policy, batch_prompts, cfg.sampling, lm.eos_ids, gens, G, progress)
             else:
                 rollout = generate_speculative(policy, drafter, batch_prompts, cfg.sampling, lm.eos_ids, gens,
-                                               cfg.draft.shape(), G, progress, budget)
+                                               cfg.draft.shape(), G, progress, budget, spark)
             texts = lm.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
             scores = [grader.score(t, prompts.problems[idx[r // G]].answer) for r, t in enumerate(texts)]
             rewards = torch.tensor([s.reward for s in scores])
@@ -220,7 +225,7 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
             with deferred_sigint():
                 upd.update(apply_update(policy, opt, cfg.grpo.max_grad_norm))
                 if drafting is not None:
-                    upd.update(drafting.step())
+                    upd.update(drafting.step(spark.take_grad() if spark is not None else None))
                 train_s = time.perf_counter() - t0 - upd.get("draft_train_s", 0.0)
                 m = {
                     "step": step + 1,
@@ -239,6 +244,8 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
                     **_draft_metrics(rollout.stats),
                 }
                 _append_metrics(cfg.out, m)
+                if cfg.draft.round_log:
+                    append_round_log(cfg.draft.round_log, rollout, step=step + 1, spark=spark is not None)
                 if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                     save_checkpoint(cfg.out, step + 1, state(), cfg.keep_checkpoints)
                     saved_step = step + 1
@@ -271,7 +278,8 @@ def _draft_metrics(stats: dict) -> dict:
     rr = max(stats["tree_row_rounds"], 1)
     return {"aal": stats["aal"], "rounds": stats["rounds"], "tree_rounds": stats["tree_rounds"],
             "policy_forwards": stats["policy_forwards"], "draft_s": stats["draft_s"], "verify_s": stats["verify_s"],
-            "accept_s": stats["accept_s"], "accept_at_depth": [n / rr for n in stats["accepted_at_depth"]]}
+            "accept_s": stats["accept_s"], "accept_at_depth": [n / rr for n in stats["accepted_at_depth"]],
+            **{k: stats[k] for k in ("spark_s", "spark_contexts", "spark_skipped", "spark_rows") if k in stats}}
 
 
 def _append_metrics(out: str, m: dict) -> None:

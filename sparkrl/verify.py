@@ -135,19 +135,22 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
 
 
 def accept_chain(tokens: torch.Tensor, q: torch.Tensor, logits: torch.Tensor, temperature: float, top_p: float,
-                 u: torch.Tensor) -> Acceptance:
+                 u: torch.Tensor, on_target=None) -> Acceptance:
     """Speculative sampling for chains drawn from q.
 
     tokens: (B, D) drafted tokens, token d drawn from q[:, d]; q: (B, D, V) the draft distributions
     actually sampled from; logits: (B, D + 1, V) policy logits at the root and after each draft
     token. u: (B, D + 1) float64 uniforms: u[:, d] tests token d, u[:, D] samples the bonus.
     Node indices in `path` count the root as 0, so draft token d is node d + 1.
+    on_target: optional callable seeing the target distributions p (B, D + 1, V) (SPARK's feedback).
     """
     B, D = tokens.shape
     dev = tokens.device
     rows = torch.arange(B, device=dev)
     u = u.to(dev)
     p = target_probs(logits.reshape(B * (D + 1), -1), temperature, top_p).view(B, D + 1, -1).double()
+    if on_target is not None:
+        on_target(p)
     q = q.double()
     px = p[:, :D].gather(-1, tokens[..., None])[..., 0]  # (B, D)
     qx = q.gather(-1, tokens[..., None])[..., 0]

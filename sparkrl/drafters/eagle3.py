@@ -109,8 +109,8 @@ class Eagle3Drafter(nn.Module):
                 "state": {k: v for k, v in self.state_dict().items()}}
 
 
-def load_drafter(path: str | Path | dict, policy_args: ModelArgs) -> Eagle3Drafter:
-    """A drafter checkpoint (file or dict) checked against the policy it will serve."""
+def read_checkpoint(path: str | Path | dict) -> dict:
+    """The drafter entry of a file (a `pretrain-draft` drafter.pt, or a GRPO run's step-N.pt) or dict."""
     if isinstance(path, dict):
         ck = path
     else:
@@ -122,8 +122,16 @@ def load_drafter(path: str | Path | dict, policy_args: ModelArgs) -> Eagle3Draft
         except Exception as e:
             raise UserError(f"--draft-checkpoint {p} is not a readable checkpoint ({type(e).__name__}); "
                             "make one with `sparkrl pretrain-draft`") from None
+    if isinstance(ck, dict) and "kind" not in ck and isinstance(ck.get("draft"), dict):
+        ck = ck["draft"].get("drafter")  # a training checkpoint: its drafter
     if not isinstance(ck, dict) or "kind" not in ck or "state" not in ck:
         raise UserError(f"{path} is not a sparkrl drafter checkpoint; make one with `sparkrl pretrain-draft`")
+    return ck
+
+
+def load_drafter(path: str | Path | dict, policy_args: ModelArgs) -> Eagle3Drafter:
+    """A drafter checkpoint (file or dict) checked against the policy it will serve."""
+    ck = read_checkpoint(path)
     if ck["kind"] != KIND:
         raise UserError(f"{path} is a {ck['kind']!r} drafter, not {KIND!r}; pass --draft {ck['kind']} or another checkpoint")
     d = Eagle3Drafter(policy_args, tuple(ck["feature_layers"]), ck["state"]["vocab_ids"])

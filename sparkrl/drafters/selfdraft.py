@@ -36,5 +36,8 @@ class SelfDrafter:
         out = self.policy(tokens, cache, tree_mask=tree_mask, depth=depth)
         return DraftStep(out.hidden, out.hidden, self.policy.logits(out.hidden))
 
+    def logits(self, h):
+        return self.policy.logits(h)
+
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return self.policy.new_cache(batch, capacity + 1)
