@@ -12,6 +12,8 @@ sampled v there); a hit is an accepted draft token. Statistics, each a ratio of 
   / P(miss | it was not), for every rollout after the first;
 * within a prompt (Fig. 2b): P(miss | v was missed in an earlier round by another response of the
   same prompt) / P(miss | not);
+Each ratio is reported raw and token-matched (`_Ratio`): frequent tokens are missed earlier more
+often and are also easier to draft, which biases the raw ratio down.
 * availability (Fig. 2c): the fraction of misses whose token was already missed earlier in the same
   response, and in the same prompt group.
 """
@@ -58,19 +60,35 @@ def read_round_log(path: str) -> list[dict]:
 
 
 class _Ratio:
-    """Miss counts of two event groups: with and without the earlier evidence."""
+    """Miss counts of two event groups, with and without the earlier evidence, per stratum.
+
+    `ratio` is P(miss | evidence) / P(miss | none) over all events. `matched_ratio` compares each
+    stratum with itself (indirect standardisation): observed misses among evidence events over the
+    misses expected if each stratum missed at its own no-evidence rate, over strata seen both ways.
+    The stratum is the token itself, or (where the evidence is a property of the token, as for the
+    previous rollout) the token's frequency class. It removes the confound that frequent tokens are
+    both missed earlier more often and easier to draft.
+    """
 
     def __init__(self):
         self.n = [0, 0]
         self.miss = [0, 0]
+        self.by_token = defaultdict(lambda: [0, 0, 0, 0])  # token -> [n without, misses without, n with, misses with]
 
-    def add(self, evidence: bool, miss: bool) -> None:
+    def add(self, evidence: bool, miss: bool, token) -> None:
         self.n[evidence] += 1
         self.miss[evidence] += miss
+        c = self.by_token[token]
+        c[2 * evidence] += 1
+        c[2 * evidence + 1] += miss
 
     def to_dict(self) -> dict:
         p = [m / n if n else None for m, n in zip(self.miss, self.n)]
+        both = [c for c in self.by_token.values() if c[0] and c[2]]
+        expected = sum(c[2] * c[1] / c[0] for c in both)
+        observed = sum(c[3] for c in both)
         return {"p_miss_with": p[1], "p_miss_without": p[0], "ratio": p[1] / p[0] if p[0] and p[1] is not None else None,
+                "matched_ratio": observed / expected if expected else None, "matched_tokens": len(both),
                 "events_with": self.n[1], "events_without": self.n[0]}
 
 
@@ -91,6 +109,10 @@ def analyze(records: list[dict]) -> dict:
     for rec in records:
         G = rec["group_size"]
         missed_here = set()
+        freq = defaultdict(int)  # drafted occurrences of each token in this rollout
+        for resp in rec["responses"]:
+            for v, _, _ in _events(resp):
+                freq[v] += 1
         groups = defaultdict(list)
         for r, resp in enumerate(rec["responses"]):
             groups[r // G].append(resp)
@@ -107,15 +129,15 @@ def analyze(records: list[dict]) -> dict:
                     n_events += 1
                     n_miss += m
                     earlier = last_miss.get(v)
-                    within.add(earlier is not None, m)
+                    within.add(earlier is not None, m, v)
                     if earlier is not None:
                         d = t - earlier
                         b = next(i for i, (lo, hi) in enumerate(DISTANCE_BINS) if lo <= d <= hi)
-                        by_dist[b].add(True, m)
+                        by_dist[b].add(True, m, v)
                     other = any(tt < t and jj != j for tt, jj in miss_rounds.get(v, ()))
-                    prompt.add(other, m)
+                    prompt.add(other, m, v)
                     if prev_missed is not None:
-                        prev_rollout.add(v in prev_missed, m)
+                        prev_rollout.add(v in prev_missed, m, freq[v].bit_length())
                     if m:
                         miss_seen_resp += earlier is not None
                         miss_seen_prompt += any(tt < t for tt, _ in miss_rounds.get(v, ()))
@@ -125,11 +147,15 @@ def analyze(records: list[dict]) -> dict:
     # by distance: P(miss | last earlier miss in the bin) against P(miss | no earlier miss)
     base = within.to_dict()["p_miss_without"]
     dist = []
+    rate0 = {v: c[1] / c[0] for v, c in within.by_token.items() if c[0]}  # each token's no-earlier-miss rate
     for (lo, hi), rt in zip(DISTANCE_BINS, by_dist):
         d = rt.to_dict()
         p = d["p_miss_with"]
+        expected = sum(c[2] * rate0[v] for v, c in rt.by_token.items() if v in rate0)
+        observed = sum(c[3] for v, c in rt.by_token.items() if v in rate0)
         dist.append({"from": lo, "to": hi if hi < 10**9 else None, "p_miss": p, "events": d["events_with"],
-                     "ratio": p / base if p is not None and base else None})
+                     "ratio": p / base if p is not None and base else None,
+                     "matched_ratio": observed / expected if expected else None})
     return {
         "rollouts": len(records), "drafted_positions": n_events, "misses": n_miss,
         "miss_rate": n_miss / n_events if n_events else None,
@@ -177,13 +203,13 @@ def plot(res: dict, out: str) -> None:
     keys = ["within_response", "previous_rollout", "within_prompt"]
     w = 0.8 / max(len(res), 1)
     for i, (lab, r) in enumerate(res.items()):
-        ax[1].bar([j + i * w for j in range(3)], [r[k]["ratio"] or 0 for k in keys], w, label=lab)
+        ax[1].bar([j + i * w for j in range(3)], [r[k]["matched_ratio"] or 0 for k in keys], w, label=lab)
         ax[2].bar([j + i * w for j in range(2)], [r["misses_seen_earlier_in_response"] or 0,
                                                   r["misses_seen_earlier_in_prompt"] or 0], w, label=lab)
     ax[1].axhline(1.0, color="k", lw=0.8)
     ax[1].set_xticks([j + w * (len(res) - 1) / 2 for j in range(3)])
     ax[1].set_xticklabels(names)
-    ax[1].set_ylabel("P(miss | missed before) / P(miss | not)")
+    ax[1].set_ylabel("P(miss | missed before) / P(miss | not), token-matched")
     ax[1].set_title("Miss-probability ratios (Fig. 2a, 2b)")
     ax[1].legend(fontsize=7)
     ax[2].set_xticks([j + w * (len(res) - 1) / 2 for j in range(2)])

@@ -10,14 +10,16 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
-from sparkrl.config import AnalyzeConfig, GenerateConfig, PretrainConfig, RunConfig, build, field_docs, leaf_fields
+from sparkrl.config import AnalyzeConfig, BenchConfig, GenerateConfig, PretrainConfig, RunConfig, build, field_docs, leaf_fields
 from sparkrl.errors import UserError
 
 COMMANDS = {
     "train": (RunConfig, "GRPO training (rollouts, rewards, policy updates, checkpoints)"),
     "generate": (GenerateConfig, "sample responses from a model"),
     "pretrain-draft": (PretrainConfig, "pretrain a drafter on text the policy generates (and an optional corpus)"),
+    "bench": (BenchConfig, "reproduce the paper's Table 1 (or, with --ablations, Table 2) on this machine"),
     "analyze": (AnalyzeConfig, "paper section-2 miss statistics (Fig. 2, Fig. 4) of round logs from --round-log"),
 }
 
@@ -138,18 +140,30 @@ def run_analyze(cfg: AnalyzeConfig) -> None:
     res = run(cfg.logs.split(","), [l for l in cfg.labels.split(",") if l], cfg.out)
     for lab, r in res.items():
         f = lambda x: "n/a" if x is None else f"{x:.2f}"
-        print(f"sparkrl: {lab}: {r['drafted_positions']} drafted positions, miss rate {f(r['miss_rate'])}; miss ratio "
-              f"after a miss in the response {f(r['within_response']['ratio'])}, in the previous rollout "
-              f"{f(r['previous_rollout']['ratio'])}, in another response of the prompt {f(r['within_prompt']['ratio'])}; "
-              f"misses seen earlier in the response {f(r['misses_seen_earlier_in_response'])}, in the prompt "
-              f"{f(r['misses_seen_earlier_in_prompt'])}", file=sys.stderr)
+        ratios = ", ".join(f"{name} {f(r[k]['ratio'])} (token-matched {f(r[k]['matched_ratio'])})" for name, k in
+                           (("in the response", "within_response"), ("in the previous rollout", "previous_rollout"),
+                            ("in another response of the prompt", "within_prompt")))
+        print(f"sparkrl: {lab}: {r['drafted_positions']} drafted positions, miss rate {f(r['miss_rate'])}; "
+              f"miss-probability ratio after an earlier miss {ratios}; misses seen earlier in the response "
+              f"{f(r['misses_seen_earlier_in_response'])}, in the prompt {f(r['misses_seen_earlier_in_prompt'])}",
+              file=sys.stderr)
     print(f"sparkrl: {cfg.out}/analysis.json, {cfg.out}/analysis.png", file=sys.stderr)
+
+
+def run_bench(cfg: BenchConfig) -> None:
+    from sparkrl.bench import bench
+
+    res = bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    print((Path(cfg.out) / "bench.md").read_text(), end="")
+    print(f"sparkrl: bench finished in {res['wall_s']:.0f}s -> {cfg.out}/bench.json, bench.md, bench.png",
+          file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         cmd, cfg = parse(sys.argv[1:] if argv is None else argv)
-        {"train": run_train, "generate": run_generate, "pretrain-draft": run_pretrain, "analyze": run_analyze}[cmd](cfg)
+        {"train": run_train, "generate": run_generate, "pretrain-draft": run_pretrain, "analyze": run_analyze,
+         "bench": run_bench}[cmd](cfg)
     except UserError as e:
         print(f"sparkrl: error: {e}", file=sys.stderr)
         return 2

@@ -283,6 +283,50 @@ class AnalyzeConfig:
         _check(bool(self.out), "--out is required: the directory for analysis.json and the plots")
 
 
+@dataclass(frozen=True)
+class BenchConfig:
+    out: str = ""
+    """Output directory: bench.json, bench.md, PNG plots, and one GRPO run folder per dataset and method."""
+    datasets: str = "default"
+    """Datasets, comma-separated (each as for --data: default, a local file such as
+    ../shared/data/gsm8k/train.jsonl, or a hub id)."""
+    preset: str = field(default="quick", metadata={"choices": ("quick", "paper")})
+    """Sizes: quick (minutes on a CPU) or paper (G = 8, 2,048-token responses; as long as it takes)."""
+    methods: str = "ar,eagle3,eagle3+spark"
+    """Methods, comma-separated, from: ar, eagle3, eagle3+spark."""
+    draft_checkpoint: str = ""
+    """The pretrained drafter every drafting method starts from (empty: a freshly initialised one)."""
+    budget: str = field(default="fixed", metadata={"choices": ("auto", "fixed")})
+    """Drafting budget of the drafting methods (fixed: the paper's; auto: the cost-model fallback)."""
+    ablations: bool = False
+    """Run the paper's Table 2 rows and the rank / k sweeps (appendix C) instead of the main table."""
+    steps: int = 0
+    """GRPO steps (policy updates) per method (0: the preset's)."""
+    prompts_per_step: int = 0
+    """Prompts per step (0: the preset's)."""
+    group_size: int = 0
+    """Responses per prompt (0: the preset's)."""
+    max_new_tokens: int = 0
+    """Longest response (0: the preset's)."""
+    seed: int = 0
+    """Seed of every method's run (same prompts and per-response seeds for all)."""
+    resume: bool = False
+    """Continue an interrupted bench in --out (every method resumes from its last checkpoint)."""
+    model: ModelConfig = ModelConfig()
+
+    def __post_init__(self):
+        _check(bool(self.out), "--out is required: the directory for the bench results")
+        _check(self.preset in ("quick", "paper"), f"--preset must be quick or paper, got {self.preset!r}")
+        known = ("ar", "eagle3", "eagle3+spark")
+        for m in self.methods.split(","):
+            _check(m in known, f"--methods: unknown method {m!r}; choose from {', '.join(known)}")
+        _check(not self.draft_checkpoint or os.path.exists(self.draft_checkpoint),
+               f"--draft-checkpoint {self.draft_checkpoint} does not exist; make one with `sparkrl pretrain-draft`")
+        for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens"):
+            _check(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0 (0: the preset's)")
+        _check(self.group_size != 1, "--group-size must be >= 2 (advantages are relative to the group)")
+
+
 # --- dataclass <-> flat dict / argparse helpers -----------------------------------------------
 
 

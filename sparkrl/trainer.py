@@ -153,54 +153,124 @@ def apply_update(policy: Transformer, opt, max_grad_norm: float) -> dict:
     return {"grad_norm": float(grad_norm)}
 
 
+class GRPORun:
+    """One GRPO run's state (policy, reference, optimizers, drafter, SPARK, data order); `step`
+    makes one policy update. `train` drives it; `sparkrl bench` interleaves several."""
+
+    def __init__(self, cfg: RunConfig, grader: Grader | None = None):
+        prepare_out_dir(cfg)
+        resolve_model_path(cfg.model.model)  # a bad model path fails here, before data work
+        if cfg.model.threads:
+            torch.set_num_threads(cfg.model.threads)
+        self.cfg = cfg
+        problems = load_problems(cfg.data.data, cfg.data.default_size, cfg.seed)
+        self.lm = lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
+        self.prompts = build_prompts(lm.tokenizer, problems.problems, cfg.data.max_prompt_tokens,
+                                     cfg.data.prompt_overflow)
+        note = (f"; prompts over {cfg.data.max_prompt_tokens} tokens: {self.prompts.skipped} skipped, "
+                f"{self.prompts.truncated} truncated")
+        if not self.prompts.problems:
+            raise UserError(f"no prompt fits --max-prompt-tokens {cfg.data.max_prompt_tokens} ({problems.summary()}"
+                            f"{note}); raise it or use --prompt-overflow truncate")
+        print(f"sparkrl: {problems.summary()}{note}", file=sys.stderr)
+        self.policy = policy = lm.model
+        self.ref = copy.deepcopy(policy).requires_grad_(False) if cfg.grpo.kl_beta > 0 else None
+        self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
+        self.drafter = make_drafter(cfg.draft, policy, cfg.seed)
+        projection, self.spark = make_spark(cfg.draft, policy, self.drafter, cfg.sampling.temperature)
+        sc = cfg.draft.spark_config
+        self.drafting = None if self.drafter is None else DraftTrainer(
+            self.drafter, cfg.draft.draft_lr, projection=projection, projection_lr=sc.spark_lr,
+            learn_projection=not sc.spark_frozen_a)
+        self.budget = make_budget(cfg.draft, policy, self.drafter)
+        self.order = DataOrder(len(self.prompts.problems), cfg.grpo.prompts_per_step, cfg.seed)
+        self.grader = grader or Grader()
+
+    def resume(self) -> int:
+        """Load the latest checkpoint when resuming; returns the number of steps already done."""
+        start = 0
+        if self.cfg.resume and (ck := load_latest(self.cfg.out)) is not None:
+            self.policy.load_state_dict(ck["policy"])
+            self.opt.load_state_dict(ck["optimizer"])
+            if self.drafting is not None:
+                self.drafting.load_state_dict(ck["draft"])
+            set_rng_state(ck["rng"])
+            start = ck["step"]
+        _truncate_metrics(self.cfg.out, start)
+        return start
+
+    def state(self) -> dict:
+        return {"policy": self.policy.state_dict(), "optimizer": self.opt.state_dict(), "config": to_dict(self.cfg),
+                **({"draft": self.drafting.state_dict()} if self.drafting else {})}
+
+    def step(self, step: int, progress=None, on_commit=None) -> dict:
+        """GRPO step `step` (0-based): rollout, rewards, one policy update (and the draft step).
+
+        The optimizer steps, the metrics line and `on_commit(metrics)` (e.g. a checkpoint) land in
+        one block that Ctrl-C waits for, so an interrupted run's last checkpoint matches its metrics."""
+        cfg, G = self.cfg, self.cfg.grpo.group_size
+        idx = self.order.batch(step)
+        gens = response_generators(cfg.seed, len(idx), G, offset=step * cfg.grpo.prompts_per_step)
+        batch_prompts = [self.prompts.prompt_ids[i] for i in idx]
+        if self.drafter is None:
+            rollout = generate(self.policy, batch_prompts, cfg.sampling, self.lm.eos_ids, gens, G, progress)
+        else:
+            rollout = generate_speculative(self.policy, self.drafter, batch_prompts, cfg.sampling, self.lm.eos_ids,
+                                           gens, cfg.draft.shape(), G, progress, self.budget, self.spark)
+        texts = self.lm.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
+        scores = [self.grader.score(t, self.prompts.problems[idx[r // G]].answer) for r, t in enumerate(texts)]
+        rewards = torch.tensor([s.reward for s in scores])
+        t0 = time.perf_counter()
+        upd = policy_update(self.policy, self.ref, self.opt, rollout, group_advantages(rewards, G), cfg, self.drafting)
+        with deferred_sigint():
+            upd.update(apply_update(self.policy, self.opt, cfg.grpo.max_grad_norm))
+            if self.drafting is not None:
+                upd.update(self.drafting.step(self.spark.take_grad() if self.spark is not None else None))
+            train_s = time.perf_counter() - t0 - upd.get("draft_train_s", 0.0)
+            m = {
+                "step": step + 1,
+                "reward_mean": float(rewards.mean()),
+                "reward_std": float(rewards.std()),
+                "accuracy": sum(s.accuracy for s in scores) / len(scores),
+                "format": sum(s.format for s in scores) / len(scores),
+                "gen_s": rollout.gen_s,
+                "train_s": train_s,
+                "draft_train_s": upd.pop("draft_train_s", 0.0),
+                "gen_tokens": rollout.num_tokens,
+                "gen_tok_per_s": rollout.num_tokens / max(rollout.gen_s, 1e-9),
+                "response_len_mean": rollout.num_tokens / len(rollout.tokens),
+                "truncated_frac": rollout.finish_reason.count("length") / len(rollout.tokens),
+                **upd,
+                **_draft_metrics(rollout.stats),
+            }
+            _append_metrics(cfg.out, m)
+            if cfg.draft.round_log:
+                append_round_log(cfg.draft.round_log, rollout, step=step + 1, spark=self.spark is not None)
+            if on_commit is not None:
+                on_commit(m)
+        self.last_rollout = rollout
+        return m
+
+
 def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
     """Run GRPO per `cfg`; returns a summary. Resumable, interruptible with Ctrl-C.
 
     grader: scores responses (default: `Grader()`, the paper's R_acc + 0.2 R_fmt).
     """
-    prepare_out_dir(cfg)
-    resolve_model_path(cfg.model.model)  # a bad model path fails here, before data work
-    if cfg.model.threads:
-        torch.set_num_threads(cfg.model.threads)
-    problems = load_problems(cfg.data.data, cfg.data.default_size, cfg.seed)
-    lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
-    prompts = build_prompts(lm.tokenizer, problems.problems, cfg.data.max_prompt_tokens, cfg.data.prompt_overflow)
-    note = f"; prompts over {cfg.data.max_prompt_tokens} tokens: {prompts.skipped} skipped, {prompts.truncated} truncated"
-    if not prompts.problems:
-        raise UserError(f"no prompt fits --max-prompt-tokens {cfg.data.max_prompt_tokens} ({problems.summary()}{note}); "
-                        "raise it or use --prompt-overflow truncate")
-    print(f"sparkrl: {problems.summary()}{note}", file=sys.stderr)
-
-    policy = lm.model
-    ref = copy.deepcopy(policy).requires_grad_(False) if cfg.grpo.kl_beta > 0 else None
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
-    drafter = make_drafter(cfg.draft, policy, cfg.seed)
-    projection, spark = make_spark(cfg.draft, policy, drafter, cfg.sampling.temperature)
-    sc = cfg.draft.spark_config
-    drafting = None if drafter is None else DraftTrainer(drafter, cfg.draft.draft_lr, projection=projection,
-                                                         projection_lr=sc.spark_lr, learn_projection=not sc.spark_frozen_a)
-    budget = make_budget(cfg.draft, policy, drafter)
-    start = 0
-    if cfg.resume and (ck := load_latest(cfg.out)) is not None:
-        policy.load_state_dict(ck["policy"])
-        opt.load_state_dict(ck["optimizer"])
-        if drafting is not None:
-            drafting.load_state_dict(ck["draft"])
-        set_rng_state(ck["rng"])
-        start = ck["step"]
-    _truncate_metrics(cfg.out, start)
-    order = DataOrder(len(prompts.problems), cfg.grpo.prompts_per_step, cfg.seed)
-    G, grader = cfg.grpo.group_size, grader or Grader()
+    run = GRPORun(cfg, grader)
+    start = saved_step = run.resume()
     totals = {"gen_s": 0.0, "train_s": 0.0, "gen_tokens": 0, "steps": 0}
     first = last = None
-    state = lambda: {"policy": policy.state_dict(), "optimizer": opt.state_dict(), "config": to_dict(cfg),
-                     **({"draft": drafting.state_dict()} if drafting else {})}
-    saved_step = start
     bar = tqdm(total=cfg.steps, initial=start, unit="step", desc="grpo", dynamic_ncols=True, file=sys.stderr)
+
+    def checkpoint(m):
+        nonlocal saved_step
+        if m["step"] % cfg.checkpoint_every == 0 or m["step"] == cfg.steps:
+            save_checkpoint(cfg.out, m["step"], run.state(), cfg.keep_checkpoints)
+            saved_step = m["step"]
+
     try:
         for step in range(start, cfg.steps):
-            idx = order.batch(step)
-            gens = response_generators(cfg.seed, len(idx), G, offset=step * cfg.grpo.prompts_per_step)
             made = [0]
 
             def progress(n, made=made):
@@ -208,49 +278,8 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
                 bar.set_postfix_str(f"generating: {made[0]} tokens", refresh=False)
                 bar.refresh() if made[0] % 256 < n else None
 
-            batch_prompts = [prompts.prompt_ids[i] for i in idx]
-            if drafter is None:
-                rollout = generate(policy, batch_prompts, cfg.sampling, lm.eos_ids, gens, G, progress)
-            else:
-                rollout = generate_speculative(policy, drafter, batch_prompts, cfg.sampling, lm.eos_ids, gens,
-                                               cfg.draft.shape(), G, progress, budget, spark)
-            texts = lm.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
-            scores = [grader.score(t, prompts.problems[idx[r // G]].answer) for r, t in enumerate(texts)]
-            rewards = torch.tensor([s.reward for s in scores])
-            bar.set_postfix_str("policy update", refresh=True)
-            t0 = time.perf_counter()
-            upd = policy_update(policy, ref, opt, rollout, group_advantages(rewards, G), cfg, drafting)
-            # Ctrl-C waits here: the step's updates, its metrics and its checkpoint land together,
-            # so an interrupted run's last checkpoint always matches its last metrics line
-            with deferred_sigint():
-                upd.update(apply_update(policy, opt, cfg.grpo.max_grad_norm))
-                if drafting is not None:
-                    upd.update(drafting.step(spark.take_grad() if spark is not None else None))
-                train_s = time.perf_counter() - t0 - upd.get("draft_train_s", 0.0)
-                m = {
-                    "step": step + 1,
-                    "reward_mean": float(rewards.mean()),
-                    "reward_std": float(rewards.std()),
-                    "accuracy": sum(s.accuracy for s in scores) / len(scores),
-                    "format": sum(s.format for s in scores) / len(scores),
-                    "gen_s": rollout.gen_s,
-                    "train_s": train_s,
-                    "draft_train_s": upd.pop("draft_train_s", 0.0),
-                    "gen_tokens": rollout.num_tokens,
-                    "gen_tok_per_s": rollout.num_tokens / max(rollout.gen_s, 1e-9),
-                    "response_len_mean": rollout.num_tokens / len(rollout.tokens),
-                    "truncated_frac": rollout.finish_reason.count("length") / len(rollout.tokens),
-                    **upd,
-                    **_draft_metrics(rollout.stats),
-                }
-                _append_metrics(cfg.out, m)
-                if cfg.draft.round_log:
-                    append_round_log(cfg.draft.round_log, rollout, step=step + 1, spark=spark is not None)
-                if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-                    save_checkpoint(cfg.out, step + 1, state(), cfg.keep_checkpoints)
-                    saved_step = step + 1
-                first = first or m
-                last = m
+            m = run.step(step, progress, checkpoint)
+            first, last = first or m, m
             for k in ("gen_s", "train_s", "gen_tokens"):
                 totals[k] += m[k]
             totals["steps"] += 1
@@ -261,12 +290,12 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
         bar.close()
         done = last["step"] if last else start
         if done > saved_step:
-            save_checkpoint(cfg.out, done, state(), cfg.keep_checkpoints)
+            save_checkpoint(cfg.out, done, run.state(), cfg.keep_checkpoints)
         print(f"sparkrl: interrupted; checkpoint at step {done} in {cfg.out}/checkpoints; continue with --resume",
               file=sys.stderr)
         raise SystemExit(130)
     finally:
-        grader.close()
+        run.grader.close()
     bar.close()
     return _summary(cfg, totals, first, last)
 
@@ -277,6 +306,7 @@ def _draft_metrics(stats: dict) -> dict:
         return {"policy_forwards": stats.get("policy_forwards", 0)}
     rr = max(stats["tree_row_rounds"], 1)
     return {"aal": stats["aal"], "rounds": stats["rounds"], "tree_rounds": stats["tree_rounds"],
+            "committed": stats["committed"], "row_rounds": stats["row_rounds"],
             "policy_forwards": stats["policy_forwards"], "draft_s": stats["draft_s"], "verify_s": stats["verify_s"],
             "accept_s": stats["accept_s"], "accept_at_depth": [n / rr for n in stats["accepted_at_depth"]],
             **{k: stats[k] for k in ("spark_s", "spark_contexts", "spark_skipped", "spark_rows") if k in stats}}

@@ -12,7 +12,7 @@ from sparkrl.drafters.tree import TreeShape, build_chain, build_tree
 from sparkrl.errors import UserError
 from sparkrl.rollout import generate, generate_speculative, response_generators
 from sparkrl.spark import Projection, SparseRows, Spark, init_projection, sparse_delta
-from test_speculative import EOS, chi2_ok, exact_sequences, small_policy
+from sparkrl.weights import load_model
 
 V, D, R = 40, 12, 3
 
@@ -259,28 +259,6 @@ def test_first_round_proposes_what_the_baseline_proposes(tiny_llama, mode):
     assert (ctx.node[:, 0] == 0).all()
 
 
-@pytest.mark.parametrize("mode", ["tree", "chain"])
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.7)])
-def test_rollouts_with_spark_are_exact(temperature, top_p, mode):
-    """Chi-square of committed sequences with a strongly adapting SPARK (eta 5: proposals change a lot)."""
-    torch.manual_seed(0)
-    policy = small_policy()
-    drafter = Eagle3Drafter(policy.args).bind(policy)
-    spark = Spark(init_projection(policy.lm_head.weight, 4), 6, k=2, eta=5.0, temperature=temperature)
-    prompts = [[1, 2, 3, 4], [2, 0]]
-    G, L = 3000, 3
-    sc = SamplingConfig(temperature, top_p, L)
-    base = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G),
-                                TreeShape(depth=2, branch=2, nodes=4, mode=mode), group_size=G)
-    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G),
-                             TreeShape(depth=2, branch=2, nodes=4, mode=mode), group_size=G, spark=spark)
-    assert r.stats["spark_contexts"] > 0 and len(spark.store) > 0
-    assert r.tokens != base.tokens  # the correction changed proposals (and so which uniforms decided)
-    for i, prompt in enumerate(prompts):
-        samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]
-        assert chi2_ok(samples, exact_sequences(policy, prompt, L, temperature, top_p)) > 1e-3
-
-
 def test_greedy_with_spark_equals_greedy(tiny_llama):
     prompts = [[1, 2, 3, 4, 5], [6, 7]]
     sc = SamplingConfig(0.0, 1.0, 12)
@@ -289,3 +267,76 @@ def test_greedy_with_spark_equals_greedy(tiny_llama):
     sp = generate_speculative(tiny_llama, Eagle3Drafter(tiny_llama.args), prompts, sc, (5,),
                               response_generators(0, 2, 3), TreeShape(4, 3, 8), group_size=3, spark=spark)
     assert sp.tokens == ar.tokens and sp.stats["spark_contexts"] > 0
+
+
+def _train_cfg(model_dir, out, **kw):
+    from sparkrl.config import RunConfig, build
+
+    flat = dict(model=str(model_dir), out=str(out), steps=2, group_size=3, prompts_per_step=2, max_new_tokens=8,
+                default_size=20, lr=1e-3, micro_batch=4, draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3,
+                budget="fixed", spark=True, spark_rank=4, spark_lr=1e-2)
+    return build(RunConfig, {**flat, **kw})
+
+
+def test_train_with_spark_learns_A_resumes_exactly_and_logs_rounds(tiny_model_dir, tmp_path):
+    import json
+
+    from sparkrl.cli import main
+    from sparkrl.trainer import train
+    from test_trainer import ParityGrader
+
+    log = tmp_path / "rounds.jsonl"
+    train(_train_cfg(tiny_model_dir, tmp_path / "a", steps=3, round_log=str(log)), grader=ParityGrader())
+    train(_train_cfg(tiny_model_dir, tmp_path / "b", steps=1), grader=ParityGrader())
+    train(_train_cfg(tiny_model_dir, tmp_path / "b", steps=3, resume=True), grader=ParityGrader())
+    m = [json.loads(l) for l in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert all(x["spark_contexts"] > 0 and x["spark_skipped"] == 0 and "spark_s" in x for x in m)
+    ca, cb = (torch.load(next((tmp_path / x / "checkpoints").glob("*.pt")), weights_only=False) for x in "ab")
+    A = ca["draft"]["drafter"]["spark"]["A"]
+    assert torch.equal(A, cb["draft"]["drafter"]["spark"]["A"])  # exact resume, A included
+    init = Projection.for_policy(load_model(str(tiny_model_dir), with_tokenizer=False).model, 4).A
+    assert not torch.allclose(A, init)  # learned at the draft optimizer steps
+    recs = [json.loads(l) for l in log.read_text().splitlines()]
+    assert len(recs) == 3 and recs[0]["spark"] and len(recs[0]["responses"]) == 6
+    resp = recs[0]["responses"][0]
+    assert len(resp["tokens"]) == len(resp["outcome"]) == len(resp["round"])
+    # the run's checkpoint serves as a drafter checkpoint, its A included; a different rank is refused
+    ck = next((tmp_path / "a" / "checkpoints").glob("*.pt"))
+    gen = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--n", "2", "--max-new-tokens", "6",
+           "--draft", "eagle3", "--draft-checkpoint", str(ck), "--budget", "fixed", "--spark"]
+    assert main(gen + ["--spark-rank", "4", "--round-log", str(tmp_path / "gen.jsonl")]) == 0
+    assert main(gen + ["--spark-rank", "8"]) == 2
+    assert main(["analyze", "--logs", f"{log},{tmp_path / 'gen.jsonl'}", "--labels", "train,generate",
+                 "--out", str(tmp_path / "an")]) == 0
+    res = json.loads((tmp_path / "an" / "analysis.json").read_text())["results"]
+    assert res["train"]["rollouts"] == 3 and res["train"]["drafted_positions"] > 0
+    assert (tmp_path / "an" / "analysis.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--spark"], "--spark corrects a drafter"),
+    (["--draft", "eagle3", "--spark", "--spark-rank", "0"], "--spark-rank must be >= 1"),
+    (["--draft", "eagle3", "--spark", "--spark-k", "0"], "--spark-k must be >= 1"),
+    (["--draft", "eagle3", "--spark", "--spark-eta", "0"], "--spark-eta must be > 0"),
+    (["--draft", "eagle3", "--spark", "--spark-every", "0"], "--spark-every must be >= 1"),
+    (["--draft", "eagle3", "--spark", "--spark-scope", "world"], "invalid choice"),
+])
+def test_spark_bad_input_is_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):
+    from sparkrl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--out", "X"] + argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1
+
+
+def test_spark_rank_above_hidden_size_and_bad_round_log(tiny_model_dir, tmp_path, capsys):
+    from sparkrl.cli import main
+
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--draft", "eagle3", "--spark",
+                 "--spark-rank", "100000"]) == 2
+    assert "--spark-rank must be in [1," in capsys.readouterr().err
+    (tmp_path / "bad.jsonl").write_text("{}\n")
+    assert main(["analyze", "--logs", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o")]) == 2
+    assert "not a round-log record" in capsys.readouterr().err
+    assert main(["analyze", "--logs", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")]) == 2

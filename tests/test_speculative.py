@@ -15,6 +15,7 @@ from sparkrl.drafters.selfdraft import SelfDrafter
 from sparkrl.drafters.tree import TreeShape
 from sparkrl.rollout import generate, generate_speculative, response_generators
 from sparkrl.sampling import target_probs
+from sparkrl.spark import Spark, init_projection
 
 V, EOS = 6, 5
 
@@ -61,18 +62,26 @@ def chi2_ok(samples, exact):
     return chisquare(obs, exp).pvalue
 
 
+@pytest.mark.parametrize("spark", [False, True], ids=["baseline", "spark"])
 @pytest.mark.parametrize("mode", ["tree", "chain"])
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.7)])
-def test_rollouts_are_exact_in_ragged_batches(temperature, top_p, mode):
+def test_rollouts_are_exact_in_ragged_batches(temperature, top_p, mode, spark):
+    """With SPARK adapting strongly (eta 5, so the proposals change a lot), too."""
     torch.manual_seed(0)
     policy = small_policy()
     drafter = Eagle3Drafter(policy.args).bind(policy)
     prompts = [[1, 2, 3, 4], [2, 0]]  # ragged prefixes; EOS ends responses at different rounds
     G, L = 3000, 3
     sc = SamplingConfig(temperature, top_p, L)
-    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G),
-                             TreeShape(depth=2, branch=2, nodes=4, mode=mode), group_size=G)
+    shape = TreeShape(depth=2, branch=2, nodes=4, mode=mode)
+    corr = Spark(init_projection(policy.lm_head.weight, 4), V, k=2, eta=5.0, temperature=temperature) if spark else None
+    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G), shape, group_size=G,
+                             spark=corr)
     assert r.stats["rounds"] >= 1 and r.stats["aal"] > 1.0
+    if spark:  # the correction changed proposals (and so which uniforms decided)
+        assert r.stats["spark_contexts"] > 0 and len(corr.store) > 0
+        assert r.tokens != generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G),
+                                                shape, group_size=G).tokens
     for i, prompt in enumerate(prompts):
         samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]
         assert chi2_ok(samples, exact_sequences(policy, prompt, L, temperature, top_p)) > 1e-3

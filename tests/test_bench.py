@@ -1,0 +1,66 @@
+"""`sparkrl bench` end to end on a tiny model: the Table-1 layout, interleaved runs, resume, ablations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sparkrl import bench as bench_mod
+from sparkrl.cli import main
+from sparkrl.config import BenchConfig, build
+from test_trainer import ParityGrader
+
+
+def _cfg(model_dir, out, **kw):
+    flat = dict(model=str(model_dir), out=str(out), datasets="default", steps=2, prompts_per_step=2, group_size=2,
+                max_new_tokens=8)
+    return build(BenchConfig, {**flat, **kw})
+
+
+def test_bench_quick_table_resume_and_plots(tiny_model_dir, tmp_path):
+    out = tmp_path / "b"
+    res = bench_mod.bench(_cfg(tiny_model_dir, out), grader=ParityGrader(), log=lambda s: None)
+    ms = res["datasets"]["default"]["methods"]
+    assert set(ms) == {"ar", "eagle3", "eagle3+spark"}
+    for m in ("eagle3", "eagle3+spark"):
+        assert ms[m]["steps"] == 2 and ms[m]["aal"] >= 1.0 and ms[m]["gen_speedup"] > 0 and ms[m]["e2e_speedup"] > 0
+    assert ms["eagle3+spark"]["spark_s"] > 0 and ms["eagle3"]["spark_s"] == 0
+    seeds = {json.loads((out / "default" / f / "config.json").read_text())["config"]["seed"]
+             for f in ("ar", "eagle3", "eagle3_spark")}
+    assert seeds == {0}
+    md = (out / "bench.md").read_text()
+    assert "| default |" in md and "paper mean" in md
+    assert (out / "bench.png").stat().st_size > 0
+    saved = json.loads((out / "bench.json").read_text())
+    assert saved["machine"]["torch"] and saved["sizes"]["group_size"] == 2
+    # resume continues every method to the new step count, keeping what was done
+    res = bench_mod.bench(_cfg(tiny_model_dir, out, steps=3, resume=True), grader=ParityGrader(), log=lambda s: None)
+    assert all(s["steps"] == 3 for s in res["datasets"]["default"]["methods"].values())
+    with pytest.raises(Exception, match="already holds a bench"):
+        bench_mod.bench(_cfg(tiny_model_dir, out), grader=ParityGrader(), log=lambda s: None)
+
+
+def test_bench_ablations(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_mod, "ABLATIONS", {"update every 5 rounds": {"spark_every": 5},
+                                                 "frozen projection A": {"spark_frozen_a": True}})
+    res = bench_mod.bench(_cfg(tiny_model_dir, tmp_path / "a", ablations=True, steps=1), grader=ParityGrader(),
+                          log=lambda s: None)
+    ms = res["datasets"]["default"]["methods"]
+    assert set(ms) == {"full SPARK", "update every 5 rounds", "frozen projection A"}
+    assert all(s["aal"] >= 1.0 and s["e2e_speedup"] > 0 for s in ms.values())
+    assert "| default | frozen projection A |" in (tmp_path / "a" / "bench.md").read_text()
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["bench"], "--out is required"),
+    (["bench", "--out", "X", "--methods", "ar,medusa"], "unknown method 'medusa'"),
+    (["bench", "--out", "X", "--preset", "huge"], "invalid choice"),
+    (["bench", "--out", "X", "--group-size", "1"], "--group-size must be >= 2"),
+    (["bench", "--out", "X", "--datasets", "/no/such.jsonl"], "is not a file"),
+])
+def test_bench_bad_input(argv, msg, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1
