@@ -26,10 +26,12 @@ import json
 import platform
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
-from sparkrl.drafters.tree import TreeShape, build_tree
+from sparkrl.drafters import propose
+from sparkrl.drafters.tree import TreeShape
 from sparkrl.weights import cache_dir
 
 ROWS = (1, 4, 16, 64)
@@ -88,7 +90,7 @@ class CostModel:
         with torch.no_grad():
             for B in ROWS:
                 pc = policy.new_cache(B, CONTEXT + shape.nodes + 2)
-                dc = drafter.new_cache(B, CONTEXT + shape.depth * shape.branch + 2)
+                dc = drafter.new_cache(B, CONTEXT + max(shape.depth * shape.branch, shape.nodes) + 2)
                 pc.lengths += CONTEXT
                 dc.lengths += CONTEXT
                 root = torch.randint(0, V, (B,), device=dev)
@@ -101,8 +103,11 @@ class CostModel:
                     policy.logits(out.hidden[:, :shape.depth + 1])  # the head runs on the visited nodes
                     pc.commit(n_keep=zeros)
 
+                state = SimpleNamespace(root=root, z=z, a=a, h=a)
+                u = torch.rand(B, shape.depth, device=dev, dtype=torch.float64)
+
                 def tree():
-                    build_tree(drafter, dc, root, z, a, shape)
+                    propose(drafter, dc, state, shape, shape.nodes, 1.0, u)
                     dc.commit(n_keep=zeros)
 
                 for n in sizes:

@@ -146,8 +146,9 @@ class SparkConfig:
 
 @dataclass(frozen=True)
 class DraftConfig:
-    draft: str = field(default="none", metadata={"choices": ("none", "eagle3")})
-    """Speculative rollouts: none (autoregressive) or eagle3 (one-layer drafter, dynamic trees)."""
+    draft: str = field(default="none", metadata={"choices": ("none", "eagle3", "dflash")})
+    """Speculative rollouts: none (autoregressive), eagle3 (one-layer drafter, dynamic trees) or dflash
+    (three-layer block drafter, greedy blocks drafted in one forward)."""
     draft_checkpoint: str = ""
     """Drafter checkpoint from `sparkrl pretrain-draft` (empty: a freshly initialised drafter)."""
     tree_depth: int = 5
@@ -159,6 +160,8 @@ class DraftConfig:
     draft_mode: str = field(default="tree", metadata={"choices": ("tree", "chain")})
     """tree: top-k trees of point-mass candidates; chain: tree-depth tokens sampled from the draft,
     accepted with min(1, p/q)."""
+    block_size: int = 16
+    """dflash: block size (the anchor and block-size - 1 drafted tokens), at most what the drafter was trained for."""
     draft_lr: float = 1e-4
     """Online drafter learning rate (AdamW), one step per rollout."""
     budget: str = field(default="auto", metadata={"choices": ("auto", "fixed")})
@@ -170,18 +173,22 @@ class DraftConfig:
     spark_config: SparkConfig = SparkConfig()
 
     def __post_init__(self):
-        _check(self.draft in ("none", "eagle3"), f"--draft must be none or eagle3, got {self.draft!r}")
+        _check(self.draft in ("none", "eagle3", "dflash"), f"--draft must be none, eagle3 or dflash, got {self.draft!r}")
+        _check(self.block_size >= 2, f"--block-size must be >= 2 (an anchor and at least one drafted token), "
+                                     f"got {self.block_size}")
         _check(self.budget in ("auto", "fixed"), f"--budget must be auto or fixed, got {self.budget!r}")
         _check(not self.draft_checkpoint or os.path.exists(self.draft_checkpoint),
                f"--draft-checkpoint {self.draft_checkpoint} does not exist; make one with `sparkrl pretrain-draft`")
         _check(self.draft_lr > 0, f"--draft-lr must be > 0, got {self.draft_lr}")
         if self.draft != "none":
             self.shape()  # checks it
-        _check(self.draft != "none" or not self.spark_config.spark, "--spark corrects a drafter: pass --draft eagle3")
+        _check(self.draft != "none" or not self.spark_config.spark, "--spark corrects a drafter: pass --draft eagle3 or dflash")
 
     def shape(self):
         from sparkrl.drafters.tree import TreeShape
 
+        if self.draft == "dflash":
+            return TreeShape(self.block_size - 1, 1, self.block_size - 1, "block")
         return TreeShape(self.tree_depth, self.tree_branch, self.tree_nodes, self.draft_mode)
 
 
@@ -239,8 +246,10 @@ class GenerateConfig:
 class PretrainConfig:
     out: str = ""
     """Output directory: drafter.pt (the checkpoint), config.json, pretrain.jsonl."""
-    draft: str = field(default="eagle3", metadata={"choices": ("eagle3",)})
+    draft: str = field(default="eagle3", metadata={"choices": ("eagle3", "dflash")})
     """Drafter kind."""
+    block_size: int = 16
+    """dflash: the block size the drafter is trained for (generation may use smaller blocks)."""
     corpus: str = ""
     """Optional local text corpus (.txt: one document per line; .jsonl: a 'text' field) used in
     addition to responses the policy generates."""
@@ -267,6 +276,7 @@ class PretrainConfig:
         _check(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         _check(self.draft_vocab >= 0, f"--draft-vocab must be >= 0, got {self.draft_vocab}")
         _check(self.micro_batch >= 1, f"--micro-batch must be >= 1, got {self.micro_batch}")
+        _check(self.block_size >= 2, f"--block-size must be >= 2, got {self.block_size}")
 
 
 @dataclass(frozen=True)

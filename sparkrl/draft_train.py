@@ -1,6 +1,9 @@
 """Drafter training: pretraining before GRPO and online training after every rollout.
 
-Objective (paper appendix A, FastGRPO): 2 * SmoothL1(feature) + 0.1 * softCE(target distribution).
+Each drafter kind brings its loss (`drafter.loss`); this module holds the EAGLE3-style one and the
+training loops (DFlash-style: `drafters/dflash.block_loss`).
+
+EAGLE3-style objective (paper appendix A, FastGRPO): 2 * SmoothL1(feature) + 0.1 * softCE(target distribution).
 Drafter position i reads token i+1 and the policy's fused features at i, and predicts token i+2; its
 pre-norm output is regressed on the policy's final normed hidden state at i+1, and its distribution
 (over the draft vocabulary) is pulled towards the policy's distribution at i+1 by soft cross-entropy.
@@ -107,8 +110,8 @@ class DraftTrainer:
         """Accumulate the gradient of one micro-batch (weight: its share of the batch's positions)."""
         t0 = time.perf_counter()
         with torch.enable_grad():
-            loss, st = draft_loss(self.drafter, tokens, {i: t.detach() for i, t in taps.items()}, hidden.detach(),
-                                  logits.detach(), mask)
+            loss, st = self.drafter.loss(tokens, {i: t.detach() for i, t in taps.items()}, hidden.detach(),
+                                         logits.detach(), mask)
             (loss * weight).backward()
         self._stats.append(st)
         self.seconds += time.perf_counter() - t0
@@ -200,7 +203,7 @@ def pretrain(cfg) -> dict:
     from sparkrl.checkpoint import atomic_save
     from sparkrl.config import to_dict
     from sparkrl.data import INSTRUCTION, chat_prompt_ids, load_problems
-    from sparkrl.drafters.eagle3 import Eagle3Drafter
+    from sparkrl.drafters import KINDS
     from sparkrl.rollout import generate, response_generators
     from sparkrl.weights import load_model
 
@@ -228,7 +231,9 @@ def pretrain(cfg) -> dict:
     vocab_ids = draft_vocabulary(counts, cfg.draft_vocab, V, lm.eos_ids) if 0 < cfg.draft_vocab < V else None
     torch.manual_seed(cfg.seed)
     w = policy.lm_head.weight
-    drafter = Eagle3Drafter(policy.args, vocab_ids=vocab_ids).to(device=w.device, dtype=w.dtype).bind(policy)
+    settings = {"block_size": cfg.block_size} if cfg.draft == "dflash" else {}
+    drafter = KINDS[cfg.draft](policy.args, vocab_ids=vocab_ids, **settings).to(device=w.device, dtype=w.dtype)
+    drafter.bind(policy)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({"config": to_dict(cfg), "corpus_sequences": len(seqs),
@@ -252,7 +257,7 @@ def pretrain(cfg) -> dict:
             with torch.no_grad():
                 o = policy(toks, taps=taps)
                 logits = policy.logits(o.hidden)
-            loss, st = draft_loss(drafter, toks, o.taps, o.hidden, logits, mask)
+            loss, st = drafter.loss(toks, o.taps, o.hidden, logits, mask)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

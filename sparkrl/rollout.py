@@ -10,8 +10,8 @@ Both modes share the bookkeeping:
 Autoregressive mode (`generate`): one policy forward per token.
 
 Speculative mode (`generate_speculative`, paper section 3.1): rounds of
-  draft a tree per active response (drafter) -> verify all trees in ONE batched policy forward with
-  tree attention -> exact acceptance (`verify.accept_tree`) -> commit the accepted path in the
+  draft a tree (EAGLE3-style), a sampled chain, or a greedy block (DFlash-style) per active response
+  (`drafters.propose`) -> verify all of them in ONE batched policy forward with tree attention -> exact acceptance (`verify.accept_tree`) -> commit the accepted path in the
   policy's cache, roll the drafter's tree back -> feed the policy's features at the accepted tokens
   to the drafter (its "catch-up" forward, which also yields the next round's first draft level).
 No extra policy forward is spent on features: they are taps of the verification forward.
@@ -177,12 +177,13 @@ class _DraftState:
     output at the root's position (logits of the first draft level, feature of its nodes)."""
 
     root: torch.Tensor  # (B,)
-    z: torch.Tensor  # (B, Vd)
+    z: torch.Tensor | None  # (B, Vd) (None for a block drafter, which drafts from the root in one forward)
     a: torch.Tensor  # (B, d)
     h: torch.Tensor  # (B, d) the head feature behind z (SPARK corrects z with it)
 
     def keep(self, rows: torch.Tensor) -> None:
-        self.root, self.z, self.a, self.h = self.root[rows], self.z[rows], self.a[rows], self.h[rows]
+        self.root, self.a, self.h = self.root[rows], self.a[rows], self.h[rows]
+        self.z = None if self.z is None else self.z[rows]
 
 
 def _catch_up(drafter, cache: KVCache, tokens: torch.Tensor, feats, n: torch.Tensor) -> _DraftState:
@@ -192,7 +193,8 @@ def _catch_up(drafter, cache: KVCache, tokens: torch.Tensor, feats, n: torch.Ten
     cache.commit(n_keep=n)
     last = (n - 1)[:, None, None]
     pick = lambda t: t.gather(1, last.expand(-1, 1, t.shape[-1]))[:, 0]
-    return _DraftState(tokens.gather(1, (n - 1)[:, None])[:, 0], pick(step.z), pick(step.a), pick(step.h))
+    z = None if step.z is None else pick(step.z)  # a block drafter computes no logits on its context
+    return _DraftState(tokens.gather(1, (n - 1)[:, None])[:, 0], z, pick(step.a), pick(step.h))
 
 
 class _Backlog:
@@ -249,7 +251,7 @@ def generate_speculative(
     batch, so with a budget a response's exact realisation can depend on its batch; its
     distribution does not).
     """
-    from sparkrl.drafters.tree import build_chain, build_tree
+    from sparkrl.drafters import propose
     from sparkrl.spark import chain_feedback, tree_feedback
 
     t0 = time.perf_counter()
@@ -321,11 +323,8 @@ def generate_speculative(
             ts = time.perf_counter()
             spark.select(torch.tensor(batch.active, device=device))
             stats["spark_s"] += time.perf_counter() - ts
-        if chain:
-            tree, q, ctx = build_chain(drafter, dcache, state.root, state.z, state.a, shape.depth, sampling.temperature,
-                                       u[:, shape.depth + 1:], state.h, spark)
-        else:
-            tree, ctx = build_tree(drafter, dcache, state.root, state.z, state.a, shape, nodes, state.h, spark)
+        tree, q, ctx = propose(drafter, dcache, state, shape, nodes, sampling.temperature, u[:, shape.depth + 1:],
+                               spark)
         dcache.commit(n_keep=torch.zeros(B, dtype=torch.long, device=device))  # roll the draft back
         t2 = time.perf_counter()
         out = policy(tree.tokens, pcache, tree_mask=tree.ancestor_mask(), depth=tree.depth, taps=taps)
@@ -358,6 +357,8 @@ def generate_speculative(
         if spark is not None:  # feedback of this round, for the next round's proposals
             if chain:
                 chain_feedback(spark, acc, ctx, levels[0])
+            elif shape.mode == "block":  # the accepted prefix and the first rejected position
+                chain_feedback(spark, acc, ctx, torch.stack([p for _, p in levels], 1))
             else:  # rejected children: the target from the verification forward's hidden states there
                 target = lambda rows, nodes: spark.target(drafter.logits(out.hidden[rows, nodes]))
                 tree_feedback(spark, tree, acc, ctx, levels, target, shape.max_children)

@@ -10,6 +10,7 @@ from scipy.stats import chisquare
 
 from conftest import hf_model, ours_from_hf
 from sparkrl.config import SamplingConfig
+from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.selfdraft import SelfDrafter
 from sparkrl.drafters.tree import TreeShape
@@ -63,17 +64,17 @@ def chi2_ok(samples, exact):
 
 
 @pytest.mark.parametrize("spark", [False, True], ids=["baseline", "spark"])
-@pytest.mark.parametrize("mode", ["tree", "chain"])
+@pytest.mark.parametrize("mode", ["tree", "chain", "block"])
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.7)])
 def test_rollouts_are_exact_in_ragged_batches(temperature, top_p, mode, spark):
     """With SPARK adapting strongly (eta 5, so the proposals change a lot), too."""
     torch.manual_seed(0)
     policy = small_policy()
-    drafter = Eagle3Drafter(policy.args).bind(policy)
+    drafter = (DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args)).bind(policy)
     prompts = [[1, 2, 3, 4], [2, 0]]  # ragged prefixes; EOS ends responses at different rounds
     G, L = 3000, 3
     sc = SamplingConfig(temperature, top_p, L)
-    shape = TreeShape(depth=2, branch=2, nodes=4, mode=mode)
+    shape = TreeShape(depth=2, branch=2, nodes=4, mode=mode)  # a block: depth 2 (block size 3)
     corr = Spark(init_projection(policy.lm_head.weight, 4), V, k=2, eta=5.0, temperature=temperature) if spark else None
     r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G), shape, group_size=G,
                              spark=corr)

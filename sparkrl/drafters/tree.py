@@ -27,12 +27,13 @@ class TreeShape:
     depth: int  # draft levels below the root
     branch: int  # children per expanded node, and nodes expanded per level
     nodes: int  # draft nodes kept (the root not counted)
-    mode: str = "tree"  # "tree": point-mass top-k trees; "chain": `depth` tokens sampled from q
+    mode: str = "tree"  # "tree": point-mass top-k trees; "chain": `depth` tokens sampled from q;
+    # "block": DFlash greedy blocks of `depth` tokens (point masses)
 
     def __post_init__(self):
-        if self.mode not in ("tree", "chain"):
+        if self.mode not in ("tree", "chain", "block"):
             raise UserError(f"--draft-mode must be tree or chain, got {self.mode!r}")
-        if self.mode == "chain":
+        if self.mode in ("chain", "block"):
             object.__setattr__(self, "branch", 1)
             object.__setattr__(self, "nodes", self.depth)
         if self.nodes < 1:

@@ -1,0 +1,123 @@
+"""What every drafter shares: the policy's embedding and (reduced) output head, the fused policy
+features, the `DraftStep` record, and checkpoints checked against the policy they serve."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparkrl.errors import UserError
+from sparkrl.model import KVCache, ModelArgs
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """Low, middle, high policy layers (EAGLE-3 uses 2, L/2, L-3)."""
+    top = num_layers - 1
+    return (min(2, top), num_layers // 2, max(num_layers - 3, 0))
+
+
+@dataclass
+class DraftStep:
+    h: torch.Tensor  # (B, T, d) normed feature entering the head
+    a: torch.Tensor  # (B, T, d) pre-norm output (EAGLE: the feature of children of these positions)
+    z: torch.Tensor | None  # (B, T, Vd) draft logits over the draft vocabulary, float32 (None: not computed)
+
+
+class SharedHeadDrafter(nn.Module):
+    """Base of the drafters: `stack` (a `model.Stack`), `fc` (fused policy features -> d), the draft
+    vocabulary `vocab_ids`, and the policy's embedding and head, shared (not trained here)."""
+
+    kind = ""
+
+    def __init__(self, policy_args: ModelArgs, feature_layers: tuple[int, ...] | None = None,
+                 vocab_ids: torch.Tensor | None = None):
+        super().__init__()
+        d = policy_args.hidden_size
+        self.policy_args = policy_args
+        self.feature_layers = tuple(feature_layers or default_feature_layers(policy_args.num_layers))
+        self.fc = nn.Linear(len(self.feature_layers) * d, d, bias=False)
+        ids = torch.arange(policy_args.vocab_size) if vocab_ids is None else vocab_ids.long()
+        self.register_buffer("vocab_ids", ids)  # (Vd,) draft vocabulary -> policy token ids
+        self._shared = ()  # (policy embedding,): a tuple, so it is not a submodule of the drafter
+        self._head = None
+
+    def bind(self, policy) -> "SharedHeadDrafter":
+        """Share the policy's embedding and (reduced) output head; call after every policy update."""
+        self._shared = (policy.model.embed_tokens,)
+        self._head = policy.lm_head.weight.detach()[self.vocab_ids].contiguous()  # (Vd, d)
+        return self
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self._shared[0](tokens)
+
+    def features(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Policy hidden states of the feature layers -> (B, T, d) fused feature."""
+        return self.fc(torch.cat([taps[i] for i in self.feature_layers], dim=-1))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self._head.to(h.dtype)).float()
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        w = self.fc.weight
+        return self.stack.new_cache(batch, capacity, w.device, w.dtype)
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def signature(self) -> dict:
+        a = self.policy_args
+        return {"arch": a.arch, "hidden_size": a.hidden_size, "vocab_size": a.vocab_size, "num_layers": a.num_layers}
+
+    def settings(self) -> dict:
+        """Constructor settings saved with the checkpoint (besides the policy and the vocabulary)."""
+        return {}
+
+    def checkpoint(self) -> dict:
+        return {"kind": self.kind, "policy": self.signature(), "feature_layers": list(self.feature_layers),
+                "settings": self.settings(), "state": {k: v for k, v in self.state_dict().items()}}
+
+
+def read_checkpoint(path: str | Path | dict) -> dict:
+    """The drafter entry of a file (a `pretrain-draft` drafter.pt, or a GRPO run's step-N.pt) or dict."""
+    if isinstance(path, dict):
+        ck = path
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise UserError(f"--draft-checkpoint {p} does not exist")
+        try:
+            ck = torch.load(p, map_location="cpu", weights_only=False)
+        except Exception as e:
+            raise UserError(f"--draft-checkpoint {p} is not a readable checkpoint ({type(e).__name__}); "
+                            "make one with `sparkrl pretrain-draft`") from None
+    if isinstance(ck, dict) and "kind" not in ck and isinstance(ck.get("draft"), dict):
+        ck = ck["draft"].get("drafter")  # a training checkpoint: its drafter
+    if not isinstance(ck, dict) or not {"kind", "state", "policy", "feature_layers"} <= set(ck):
+        raise UserError(f"{path} is not a sparkrl drafter checkpoint; make one with `sparkrl pretrain-draft`")
+    return ck
+
+
+def load_drafter(path: str | Path | dict, policy_args: ModelArgs, kind: str | None = None):
+    """A drafter checkpoint (file or dict) checked against the policy it will serve (and the kind asked for)."""
+    from sparkrl.drafters import KINDS
+
+    ck = read_checkpoint(path)
+    if kind is not None and ck["kind"] != kind:
+        raise UserError(f"{path} is a {ck['kind']!r} drafter, not {kind!r}; pass --draft {ck['kind']} or another checkpoint")
+    if ck["kind"] not in KINDS:
+        raise UserError(f"{path} is a {ck['kind']!r} drafter; this sparkrl knows {', '.join(KINDS)}")
+    d = KINDS[ck["kind"]](policy_args, tuple(ck["feature_layers"]), ck["state"]["vocab_ids"], **ck.get("settings", {}))
+    want = d.signature()
+    for k, v in ck["policy"].items():
+        if want.get(k) != v:
+            raise UserError(f"drafter checkpoint {path} was made for a policy with {k}={v}, this policy has "
+                            f"{k}={want.get(k)}; pretrain a drafter for this model")
+    try:
+        d.load_state_dict(ck["state"])
+    except RuntimeError as e:
+        raise UserError(f"drafter checkpoint {path} does not fit the drafter ({str(e).splitlines()[0]})") from None
+    return d

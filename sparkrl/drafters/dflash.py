@@ -1,0 +1,169 @@
+"""DFlash-style block drafter (Chen et al. 2026; the paper's "DFlash-style" setup).
+
+Three decoder layers of the policy's own engine (`model.Stack`). The context is the policy itself:
+every committed position enters the drafter's KV cache as the policy's fused features there (a low,
+a middle and a high layer, projected to d; no token embedding, the features carry the tokens). A
+block of `block_size` positions, the anchor (the last committed token, which the policy has not run
+yet; its embedding) followed by block_size - 1 mask embeddings, is drafted in ONE forward: the block
+attends to the whole context and bidirectionally within itself, and position j predicts the token j
+places after the anchor. Proposals are the greedy tokens (point masses), checked by the policy with
+exact point-mass acceptance (`verify.accept_tree` on a one-path tree). It shares the policy's
+embedding and (reduced) output head and exposes h and z at every block position, so SPARK applies
+unchanged; its feedback contexts are the accepted prefix and the first rejected position.
+
+Training (`block_loss`): K random anchors per sequence, each block attending to the context before its
+anchor, in one forward with an explicit mask; soft cross-entropy against the policy's distribution at
+each predicted position, weighted exp(-(j - 1) / gamma) by block position j. Why decay: position j
+only counts if positions 1..j-1 were all accepted, so its share of the expected acceptance length
+falls geometrically with j; DFlash decays its weights for the same reason. gamma = 4 keeps position
+5 at a third of position 1's weight.
+
+Departure: online, the context the loss sees starts at the last prompt token (the GRPO update's
+forward covers the response positions); pretraining uses whole sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from sparkrl.drafters.base import DraftStep, SharedHeadDrafter
+from sparkrl.errors import UserError
+from sparkrl.model import KVCache, ModelArgs, Stack
+from sparkrl.verify import Tree
+
+KIND = "dflash"
+GAMMA = 4.0  # decay of the loss weight with block position
+ANCHORS = 8  # training blocks per sequence
+
+
+class DFlashDrafter(SharedHeadDrafter):
+    kind = KIND
+
+    def __init__(self, policy_args: ModelArgs, feature_layers: tuple[int, ...] | None = None,
+                 vocab_ids: torch.Tensor | None = None, block_size: int = 16, num_layers: int = 3):
+        super().__init__(policy_args, feature_layers, vocab_ids)
+        if block_size < 2:
+            raise UserError(f"--block-size must be >= 2 (an anchor and at least one drafted token), got {block_size}")
+        self.block_size, self.num_layers = block_size, num_layers
+        self.stack = Stack(dataclasses.replace(policy_args, num_layers=num_layers))
+        self.mask_embed = nn.Parameter(torch.randn(policy_args.hidden_size) * 0.02)
+
+    def settings(self) -> dict:
+        return {"block_size": self.block_size, "num_layers": self.num_layers}
+
+    def check_block(self, n: int) -> None:
+        if n < 2:
+            raise UserError(f"--block-size must be >= 2 (an anchor and at least one drafted token), got {n}")
+        if n > self.block_size:
+            raise UserError(f"--block-size {n} is larger than the drafter was trained for ({self.block_size}); "
+                            f"pass --block-size {self.block_size} or less")
+
+    def forward(self, tokens, feats: torch.Tensor, cache: KVCache | None = None, *, tree_mask=None, depth=None,
+                mask=None) -> DraftStep:
+        """Context positions: feats (B, T, d) fused policy features (tokens unused). No logits."""
+        out = self.stack(feats, cache, tree_mask=tree_mask, depth=depth, mask=mask)
+        return DraftStep(out.hidden, out.hidden, None)
+
+    def prefill(self, prompts: torch.Tensor, lens: torch.Tensor, feats: torch.Tensor, cache: KVCache) -> None:
+        """Commit the context of the prompts but their last position (the engine's catch-up adds it)."""
+        if prompts.shape[1] > 1:
+            self(None, feats[:, :-1], cache)
+        cache.commit(n_keep=lens - 1)
+
+    def block_inputs(self, anchor: torch.Tensor, n: int) -> torch.Tensor:
+        """(B, n + 1, d): the anchor's embedding, then n mask embeddings."""
+        e = self.embed(anchor)[:, None].to(self.mask_embed.dtype)
+        return torch.cat([e, self.mask_embed.expand(anchor.shape[0], n, -1)], 1)
+
+    def block(self, anchor: torch.Tensor, cache: KVCache, n: int) -> DraftStep:
+        """Draft n tokens after each anchor (B,) in one forward over the cached context: h, z (B, n, .)."""
+        B = anchor.shape[0]
+        full = torch.ones(B, n + 1, cache.pending + n + 1, dtype=torch.bool, device=anchor.device)
+        depth = (cache.pending + torch.arange(n + 1, device=anchor.device)).expand(B, -1)
+        out = self.stack(self.block_inputs(anchor, n), cache, tree_mask=full, depth=depth)
+        h = out.hidden[:, 1:]
+        return DraftStep(h, h, self.logits(h))
+
+    def loss(self, tokens, taps, hidden, target_logits, mask, generator=None) -> tuple[torch.Tensor, dict]:
+        return block_loss(self, tokens, taps, target_logits, mask, generator=generator)
+
+
+def build_block(drafter: DFlashDrafter, cache: KVCache, root: torch.Tensor, n: int, spark=None):
+    """Greedy blocks of n tokens after the roots (B,) as one-path trees (point masses), and the
+    contexts (block position j is context j, the prediction after tree node j) when spark is given."""
+    from sparkrl.drafters.tree import Contexts
+
+    step = drafter.block(root, cache, n)
+    z = step.z if spark is None else spark.correct(step.z, step.h)  # (B, n, Vd)
+    tok = drafter.vocab_ids[z.argmax(-1)]  # (B, n)
+    B, dev = root.shape[0], root.device
+    ar = torch.arange(n + 1, device=dev)
+    tree = Tree(tokens=torch.cat([root[:, None], tok], 1), parents=(ar - 1).expand(B, -1).clone(),
+                valid=torch.ones(B, n + 1, dtype=torch.bool, device=dev), depth=ar.expand(B, -1).clone(),
+                rank=ar.expand(B, -1).clone())
+    ctx = None if spark is None else Contexts(step.h, z, torch.where(ar < n, ar, -1).expand(B, -1).clone())
+    return tree, ctx
+
+
+def block_mask(T: int, anchors: torch.Tensor, bs: int) -> torch.Tensor:
+    """(B, 1, N, N) attention of one training forward over T context positions and K blocks of bs
+    (N = T + K bs): the context is causal; block k sees the context before its anchor and itself."""
+    B, K = anchors.shape
+    dev = anchors.device
+    N = T + K * bs
+    q = torch.arange(N, device=dev)
+    is_ctx = q < T
+    blk = ((q - T) // bs).clamp(min=0)  # block of every block row/column
+    ctx_rows = is_ctx[:, None] & is_ctx[None, :] & (q[None, :] <= q[:, None])  # (N, N)
+    anchor_of = anchors.gather(1, blk[None].expand(B, -1))  # (B, N) the anchor of each row's block
+    see_ctx = (~is_ctx)[None, :, None] & is_ctx[None, None, :] & (q[None, None, :] < anchor_of[:, :, None])
+    same_blk = (~is_ctx)[:, None] & (~is_ctx)[None, :] & (blk[:, None] == blk[None, :])
+    return (ctx_rows[None] | see_ctx | same_blk[None])[:, None]
+
+
+def block_logits(drafter: DFlashDrafter, tokens: torch.Tensor, feats: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """Draft logits (B, K, bs - 1, Vd) of blocks anchored at a (B, K), each seeing the context (fused
+    features feats (B, T, d)) before its anchor: what `DFlashDrafter.block` computes at inference."""
+    B, T = tokens.shape
+    K, bs = a.shape[1], drafter.block_size
+    dev = tokens.device
+    blocks = torch.cat([drafter.block_inputs(tokens.gather(1, a[:, k:k + 1])[:, 0], bs - 1) for k in range(K)],
+                       1).to(feats.dtype)  # (B, K bs, d)
+    pos = torch.cat([torch.arange(T, device=dev).expand(B, -1),
+                     (a[:, :, None] + torch.arange(bs, device=dev)).flatten(1)], 1)  # (B, N) RoPE positions
+    out = drafter.stack(torch.cat([feats, blocks], 1), mask=block_mask(T, a, bs), depth=pos)
+    return drafter.logits(out.hidden[:, T:].view(B, K, bs, -1)[:, :, 1:])
+
+
+def block_loss(drafter: DFlashDrafter, tokens: torch.Tensor, taps: dict, target_logits: torch.Tensor,
+               mask: torch.Tensor, anchors: int = ANCHORS, gamma: float = GAMMA, generator=None):
+    """Position-weighted soft cross-entropy of K random blocks per sequence.
+
+    tokens (B, T); taps: policy layer outputs (B, T, d) at the same positions; target_logits (B, T, V)
+    the policy's logits there (position t: the distribution of token t + 1); mask (B, T): position t's
+    target may be trained. A block anchored at a (mask[a] true) predicts tokens a + j, j = 1..bs-1,
+    against the policy's distribution at a + j - 1, weight exp(-(j - 1) / gamma) where mask allows.
+    """
+    B, T = tokens.shape
+    dev = tokens.device
+    n = drafter.block_size - 1
+    w_pos = mask.float() + 1e-9 * (mask.sum(-1, keepdim=True) == 0)  # rows without targets: any anchor
+    a = torch.multinomial(w_pos, anchors, replacement=True, generator=generator)  # (B, K)
+    z = block_logits(drafter, tokens, drafter.features({i: t.detach() for i, t in taps.items()}), a)
+    tgt = (a[:, :, None] + torch.arange(n, device=dev)).clamp(max=T - 1)  # (B, K, n) target positions
+    ok = mask.gather(1, tgt.flatten(1)).view(B, anchors, n) & (a[:, :, None] + torch.arange(n, device=dev) < T)
+    p = torch.softmax(target_logits.float(), -1)[..., drafter.vocab_ids]  # (B, T, Vd)
+    p = p.gather(1, tgt.flatten(1)[..., None].expand(-1, -1, p.shape[-1])).view(B, anchors, n, -1)
+    ce = -(p * torch.log_softmax(z, -1)).sum(-1)  # (B, K, n)
+    w = torch.exp(-torch.arange(n, device=dev, dtype=torch.float32) / gamma) * ok  # (B, K, n)
+    loss = (w * ce).sum() / w.sum().clamp(min=1e-9)
+    with torch.no_grad():
+        hit = (z.argmax(-1) == p.argmax(-1)) & ok
+        cnt = ok.sum().clamp(min=1)
+        per = [float(hit[..., j].sum() / ok[..., j].sum().clamp(min=1)) for j in range(min(n, 3))]
+        stats = {"feat": 0.0, "ce": float((ce * ok).sum() / cnt), "top1": float(hit.sum() / cnt),
+                 "positions": float(cnt), **{f"top1_{j + 1}": v for j, v in enumerate(per)}}
+    return loss, stats

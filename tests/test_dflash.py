@@ -1,0 +1,131 @@
+"""DFlash-style block drafter: training forward = inference forward, exact block rollouts (with and
+without SPARK, in test_speculative), checkpoints and bad input, training end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sparkrl.config import SamplingConfig
+from sparkrl.drafters.base import load_drafter
+from sparkrl.drafters.dflash import DFlashDrafter, block_logits, block_loss, build_block
+from sparkrl.drafters.eagle3 import Eagle3Drafter
+from sparkrl.drafters.tree import TreeShape
+from sparkrl.errors import UserError
+from sparkrl.rollout import generate, generate_speculative, response_generators
+
+
+def test_training_blocks_equal_inference_blocks(tiny_llama):
+    torch.manual_seed(0)
+    d = DFlashDrafter(tiny_llama.args, block_size=4).bind(tiny_llama)
+    toks = torch.randint(0, tiny_llama.args.vocab_size, (2, 12))
+    feats = torch.randn(2, 12, tiny_llama.args.hidden_size)
+    a = torch.tensor([[3, 7], [5, 9]])
+    with torch.no_grad():
+        z = block_logits(d, toks, feats, a)  # (2, 2, 3, V)
+        for b in range(2):
+            for k in range(2):
+                cache = d.new_cache(1, 32)
+                anchor = int(a[b, k])
+                d(None, feats[b:b + 1, :anchor], cache)  # the context before the anchor
+                cache.commit(n_keep=torch.tensor([anchor]))
+                step = d.block(toks[b:b + 1, anchor], cache, 3)
+                assert torch.allclose(step.z[0], z[b, k], atol=1e-4)
+                cache.commit(n_keep=torch.tensor([0]))  # roll the block back
+                tree, ctx = build_block(d, cache, toks[b:b + 1, anchor], 3)
+                assert tree.tokens[0, 1:].tolist() == d.vocab_ids[z[b, k].argmax(-1)].tolist()
+                assert tree.parents[0].tolist() == [-1, 0, 1, 2] and ctx is None
+
+
+def test_block_loss_weights_decay_and_training_helps():
+    from test_speculative import small_policy
+
+    torch.manual_seed(0)
+    policy = small_policy()  # peaked distributions, so the loss can fall well below its start
+    d = DFlashDrafter(policy.args, block_size=4).bind(policy)
+    toks = torch.randint(0, policy.args.vocab_size, (2, 16))
+    with torch.no_grad():
+        o = policy(toks, taps=d.feature_layers)
+        logits = policy.logits(o.hidden)
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[:, -1] = False
+    opt = torch.optim.Adam(d.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss, st = block_loss(d, toks, o.taps, logits, mask, generator=torch.Generator().manual_seed(0))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.85 * losses[0] and {"ce", "top1", "top1_1", "positions"} <= set(st)
+    # by hand: one anchor, uniform-ish check of the exp(-(j-1)/gamma) weighting
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        loss1, _ = block_loss(d, toks, o.taps, logits, mask, anchors=1, gamma=1e-6, generator=g)
+        a = torch.multinomial(mask.float(), 1, replacement=True, generator=torch.Generator().manual_seed(1))
+        z = block_logits(d, toks, d.features(o.taps), a)[:, 0, 0]  # only position 1 weighs (gamma -> 0)
+        p = torch.softmax(logits, -1).gather(1, a[..., None].expand(-1, -1, logits.shape[-1]))[:, 0]
+        want = -(p * torch.log_softmax(z, -1)).sum(-1).mean()
+    assert torch.allclose(loss1, want, atol=1e-5)
+
+
+def test_greedy_with_block_drafter_equals_greedy(tiny_llama):
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    sc = SamplingConfig(0.0, 1.0, 12)
+    ar = generate(tiny_llama, prompts, sc, (5,), response_generators(0, 2, 3), group_size=3)
+    sp = generate_speculative(tiny_llama, DFlashDrafter(tiny_llama.args, block_size=5), prompts, sc, (5,),
+                              response_generators(0, 2, 3), TreeShape(4, 1, 4, "block"), group_size=3)
+    assert sp.tokens == ar.tokens and sp.finish_reason == ar.finish_reason and sp.stats["rounds"] > 0
+
+
+def test_checkpoints_and_block_size_errors(tmp_path, tiny_llama):
+    d = DFlashDrafter(tiny_llama.args, vocab_ids=torch.arange(40), block_size=6)
+    path = tmp_path / "d.pt"
+    torch.save(d.checkpoint(), path)
+    back = load_drafter(path, tiny_llama.args, "dflash")
+    assert back.block_size == 6 and all(torch.equal(a, b) for a, b in zip(d.state_dict().values(),
+                                                                           back.state_dict().values()))
+    with pytest.raises(UserError, match="is a 'dflash' drafter, not 'eagle3'; pass --draft dflash"):
+        load_drafter(path, tiny_llama.args, "eagle3")
+    torch.save(Eagle3Drafter(tiny_llama.args).checkpoint(), tmp_path / "e.pt")
+    with pytest.raises(UserError, match="is a 'eagle3' drafter, not 'dflash'"):
+        load_drafter(tmp_path / "e.pt", tiny_llama.args, "dflash")
+    with pytest.raises(UserError, match="larger than the drafter was trained for"):
+        back.check_block(7)
+    with pytest.raises(UserError, match="--block-size must be >= 2"):
+        DFlashDrafter(tiny_llama.args, block_size=1)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["train", "--out", "X", "--draft", "dflash", "--block-size", "1"], "--block-size must be >= 2"),
+    (["pretrain-draft", "--out", "X", "--draft", "dflash", "--block-size", "0"], "--block-size must be >= 2"),
+])
+def test_bad_block_size_is_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):
+    from sparkrl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_pretrain_and_train_with_dflash_and_spark(tiny_model_dir, tmp_path):
+    from sparkrl.cli import main
+    from sparkrl.config import RunConfig, build
+    from sparkrl.trainer import train
+    from test_trainer import ParityGrader
+
+    assert main(["pretrain-draft", "--model", str(tiny_model_dir), "--out", str(tmp_path / "pre"), "--draft", "dflash",
+                 "--block-size", "4", "--prompts", "8", "--epochs", "1", "--max-new-tokens", "12",
+                 "--draft-vocab", "64", "--default-size", "20"]) == 0
+    ck = tmp_path / "pre" / "drafter.pt"
+    flat = dict(model=str(tiny_model_dir), out=str(tmp_path / "run"), steps=2, group_size=3, prompts_per_step=2,
+                max_new_tokens=8, default_size=20, lr=1e-3, micro_batch=4, draft="dflash", draft_checkpoint=str(ck),
+                block_size=3, budget="fixed", spark=True, spark_rank=4)
+    train(build(RunConfig, flat), grader=ParityGrader())
+    m = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(x["aal"] >= 1.0 and x["spark_contexts"] > 0 and x["draft_train_s"] > 0 for x in m)
+    assert len(m[0]["accept_at_depth"]) == 2
+    with pytest.raises(UserError, match="larger than the drafter was trained for"):
+        train(build(RunConfig, {**flat, "out": str(tmp_path / "r2"), "block_size": 5}), grader=ParityGrader())
