@@ -57,7 +57,9 @@ PAPER_TABLE2 = {"full SPARK": (3.28, 2.02), "update every 5 rounds": (3.11, 1.95
                 "accepted feedback only": (3.02, 1.94), "frozen projection A": (2.88, 1.91), "rank 4": (3.20, None),
                 "rank 32": (3.31, None), "k 8": (3.24, 1.99), "k 32": (3.29, 1.97)}
 PAPER_TABLE1_MEAN = {"eagle3": {"gen": 1.84, "e2e": 1.75, "aal": 2.52},
-                     "eagle3+spark": {"gen": 2.43, "e2e": 2.31, "aal": 3.47}}
+                     "eagle3+spark": {"gen": 2.43, "e2e": 2.31, "aal": 3.47},
+                     "dflash": {"gen": 2.06, "e2e": 1.94, "aal": 2.46},
+                     "dflash+spark": {"gen": 2.30, "e2e": 2.11, "aal": 2.82}}
 
 
 def sizes(cfg: BenchConfig) -> dict:
@@ -80,7 +82,9 @@ def run_config(cfg: BenchConfig, data: str, method: str, folder: str, spark: dic
     sz = sizes(cfg)
     draft = DraftConfig()
     if method != "ar":
-        draft = DraftConfig(draft="eagle3", draft_checkpoint=cfg.draft_checkpoint, budget=cfg.budget,
+        kind = method.split("+")[0]
+        draft = DraftConfig(draft=kind, draft_checkpoint=cfg.dflash_checkpoint if kind == "dflash" else cfg.draft_checkpoint,
+                            block_size=cfg.block_size, budget=cfg.budget,
                             spark_config=SparkConfig(spark=True, **(spark or {})) if "spark" in method else SparkConfig())
     return RunConfig(out=folder, steps=sz["steps"], seed=cfg.seed, resume=cfg.resume,
                      checkpoint_every=1 if cfg.preset == "paper" else sz["steps"], keep_checkpoints=1,
@@ -230,7 +234,8 @@ def _merge(ss: list[dict]) -> dict:
 
 def markdown(results: dict, cfg: BenchConfig) -> str:
     f = lambda x: "-" if x is None else f"{x:.2f}"
-    lines = [f"sizes: {results['sizes']}, budget {cfg.budget}, drafter {cfg.draft_checkpoint or '(fresh)'}", ""]
+    lines = [f"sizes: {results['sizes']}, budget {cfg.budget}, drafters: {cfg.draft_checkpoint or '(fresh)'} (EAGLE3-style), "
+             f"{cfg.dflash_checkpoint or '(fresh)'} (DFlash-style, block {cfg.block_size})", ""]
     if cfg.ablations:
         lines += ["| dataset | configuration | AAL | E2E (x) | paper AAL | paper E2E |", "| --- | --- | --- | --- | --- | --- |"]
         for name, d in results["datasets"].items():
@@ -238,29 +243,32 @@ def markdown(results: dict, cfg: BenchConfig) -> str:
                 pa, pe = PAPER_TABLE2.get(v, (None, None))
                 lines.append(f"| {name} | {v} | {f(s.get('aal'))} | {f(s.get('e2e_speedup'))} | {f(pa)} | {f(pe)} |")
         return "\n".join(lines) + "\n"
-    lines += ["| dataset | Gen. Orig. | Gen. +SPARK | E2E Orig. | E2E +SPARK | AAL Orig. | AAL +SPARK |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
-    cols = {"gen": "gen_speedup", "e2e": "e2e_speedup", "aal": "aal"}
-    means = {k: {m: [] for m in ("eagle3", "eagle3+spark")} for k in cols}
-    for name, d in results["datasets"].items():
-        ms = d["methods"]
-        row = [name]
-        for k, key in cols.items():
-            for m in ("eagle3", "eagle3+spark"):
-                v = ms.get(m, {}).get(key)
-                row.append(f(v))
-                if v is not None:
-                    means[k][m].append(v)
+    cols = {"Gen.": "gen_speedup", "E2E": "e2e_speedup", "AAL": "aal"}
+    for fam, name_ in (("eagle3", "EAGLE3-style"), ("dflash", "DFlash-style")):
+        pair = (fam, f"{fam}+spark")
+        if not any(m in d["methods"] for d in results["datasets"].values() for m in pair):
+            continue
+        lines += [f"{name_}:", "", "| dataset | " + " | ".join(f"{c} {s}" for c in cols for s in ("Orig.", "+SPARK")) + " |",
+                  "| --- |" + " --- |" * 6]
+        means = {k: {m: [] for m in pair} for k in cols}
+        for name, d in results["datasets"].items():
+            row = [name]
+            for k, key in cols.items():
+                for m in pair:
+                    v = d["methods"].get(m, {}).get(key)
+                    row.append(f(v))
+                    if v is not None:
+                        means[k][m].append(v)
+            lines.append("| " + " | ".join(row) + " |")
+        row = ["mean"]
+        for k in cols:
+            o, s_ = (statistics.mean(means[k][m]) if means[k][m] else None for m in pair)
+            row += [f(o), f(s_) + (f" (↑{(s_ / o - 1) * 100:.1f}%)" if o and s_ else "")]
         lines.append("| " + " | ".join(row) + " |")
-    row = ["mean"]
-    for k in cols:
-        o, s = (statistics.mean(means[k][m]) if means[k][m] else None for m in ("eagle3", "eagle3+spark"))
-        row += [f(o), f(s) + (f" (↑{(s / o - 1) * 100:.1f}%)" if o and s else "")]
-    lines.append("| " + " | ".join(row) + " |")
-    p = PAPER_TABLE1_MEAN
-    lines.append(f"| paper mean (21 settings) | {p['eagle3']['gen']} | {p['eagle3+spark']['gen']} (↑32.7%) | "
-                 f"{p['eagle3']['e2e']} | {p['eagle3+spark']['e2e']} (↑32.2%) | {p['eagle3']['aal']} | "
-                 f"{p['eagle3+spark']['aal']} (↑37.7%) |")
+        p, q = PAPER_TABLE1_MEAN[pair[0]], PAPER_TABLE1_MEAN[pair[1]]
+        gain = lambda k: f" (↑{(q[k] / p[k] - 1) * 100:.1f}%)"
+        lines += [f"| paper mean (21 settings) | {p['gen']} | {q['gen']}{gain('gen')} | {p['e2e']} | {q['e2e']}{gain('e2e')} "
+                  f"| {p['aal']} | {q['aal']}{gain('aal')} |", ""]
     return "\n".join(lines) + "\n"
 
 

@@ -303,9 +303,13 @@ class BenchConfig:
     preset: str = field(default="quick", metadata={"choices": ("quick", "paper")})
     """Sizes: quick (minutes on a CPU) or paper (G = 8, 2,048-token responses; as long as it takes)."""
     methods: str = "ar,eagle3,eagle3+spark"
-    """Methods, comma-separated, from: ar, eagle3, eagle3+spark."""
+    """Methods, comma-separated, from: ar, eagle3, eagle3+spark, dflash, dflash+spark."""
     draft_checkpoint: str = ""
-    """The pretrained drafter every drafting method starts from (empty: a freshly initialised one)."""
+    """The pretrained EAGLE3-style drafter the eagle3 methods start from (empty: a freshly initialised one)."""
+    dflash_checkpoint: str = ""
+    """The pretrained DFlash-style drafter the dflash methods start from (empty: a freshly initialised one)."""
+    block_size: int = 16
+    """Block size of the dflash methods."""
     budget: str = field(default="fixed", metadata={"choices": ("auto", "fixed")})
     """Drafting budget of the drafting methods (fixed: the paper's; auto: the cost-model fallback)."""
     ablations: bool = False
@@ -327,11 +331,12 @@ class BenchConfig:
     def __post_init__(self):
         _check(bool(self.out), "--out is required: the directory for the bench results")
         _check(self.preset in ("quick", "paper"), f"--preset must be quick or paper, got {self.preset!r}")
-        known = ("ar", "eagle3", "eagle3+spark")
+        known = ("ar", "eagle3", "eagle3+spark", "dflash", "dflash+spark")
         for m in self.methods.split(","):
             _check(m in known, f"--methods: unknown method {m!r}; choose from {', '.join(known)}")
-        _check(not self.draft_checkpoint or os.path.exists(self.draft_checkpoint),
-               f"--draft-checkpoint {self.draft_checkpoint} does not exist; make one with `sparkrl pretrain-draft`")
+        for flag, path in (("--draft-checkpoint", self.draft_checkpoint), ("--dflash-checkpoint", self.dflash_checkpoint)):
+            _check(not path or os.path.exists(path), f"{flag} {path} does not exist; make one with `sparkrl pretrain-draft`")
+        _check(self.block_size >= 2, f"--block-size must be >= 2, got {self.block_size}")
         for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens"):
             _check(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0 (0: the preset's)")
         _check(self.group_size != 1, "--group-size must be >= 2 (advantages are relative to the group)")

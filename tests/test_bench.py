@@ -20,22 +20,25 @@ def _cfg(model_dir, out, **kw):
 
 def test_bench_quick_table_resume_and_plots(tiny_model_dir, tmp_path):
     out = tmp_path / "b"
-    res = bench_mod.bench(_cfg(tiny_model_dir, out), grader=ParityGrader(), log=lambda s: None)
+    methods = "ar,eagle3,eagle3+spark,dflash,dflash+spark"
+    res = bench_mod.bench(_cfg(tiny_model_dir, out, methods=methods, block_size=4), grader=ParityGrader(),
+                          log=lambda s: None)
     ms = res["datasets"]["default"]["methods"]
-    assert set(ms) == {"ar", "eagle3", "eagle3+spark"}
-    for m in ("eagle3", "eagle3+spark"):
+    assert set(ms) == set(methods.split(","))
+    for m in ("eagle3", "eagle3+spark", "dflash", "dflash+spark"):
         assert ms[m]["steps"] == 2 and ms[m]["aal"] >= 1.0 and ms[m]["gen_speedup"] > 0 and ms[m]["e2e_speedup"] > 0
     assert ms["eagle3+spark"]["spark_s"] > 0 and ms["eagle3"]["spark_s"] == 0
     seeds = {json.loads((out / "default" / f / "config.json").read_text())["config"]["seed"]
              for f in ("ar", "eagle3", "eagle3_spark")}
     assert seeds == {0}
     md = (out / "bench.md").read_text()
-    assert "| default |" in md and "paper mean" in md
+    assert "| default |" in md and "paper mean" in md and "EAGLE3-style:" in md and "DFlash-style:" in md
     assert (out / "bench.png").stat().st_size > 0
     saved = json.loads((out / "bench.json").read_text())
     assert saved["machine"]["torch"] and saved["sizes"]["group_size"] == 2
     # resume continues every method to the new step count, keeping what was done
-    res = bench_mod.bench(_cfg(tiny_model_dir, out, steps=3, resume=True), grader=ParityGrader(), log=lambda s: None)
+    res = bench_mod.bench(_cfg(tiny_model_dir, out, steps=3, resume=True, methods=methods, block_size=4),
+                          grader=ParityGrader(), log=lambda s: None)
     assert all(s["steps"] == 3 for s in res["datasets"]["default"]["methods"].values())
     with pytest.raises(Exception, match="already holds a bench"):
         bench_mod.bench(_cfg(tiny_model_dir, out), grader=ParityGrader(), log=lambda s: None)
