@@ -129,3 +129,6 @@ def test_pretrain_and_train_with_dflash_and_spark(tiny_model_dir, tmp_path):
     assert len(m[0]["accept_at_depth"]) == 2
     with pytest.raises(UserError, match="larger than the drafter was trained for"):
         train(build(RunConfig, {**flat, "out": str(tmp_path / "r2"), "block_size": 5}), grader=ParityGrader())
+    # generate, with the measured per-round budget (the default) and without SPARK
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--n", "3", "--max-new-tokens", "6",
+                 "--draft", "dflash", "--draft-checkpoint", str(ck), "--block-size", "3", "--json"]) == 0
