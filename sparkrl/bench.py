@@ -232,6 +232,10 @@ def _merge(ss: list[dict]) -> dict:
             "chunks": len(ss)}
 
 
+def _change(x: float) -> str:
+    return f"{'↑' if x >= 0 else '↓'}{abs(x) * 100:.1f}%"
+
+
 def markdown(results: dict, cfg: BenchConfig) -> str:
     f = lambda x: "-" if x is None else f"{x:.2f}"
     lines = [f"sizes: {results['sizes']}, budget {cfg.budget}, drafters: {cfg.draft_checkpoint or '(fresh)'} (EAGLE3-style), "
@@ -263,10 +267,10 @@ def markdown(results: dict, cfg: BenchConfig) -> str:
         row = ["mean"]
         for k in cols:
             o, s_ = (statistics.mean(means[k][m]) if means[k][m] else None for m in pair)
-            row += [f(o), f(s_) + (f" (↑{(s_ / o - 1) * 100:.1f}%)" if o and s_ else "")]
+            row += [f(o), f(s_) + (f" ({_change(s_ / o - 1)})" if o and s_ else "")]
         lines.append("| " + " | ".join(row) + " |")
         p, q = PAPER_TABLE1_MEAN[pair[0]], PAPER_TABLE1_MEAN[pair[1]]
-        gain = lambda k: f" (↑{(q[k] / p[k] - 1) * 100:.1f}%)"
+        gain = lambda k: f" ({_change(q[k] / p[k] - 1)})"
         lines += [f"| paper mean (21 settings) | {p['gen']} | {q['gen']}{gain('gen')} | {p['e2e']} | {q['e2e']}{gain('e2e')} "
                   f"| {p['aal']} | {q['aal']}{gain('aal')} |", ""]
     return "\n".join(lines) + "\n"
