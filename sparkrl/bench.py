@@ -307,6 +307,7 @@ def plot(results: dict, out: Path) -> None:
         ax.legend(fontsize=7)
         ax = axes[2][j]
         ax2 = ax.twinx()
+        bars = False
         for m, s in ms.items():
             if not s.get("rounds"):
                 continue
@@ -316,8 +317,9 @@ def plot(results: dict, out: Path) -> None:
             w = 8
             aal = [a for _, a in tr]
             ax.plot([statistics.mean(aal[max(0, i - w + 1):i + 1]) for i in range(len(aal))], label=m)
-            if m == next(iter(x for x in ms if ms[x].get("rounds"))):
+            if not bars:  # the number of active responses of the first drafting method
                 ax2.bar(range(len(tr)), [n for n, _ in tr], color="0.85", width=1.0)
+                bars = True
         ax.set_zorder(ax2.get_zorder() + 1)
         ax.patch.set_visible(False)
         ax.set_title(f"{name}: AAL over rounds of the last rollout (moving average of 8)")
