@@ -261,6 +261,14 @@ class Spark:
             self.store.add(torch.cat([k for k, _ in self._pending]), torch.cat([s for _, s in self._pending]))
             self._pending = []
 
+    def state_dict(self) -> dict:
+        """The corrections carried into the next rollout (only meaningful with `carry`)."""
+        return {"keys": self.store.keys.clone(), "rows": self.store.rows.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.store = SparseRows(self.V, self.A.shape[1], self.A.device)
+        self.store.keys, self.store.rows = state["keys"].to(self.A.device), state["rows"].to(self.A.device)
+
     def take_grad(self) -> torch.Tensor | None:
         """The rollout's mean A gradient (None when nothing was accumulated); resets the accumulator."""
         if not self.updates:

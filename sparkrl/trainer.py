@@ -194,6 +194,8 @@ class GRPORun:
             self.opt.load_state_dict(ck["optimizer"])
             if self.drafting is not None:
                 self.drafting.load_state_dict(ck["draft"])
+            if self.spark is not None and "spark_carry" in ck:
+                self.spark.load_state_dict(ck["spark_carry"])
             set_rng_state(ck["rng"])
             start = ck["step"]
         _truncate_metrics(self.cfg.out, start)
@@ -201,7 +203,8 @@ class GRPORun:
 
     def state(self) -> dict:
         return {"policy": self.policy.state_dict(), "optimizer": self.opt.state_dict(), "config": to_dict(self.cfg),
-                **({"draft": self.drafting.state_dict()} if self.drafting else {})}
+                **({"draft": self.drafting.state_dict()} if self.drafting else {}),
+                **({"spark_carry": self.spark.state_dict()} if self.spark is not None and self.spark.carry else {})}
 
     def step(self, step: int, progress=None, on_commit=None) -> dict:
         """GRPO step `step` (0-based): rollout, rewards, one policy update (and the draft step).

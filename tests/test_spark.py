@@ -278,6 +278,21 @@ def _train_cfg(model_dir, out, **kw):
     return build(RunConfig, {**flat, **kw})
 
 
+def test_carried_corrections_survive_a_resume(tiny_model_dir, tmp_path):
+    from sparkrl.trainer import train
+    from test_trainer import ParityGrader
+
+    train(_train_cfg(tiny_model_dir, tmp_path / "a", steps=3, spark_carry=True), grader=ParityGrader())
+    train(_train_cfg(tiny_model_dir, tmp_path / "b", steps=1, spark_carry=True), grader=ParityGrader())
+    train(_train_cfg(tiny_model_dir, tmp_path / "b", steps=3, spark_carry=True, resume=True), grader=ParityGrader())
+    ca, cb = (torch.load(next((tmp_path / x / "checkpoints").glob("*.pt")), weights_only=False) for x in "ab")
+    assert len(ca["spark_carry"]["keys"]) > 0
+    assert torch.equal(ca["spark_carry"]["keys"], cb["spark_carry"]["keys"])
+    assert torch.equal(ca["spark_carry"]["rows"], cb["spark_carry"]["rows"])
+    for k in ca["policy"]:
+        assert torch.equal(ca["policy"][k], cb["policy"][k]), k
+
+
 def test_train_with_spark_learns_A_resumes_exactly_and_logs_rounds(tiny_model_dir, tmp_path):
     import json
 
