@@ -29,6 +29,7 @@ import time
 import torch
 from torch import nn
 
+from sparkrl.drafters.base import read_checkpoint
 from sparkrl.errors import UserError
 
 
@@ -136,18 +137,11 @@ def make_spark(cfg, policy, drafter, temperature: float) -> tuple[Projection | N
         return None, None
     proj = Projection.for_policy(policy, sc.spark_rank)
     if cfg.draft_checkpoint:
-        ck = drafter_checkpoint(cfg.draft_checkpoint)
+        ck = read_checkpoint(cfg.draft_checkpoint)  # a pretrain-draft drafter.pt or a GRPO step-N.pt
         if "spark" in ck:
             proj.load(ck["spark"], cfg.draft_checkpoint)
     proj.to(policy.lm_head.weight.device)
     return proj, Spark.from_config(sc, proj.A, drafter.vocab_ids.numel(), temperature)
-
-
-def drafter_checkpoint(path) -> dict:
-    """The drafter entry of a checkpoint file: a `pretrain-draft` drafter.pt or a GRPO run's step-N.pt."""
-    from sparkrl.drafters.eagle3 import read_checkpoint
-
-    return read_checkpoint(path)
 
 
 class Spark:

@@ -11,7 +11,8 @@ import torch
 from conftest import hf_model, ours_from_hf
 from sparkrl.config import RunConfig, build
 from sparkrl.draft_train import draft_loss
-from sparkrl.drafters.eagle3 import Eagle3Drafter, load_drafter
+from sparkrl.drafters.base import load_drafter
+from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.errors import UserError
 from sparkrl.trainer import train
 from test_trainer import ParityGrader

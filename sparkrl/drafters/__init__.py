@@ -11,39 +11,18 @@ from __future__ import annotations
 
 import sys
 
+import torch
 
-class _Kinds(dict):
-    """kind -> drafter class, imported on first use."""
+from sparkrl.drafters.base import load_drafter
+from sparkrl.drafters.dflash import DFlashDrafter, build_block
+from sparkrl.drafters.eagle3 import Eagle3Drafter
+from sparkrl.drafters.tree import build_chain, build_tree
 
-    def _load(self):
-        if not dict.__len__(self):
-            from sparkrl.drafters.dflash import DFlashDrafter
-            from sparkrl.drafters.eagle3 import Eagle3Drafter
-
-            self.update(eagle3=Eagle3Drafter, dflash=DFlashDrafter)
-
-    def __getitem__(self, k):
-        self._load()
-        return dict.__getitem__(self, k)
-
-    def __contains__(self, k):
-        self._load()
-        return dict.__contains__(self, k)
-
-    def __iter__(self):
-        self._load()
-        return dict.__iter__(self)
-
-
-KINDS = _Kinds()
+KINDS = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter}  # kind -> drafter class
 
 
 def make_drafter(cfg, policy, seed: int = 0):
     """The drafter a `DraftConfig` asks for, on the policy's device, bound to it (None for --draft none)."""
-    import torch
-
-    from sparkrl.drafters.base import load_drafter
-
     if cfg.draft == "none":
         return None
     if cfg.draft_checkpoint:
@@ -65,8 +44,6 @@ def propose(drafter, cache, state, shape, nodes: int, temperature: float, u, spa
     shape.mode: "tree" (EAGLE dynamic top-k tree of `nodes` nodes), "chain" (sampled; q the
     distributions sampled from; u (B, depth) uniforms) or "block" (DFlash greedy block of `nodes`).
     """
-    from sparkrl.drafters.tree import build_chain, build_tree
-
     if shape.mode == "tree":
         tree, ctx = build_tree(drafter, cache, state.root, state.z, state.a, shape, nodes, state.h, spark)
         return tree, None, ctx
@@ -74,8 +51,6 @@ def propose(drafter, cache, state, shape, nodes: int, temperature: float, u, spa
         tree, q, ctx = build_chain(drafter, cache, state.root, state.z, state.a, shape.depth, temperature, u,
                                    state.h, spark)
         return tree, q, ctx
-    from sparkrl.drafters.dflash import build_block
-
     tree, ctx = build_block(drafter, cache, state.root, nodes, spark)
     return tree, None, ctx
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from sparkrl.drafters.base import DraftStep, SharedHeadDrafter
+from sparkrl.drafters.tree import Contexts
 from sparkrl.errors import UserError
 from sparkrl.model import KVCache, ModelArgs, Stack
 from sparkrl.verify import Tree
@@ -94,8 +95,6 @@ class DFlashDrafter(SharedHeadDrafter):
 def build_block(drafter: DFlashDrafter, cache: KVCache, root: torch.Tensor, n: int, spark=None):
     """Greedy blocks of n tokens after the roots (B,) as one-path trees (point masses), and the
     contexts (block position j is context j, the prediction after tree node j) when spark is given."""
-    from sparkrl.drafters.tree import Contexts
-
     step = drafter.block(root, cache, n)
     z = step.z if spark is None else spark.correct(step.z, step.h)  # (B, n, Vd)
     tok = drafter.vocab_ids[z.argmax(-1)]  # (B, n)

@@ -23,8 +23,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from sparkrl.drafters.base import DraftStep, SharedHeadDrafter, default_feature_layers  # noqa: F401 (re-exported)
-from sparkrl.drafters.base import load_drafter, read_checkpoint  # noqa: F401 (re-exported)
+from sparkrl.drafters.base import DraftStep, SharedHeadDrafter
 from sparkrl.model import KVCache, ModelArgs, Stack
 
 KIND = "eagle3"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from sparkrl.drafters.eagle3 import DraftStep
+from sparkrl.drafters.base import DraftStep
 from sparkrl.model import KVCache, Transformer
 
 
