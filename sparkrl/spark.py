@@ -292,7 +292,7 @@ def tree_feedback(spark: Spark, tree, acc, ctx, levels: list, target_at, max_chi
     b = torch.arange(B, device=dev)
     node_ids = torch.arange(N, device=dev)
     n_acc = acc.n_accepted
-    rows, cidx, ps, ws, rej = [], [], [], [], []
+    rows, cidx, ps, rej = [], [], [], []
     for level, (cur, p) in enumerate(levels):
         c = ctx.node[b, cur]  # (B,)
         on = (level < n_acc) if accepted_only else (level <= n_acc)
@@ -300,7 +300,6 @@ def tree_feedback(spark: Spark, tree, acc, ctx, levels: list, target_at, max_chi
         rows.append(b[sel])
         cidx.append(c[sel])
         ps.append(p[sel])
-        ws.append(torch.full((int(sel.sum()),), w_path, device=dev))  # host sync: size
         if accepted_only:
             continue
         nxt = acc.path[:, level] if level < acc.path.shape[1] else torch.full_like(cur, N)
@@ -308,6 +307,7 @@ def tree_feedback(spark: Spark, tree, acc, ctx, levels: list, target_at, max_chi
         child = (tree.parents == cur[:, None]) & tree.valid & (tree.parents >= 0)  # (B, N)
         tried = child & (child.long().cumsum(-1) <= max_children) & (node_ids < nxt[:, None])
         rej.append((tried & (level <= n_acc)[:, None] & (ctx.node >= 0)).nonzero(as_tuple=True))
+    n_path = sum(r.numel() for r in rows)
     if rej:
         rb = torch.cat([r for r, _ in rej])
         nb = torch.cat([n for _, n in rej])
@@ -315,9 +315,9 @@ def tree_feedback(spark: Spark, tree, acc, ctx, levels: list, target_at, max_chi
             rows.append(rb)
             cidx.append(ctx.node[rb, nb])
             ps.append(target_at(rb, nb))
-            ws.append(torch.full((rb.numel(),), w_rejected, device=dev))
     rows, cidx = torch.cat(rows), torch.cat(cidx)
-    spark.feedback(rows, ctx.h[rows, cidx], ctx.z[rows, cidx], torch.cat(ps), torch.cat(ws))
+    w = torch.where(torch.arange(rows.numel(), device=dev) < n_path, w_path, w_rejected).float()  # path first
+    spark.feedback(rows, ctx.h[rows, cidx], ctx.z[rows, cidx], torch.cat(ps), w)
 
 
 def chain_feedback(spark: Spark, acc, ctx, p: torch.Tensor) -> None:
