@@ -11,7 +11,8 @@ Autoregressive mode (`generate`): one policy forward per token.
 
 Speculative mode (`generate_speculative`, paper section 3.1): rounds of
   draft a tree (EAGLE3-style), a sampled chain, or a greedy block (DFlash-style) per active response
-  (`drafters.propose`) -> verify all of them in ONE batched policy forward with tree attention -> exact acceptance (`verify.accept_tree`) -> commit the accepted path in the
+  (`drafters.propose`) -> verify all of them in ONE batched policy forward with tree attention ->
+  exact acceptance (`verify.accept_tree`) -> commit the accepted path in the
   policy's cache, roll the drafter's tree back -> feed the policy's features at the accepted tokens
   to the drafter (its "catch-up" forward, which also yields the next round's first draft level).
 No extra policy forward is spent on features: they are taps of the verification forward.
@@ -350,7 +351,7 @@ def generate_speculative(
         new = torch.cat([new, new[:, :1]], 1).scatter(1, n_acc[:, None], acc.bonus[:, None])  # (B, 1+D) + bonus
         counts = (n_acc + 1).tolist()  # host sync: tokens go to Python lists
         rows_new = new.tolist()
-        missed = (n_acc < shape.depth) if chain else _has_children(tree).gather(1, acc.last[:, None])[:, 0]
+        missed = (n_acc < shape.depth) if chain else (tree.child_counts() > 0).gather(1, acc.last[:, None])[:, 0]
         tags = [[HIT] * (c - 1) + [MISS if m else UNDRAFTED] for c, m in zip(counts, missed.tolist())]
         done = batch.commit([r[:c] for r, c in zip(rows_new, counts)], tags, stats["rounds"])
         t4 = time.perf_counter()
@@ -391,10 +392,3 @@ def generate_speculative(
         stats["spark_s"] += stats.pop("spark_correct_s")
     return Rollout([list(p) for p in prompts], G, batch.tokens, batch.reason, time.perf_counter() - t0, stats,
                    batch.outcome, batch.round_of)
-
-
-def _has_children(tree) -> torch.Tensor:
-    """(B, N) bool: the node has at least one valid child (a proposal was made after it)."""
-    n = torch.zeros_like(tree.tokens)
-    n.scatter_add_(1, tree.parents.clamp(min=0), (tree.valid & (tree.parents >= 0)).long())
-    return n > 0

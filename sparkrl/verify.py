@@ -48,13 +48,16 @@ class Tree:
             mask[:, i] |= mask[torch.arange(B), par] & has[:, None]
         return mask
 
+    def child_counts(self) -> torch.Tensor:
+        """(B, N) number of valid children of every node."""
+        counts = torch.zeros_like(self.tokens)
+        ok = self.valid & (self.parents >= 0)
+        return counts.scatter_add_(1, self.parents.clamp(min=0), ok.long())
+
     def max_children(self) -> int:
         if self.size <= 1:
             return 0
-        counts = torch.zeros_like(self.tokens)
-        ok = self.valid & (self.parents >= 0)
-        counts.scatter_add_(1, self.parents.clamp(min=0), ok.long())
-        return int(counts.max())  # host sync: loop bound
+        return int(self.child_counts().max())  # host sync: loop bound
 
 
 @dataclass
