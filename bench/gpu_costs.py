@@ -26,7 +26,8 @@ import time
 import torch
 
 from sparkrl.drafters.eagle3 import Eagle3Drafter
-from sparkrl.drafters.tree import TreeShape, build_tree
+from sparkrl.config import TreeShape
+from sparkrl.drafters.tree import build_tree
 from sparkrl.model import ModelArgs, Transformer
 from sparkrl.sampling import sample
 from sparkrl.spark import Spark, init_projection
@@ -89,11 +90,11 @@ def measure(name: str, batches: list[int], context: int, device, dtype, reps: in
         step = drafter(root[:, None], torch.zeros(B, 1, d, device=device, dtype=dtype), dc)
         dc.commit(n_keep=zero)
         z, a, h = step.z[:, 0], step.a[:, 0], step.h[:, 0]
-        tree, _ = build_tree(drafter, dc, root, z, a, shape)
+        tree = build_tree(drafter, dc, root, z, a, h, shape).tree
         dc.commit(n_keep=zero)
 
         def draft():
-            build_tree(drafter, dc, root, z, a, shape)
+            build_tree(drafter, dc, root, z, a, h, shape)
             dc.commit(n_keep=zero)
 
         def verify():

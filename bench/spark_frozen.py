@@ -23,9 +23,10 @@ import torch
 from sparkrl.analysis import append_round_log
 from sparkrl.config import DraftConfig, SamplingConfig, SparkConfig
 from sparkrl.data import build_prompts, load_problems
-from sparkrl.drafters import make_drafter
-from sparkrl.rollout import generate_speculative, response_generators
-from sparkrl.spark import make_spark
+from sparkrl.build import make_drafter
+from sparkrl.rollout import response_generators
+from sparkrl.speculative import generate_speculative
+from sparkrl.build import make_spark
 from sparkrl.weights import load_model
 
 
@@ -70,16 +71,16 @@ def main():
                 r = generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids, response_generators(rep, P, G),
                                          base_cfg.shape(), G, spark=methods[m])
                 a, st = acc[m], r.stats
-                a["committed"] += st["committed"]
-                a["row_rounds"] += st["row_rounds"]
+                a["committed"] += st.committed
+                a["row_rounds"] += st.row_rounds
                 a["tokens"] += r.num_tokens
                 a["s"].append(r.gen_s / r.num_tokens)
-                a["spark_s"] += st["spark_s"]
+                a["spark_s"] += st.adapter.get("spark_s", 0.0)
                 a["gen_s"] = a.get("gen_s", 0.0) + r.gen_s
-                a["trace"].append(st["tree_rounds_aal"])
+                a["trace"].append(st.active_aal)
                 append_round_log(f"{args.logs}/{name}_{m}.jsonl", r, step=rep, spark=methods[m] is not None)
-                print(f"{name} rep {rep} {m}: AAL {st['aal']:.3f}, {r.num_tokens} tokens, {r.gen_s:.1f}s, "
-                      f"SPARK {st['spark_s']:.2f}s", flush=True)
+                print(f"{name} rep {rep} {m}: AAL {st.aal:.3f}, {r.num_tokens} tokens, {r.gen_s:.1f}s, "
+                      f"SPARK {st.adapter.get('spark_s', 0.0):.2f}s", flush=True)
         row = {"dataset": data, "prompts_per_rollout": P, "group": G, "rollouts": args.repeats, "methods": {}}
         for m, a in acc.items():
             row["methods"][m] = {"aal": a["committed"] / a["row_rounds"], "tokens": a["tokens"],

@@ -20,9 +20,11 @@ import torch
 
 from sparkrl.config import DraftConfig, SamplingConfig, SparkConfig
 from sparkrl.data import build_prompts, load_problems
-from sparkrl.drafters import make_drafter
-from sparkrl.rollout import generate_speculative, response_generators
-from sparkrl.spark import Spark, make_spark
+from sparkrl.build import make_drafter
+from sparkrl.rollout import response_generators
+from sparkrl.speculative import generate_speculative
+from sparkrl.build import make_spark
+from sparkrl.spark import Spark
 from sparkrl.weights import load_model
 
 RANGES = [(0, 10), (10, 40), (40, 10**9)]
@@ -80,7 +82,7 @@ def main():
                 continue
             row = {"eta": eta, "rounds": [lo, hi if hi < 10**9 else None], "kl_uncorrected": statistics.mean(x[1] for x in sel),
                    "kl_corrected": statistics.mean(x[2] for x in sel), "top1_uncorrected": statistics.mean(x[3] for x in sel),
-                   "top1_corrected": statistics.mean(x[4] for x in sel), "aal": r.stats["aal"]}
+                   "top1_corrected": statistics.mean(x[4] for x in sel), "aal": r.stats.aal}
             rows.append(row)
             print(json.dumps(row), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)

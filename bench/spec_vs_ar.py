@@ -23,8 +23,9 @@ import torch
 
 from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
 from sparkrl.data import build_prompts, load_problems
-from sparkrl.drafters import make_budget, make_drafter
-from sparkrl.rollout import generate, generate_speculative, response_generators
+from sparkrl.build import make_budget, make_drafter
+from sparkrl.rollout import generate, response_generators
+from sparkrl.speculative import generate_speculative
 from sparkrl.weights import load_model
 
 
@@ -72,13 +73,13 @@ def main():
         row = {"prompts": P, "group": G, "responses": P * G, "tokens": {k: res[k].num_tokens for k in runs},
                "median_s": med, "times_s": times, "tok_per_s": tps,
                "ratio": {k: tps[k] / tps["autoregressive"] for k in runs if k != "autoregressive"},
-               "aal": st["aal"], "rounds": st["rounds"], "budget_tree_rounds": [sb["tree_rounds"], sb["rounds"]],
-               "split_s": {k: st[k] for k in ("draft_s", "verify_s", "accept_s")},
-               "accept_at_depth": [n / max(st["tree_row_rounds"], 1) for n in st["accepted_at_depth"]]}
+               "aal": st.aal, "rounds": st.rounds, "budget_tree_rounds": [sb.tree_rounds, sb.rounds],
+               "split_s": {k: getattr(st, k) for k in ("draft_s", "verify_s", "accept_s")},
+               "accept_at_depth": st.accept_at_depth}
         rows.append(row)
         print(f"{P}x{G}: AR {tps['autoregressive']:.1f} tok/s, EAGLE3 {tps['eagle3']:.1f} tok/s "
-              f"({row['ratio']['eagle3']:.2f}x, AAL {st['aal']:.2f}), with budget {tps['eagle3+budget']:.1f} tok/s "
-              f"({row['ratio']['eagle3+budget']:.2f}x, {sb['tree_rounds']}/{sb['rounds']} tree rounds), "
+              f"({row['ratio']['eagle3']:.2f}x, AAL {st.aal:.2f}), with budget {tps['eagle3+budget']:.1f} tok/s "
+              f"({row['ratio']['eagle3+budget']:.2f}x, {sb.tree_rounds}/{sb.rounds} tree rounds), "
               f"split {row['split_s']}", flush=True)
     result = {"meta": {"tree": [depth, branch, nodes], "max_new_tokens": args.max_new_tokens, "data": args.data,
                        "draft_checkpoint": args.draft_checkpoint, "repeats": args.repeats,

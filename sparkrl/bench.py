@@ -18,8 +18,10 @@ policy, its optimizer and a drafter), each variant's E2E relative to the AR run 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,8 +29,11 @@ from pathlib import Path
 import torch
 
 from sparkrl import __version__
-from sparkrl.checkpoint import save_checkpoint
 from sparkrl.config import BenchConfig, DataConfig, DraftConfig, GRPOConfig, RunConfig, SamplingConfig, SparkConfig, to_dict
+from sparkrl.data import load_problems
+from sparkrl.errors import UserError
+from sparkrl.trainer import GRPORun
+from sparkrl.weights import resolve_model_path
 
 PRESETS = {  # GRPO sizes: (steps, prompts per step, group size, response limit)
     "quick": dict(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=96),
@@ -96,8 +101,6 @@ def run_config(cfg: BenchConfig, data: str, method: str, folder: str, spark: dic
 
 def interleave(configs: dict[str, RunConfig], grader=None, log=print) -> None:
     """Run the GRPO runs step by step, alternating their order; each resumes from its own checkpoint."""
-    from sparkrl.trainer import GRPORun
-
     runs = {name: GRPORun(c, grader) for name, c in configs.items()}
     start = {name: r.resume() for name, r in runs.items()}
     steps = max(c.steps for c in configs.values())
@@ -109,12 +112,8 @@ def interleave(configs: dict[str, RunConfig], grader=None, log=print) -> None:
                 if step < start[name]:
                     continue
 
-                def commit(m, run=run, c=c):
-                    if m["step"] % c.checkpoint_every == 0 or m["step"] == c.steps:
-                        save_checkpoint(c.out, m["step"], run.state(), c.keep_checkpoints)
-
-                m = run.step(step, on_commit=commit)
-                trace = run.last_rollout.stats.get("tree_rounds_aal", [])
+                m = run.step(step, on_commit=run.checkpoint_if_due)
+                trace = run.last_rollout.stats.active_aal
                 with open(Path(c.out) / "rounds.jsonl", "a") as f:
                     f.write(json.dumps({"step": step + 1, "active_aal": trace}) + "\n")
                 log(f"sparkrl bench: step {step + 1}/{steps} {name}: gen {m['gen_s']:.1f}s, train "
@@ -162,9 +161,6 @@ def summarize(folder: str, ar_folder: str | None) -> dict:
 
 
 def machine() -> dict:
-    import os
-    import subprocess
-
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent).stdout.strip()
@@ -177,17 +173,12 @@ def machine() -> dict:
 
 def bench(cfg: BenchConfig, grader=None, log=print) -> dict:
     """Run the bench per `cfg` (resumable); writes and returns the results."""
-    from sparkrl.data import load_problems
-    from sparkrl.weights import resolve_model_path
-
     resolve_model_path(cfg.model.model)  # bad input fails before any run starts
     datasets = cfg.datasets.split(",")
     for d in datasets:
         load_problems(d, 20)
     out = Path(cfg.out)
     if out.exists() and any(out.iterdir()) and not cfg.resume:
-        from sparkrl.errors import UserError
-
         raise UserError(f"{out} already holds a bench; pass --resume to continue it, or choose a new --out")
     out.mkdir(parents=True, exist_ok=True)
     methods = cfg.methods.split(",")

@@ -26,12 +26,10 @@ import json
 import platform
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
-
 import torch
 
-from sparkrl.drafters import propose
-from sparkrl.drafters.tree import TreeShape
+from sparkrl.config import TreeShape
+from sparkrl.drafters.base import DraftState
 from sparkrl.weights import cache_dir
 
 ROWS = (1, 4, 16, 64)
@@ -90,7 +88,7 @@ class CostModel:
         with torch.no_grad():
             for B in ROWS:
                 pc = policy.new_cache(B, CONTEXT + shape.nodes + 2)
-                dc = drafter.new_cache(B, CONTEXT + max(shape.depth * shape.branch, shape.nodes) + 2)
+                dc = drafter.new_cache(B, CONTEXT + shape.draft_region + 2)
                 pc.lengths += CONTEXT
                 dc.lengths += CONTEXT
                 root = torch.randint(0, V, (B,), device=dev)
@@ -103,11 +101,11 @@ class CostModel:
                     policy.logits(out.hidden[:, :shape.depth + 1])  # the head runs on the visited nodes
                     pc.commit(n_keep=zeros)
 
-                state = SimpleNamespace(root=root, z=z, a=a, h=a)
+                state = DraftState(root=root, z=z, a=a, h=a)
                 u = torch.rand(B, shape.depth, device=dev, dtype=torch.float64)
 
                 def tree():
-                    propose(drafter, dc, state, shape, shape.nodes, 1.0, u)
+                    drafter.propose(dc, state, shape, shape.nodes, 1.0, u)
                     dc.commit(n_keep=zeros)
 
                 for n in sizes:
@@ -136,7 +134,12 @@ class Budget:
                 best, best_t = n, t
         return best
 
-    def observe(self, nodes: int, path_ranks: torch.Tensor) -> None:
+    def observe(self, nodes: int, tree, acc) -> None:
+        """A verified round of `nodes` nodes: its `verify.Tree` (with the builder's ranks) and `Acceptance`."""
+        rank = tree.rank.gather(1, acc.path.clamp(min=0))  # (B, D) rank of each accepted node
+        self.observe_ranks(nodes, torch.where(acc.path >= 0, rank, tree.size + 1))
+
+    def observe_ranks(self, nodes: int, path_ranks: torch.Tensor) -> None:
         """path_ranks (B, D): ranks of the accepted path's nodes (a large number past its end)."""
         for n in self.sizes:
             if n > nodes:

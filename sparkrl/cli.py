@@ -12,8 +12,20 @@ import os
 import sys
 from pathlib import Path
 
-from sparkrl.config import AnalyzeConfig, BenchConfig, GenerateConfig, PretrainConfig, RunConfig, build, field_docs, leaf_fields
+import torch
+
+from sparkrl.analysis import append_round_log, run as run_analysis
+from sparkrl.bench import bench
+from sparkrl.build import make_drafting
+from sparkrl.config import (AnalyzeConfig, BenchConfig, GenerateConfig, PretrainConfig, RunConfig, build, choices,
+                            field_docs, leaf_fields)
+from sparkrl.data import chat_prompt_ids
 from sparkrl.errors import UserError
+from sparkrl.pretrain import pretrain
+from sparkrl.rollout import generate, response_generators
+from sparkrl.speculative import generate_speculative
+from sparkrl.trainer import train
+from sparkrl.weights import load_model
 
 COMMANDS = {
     "train": (RunConfig, "GRPO training (rollouts, rewards, policy updates, checkpoints)"),
@@ -31,9 +43,11 @@ def _add_flags(parser: argparse.ArgumentParser, cls) -> None:
         kw["help"] += f" (default: {f.default!r})" if f.default != "" else ""
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif f.name in choices(owner):
+            parser.add_argument(flag, choices=choices(owner)[f.name], **kw)
         else:
-            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-            parser.add_argument(flag, type=typ, choices=f.metadata.get("choices"), metavar=f.name.upper(), **kw)
+            typ = {"int": int, "float": float, "str": str}[f.type]
+            parser.add_argument(flag, type=typ, metavar=f.name.upper(), **kw)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,14 +70,6 @@ def parse(argv: list[str]):
 
 
 def run_generate(cfg: GenerateConfig) -> None:
-    import torch
-
-    from sparkrl.data import chat_prompt_ids
-    from sparkrl.drafters import make_budget, make_drafter
-    from sparkrl.rollout import generate, generate_speculative, response_generators
-    from sparkrl.spark import make_spark
-    from sparkrl.weights import load_model
-
     if cfg.prompts_file:
         if not os.path.exists(cfg.prompts_file):
             raise UserError(f"--prompts-file {cfg.prompts_file} does not exist")
@@ -82,17 +88,14 @@ def run_generate(cfg: GenerateConfig) -> None:
     if any(not p for p in prompts):
         raise UserError("a prompt is empty after tokenization")
     gens = response_generators(cfg.seed, len(prompts), cfg.n)
-    drafter = make_drafter(cfg.draft, lm.model, cfg.seed)
-    _, spark = make_spark(cfg.draft, lm.model, drafter, cfg.sampling.temperature)
-    if drafter is None:
+    d = make_drafting(cfg.draft, lm.model, cfg.sampling.temperature, cfg.seed)
+    if d.drafter is None:
         r = generate(lm.model, prompts, cfg.sampling, lm.eos_ids, gens, group_size=cfg.n)
     else:
-        r = generate_speculative(lm.model, drafter, prompts, cfg.sampling, lm.eos_ids, gens, cfg.draft.shape(),
-                                 group_size=cfg.n, budget=make_budget(cfg.draft, lm.model, drafter), spark=spark)
+        r = generate_speculative(lm.model, d.drafter, prompts, cfg.sampling, lm.eos_ids, gens, cfg.draft.shape(),
+                                 group_size=cfg.n, budget=d.budget, spark=d.spark)
         if cfg.draft.round_log:
-            from sparkrl.analysis import append_round_log
-
-            append_round_log(cfg.draft.round_log, r, spark=spark is not None, seed=cfg.seed)
+            append_round_log(cfg.draft.round_log, r, spark=d.spark is not None, seed=cfg.seed)
     for i, toks in enumerate(r.tokens):
         text = tok.decode(toks, skip_special_tokens=True)
         if cfg.json:
@@ -101,21 +104,20 @@ def run_generate(cfg: GenerateConfig) -> None:
                               "finish_reason": r.finish_reason[i]}), flush=True)
         else:
             print(f"--- prompt {i // cfg.n} response {i % cfg.n} ({r.finish_reason[i]}) ---\n{text}", flush=True)
+    s = r.stats
     print(f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({r.num_tokens / max(r.gen_s, 1e-9):.1f} tok/s), "
-          f"{r.stats['policy_forwards']} policy forwards", file=sys.stderr)
-    if "aal" in r.stats:
-        s = r.stats
-        depth = " ".join(f"{n / max(s['tree_row_rounds'], 1):.2f}" for n in s["accepted_at_depth"])
-        print(f"sparkrl: drafting: aal {s['aal']:.2f}, {s['rounds']} rounds ({s['tree_rounds']} with a tree), "
+          f"{s.policy_forwards} policy forwards", file=sys.stderr)
+    if s.depth:
+        depth = " ".join(f"{a:.2f}" for a in s.accept_at_depth)
+        a = s.adapter
+        print(f"sparkrl: drafting: aal {s.aal:.2f}, {s.rounds} rounds ({s.tree_rounds} with a tree), "
               f"acceptance per depth [{depth}], "
-              f"draft {s['draft_s']:.2f}s verify {s['verify_s']:.2f}s accept+commit {s['accept_s']:.2f}s"
-              + (f", SPARK {s['spark_s']:.2f}s ({s['spark_contexts']} feedback contexts, {s['spark_rows']} rows)"
-                 if "spark_contexts" in s else ""), file=sys.stderr)
+              f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s accept+commit {s.accept_s:.2f}s"
+              + (f", SPARK {a['spark_s']:.2f}s ({a['spark_contexts']} feedback contexts, {a['spark_rows']} rows)"
+                 if a else ""), file=sys.stderr)
 
 
 def run_train(cfg: RunConfig) -> None:
-    from sparkrl.trainer import train
-
     s = train(cfg)
     lines = [f"sparkrl: trained {s['steps_run']} steps -> {s['out']}",
              f"  generation {s['gen_s']:.1f}s ({s['gen_tokens']} tokens), policy updates {s['train_s']:.1f}s"]
@@ -127,17 +129,13 @@ def run_train(cfg: RunConfig) -> None:
 
 
 def run_pretrain(cfg: PretrainConfig) -> None:
-    from sparkrl.draft_train import pretrain
-
     s = pretrain(cfg)
     print(f"sparkrl: drafter trained on {s['sequences']} sequences ({s['tokens']} tokens), draft vocabulary "
           f"{s['draft_vocab']}, last top-1 agreement {s['last_top1']:.2f} -> {s['out']}/drafter.pt", file=sys.stderr)
 
 
 def run_analyze(cfg: AnalyzeConfig) -> None:
-    from sparkrl.analysis import run
-
-    res = run(cfg.logs.split(","), [l for l in cfg.labels.split(",") if l], cfg.out)
+    res = run_analysis(cfg.logs.split(","), [l for l in cfg.labels.split(",") if l], cfg.out)
     for lab, r in res.items():
         f = lambda x: "n/a" if x is None else f"{x:.2f}"
         ratios = ", ".join(f"{name} {f(r[k]['ratio'])} (token-matched {f(r[k]['matched_ratio'])})" for name, k in
@@ -151,8 +149,6 @@ def run_analyze(cfg: AnalyzeConfig) -> None:
 
 
 def run_bench(cfg: BenchConfig) -> None:
-    from sparkrl.bench import bench
-
     res = bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     print((Path(cfg.out) / "bench.md").read_text(), end="")
     print(f"sparkrl: bench finished in {res['wall_s']:.0f}s -> {cfg.out}/bench.json, bench.md, bench.png",

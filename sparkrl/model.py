@@ -348,6 +348,15 @@ class Backbone(Stack):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
 
 
+def pad_right(seqs: list[list[int]], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists -> (B, L) int64 right-padded with 0, and (B,) lengths."""
+    lens = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    toks = torch.zeros(len(seqs), int(lens.max()), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        toks[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+    return toks.to(device), lens.to(device)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()

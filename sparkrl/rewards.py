@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import re
+import signal
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -105,8 +106,6 @@ def as_fraction(s: str) -> Fraction | None:
 
 def _verify_loop(conn) -> None:
     """Worker process: answer (gold, pred) pairs with math-verify."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     from math_verify import parse, verify
 

@@ -15,6 +15,10 @@ B_g the matrix used at c), is accumulated during the rollout and applied by the 
 Exactness: the correction used in round t is built from rounds < t only (`end_round` is called after
 the round has committed), so the proposals of a round are fixed before it is verified (Theorem B.8).
 
+Composition: the engine treats a `Spark` as its drafter adapter (`speculative.NoAdaptation` is the
+one that does nothing): `begin` a rollout, `select` the active rows of a round, `correct` every
+drafted context's logits, `observe` the verified round, `end_round`.
+
 Departures: p is the target restricted to the drafter's vocabulary (its mass outside that vocabulary
 belongs to the tail); at temperature 0 (p a point mass) q is taken at temperature 1. On the verified
 path and on chains p is the verifier's own processed target; at rejected tree children, which the
@@ -29,7 +33,6 @@ import time
 import torch
 from torch import nn
 
-from sparkrl.drafters.base import read_checkpoint
 from sparkrl.errors import UserError
 
 
@@ -127,30 +130,16 @@ class Projection(nn.Module):
             self.A.copy_(ck["A"])
 
 
-def make_spark(cfg, policy, drafter, temperature: float) -> tuple[Projection | None, Spark | None]:
-    """The projection and the rollout state a `DraftConfig` asks for ((None, None) without --spark).
-
-    A comes from the drafter checkpoint when it holds one (a GRPO run's checkpoint does), else from
-    the policy's output projection (QR)."""
-    sc = cfg.spark_config
-    if drafter is None or not sc.spark:
-        return None, None
-    proj = Projection.for_policy(policy, sc.spark_rank)
-    if cfg.draft_checkpoint:
-        ck = read_checkpoint(cfg.draft_checkpoint)  # a pretrain-draft drafter.pt or a GRPO step-N.pt
-        if "spark" in ck:
-            proj.load(ck["spark"], cfg.draft_checkpoint)
-    proj.to(policy.lm_head.weight.device)
-    return proj, Spark.from_config(sc, proj.A, drafter.vocab_ids.numel(), temperature)
-
-
 class Spark:
     """One rollout's corrections B_g and the feedback that updates them.
 
     Engine protocol per round: `select(rows)` (owners of the active responses) -> `correct(z, h)` at
-    every drafted context -> verification -> `feedback(...)` for the round's feedback contexts ->
-    `end_round()`, which applies the update (every `every` rounds) for the next round to use.
+    every drafted context -> verification -> `observe(proposal, acc, logits_at)`, which feeds the
+    round's feedback contexts to `feedback` -> `end_round()`, which applies the update (every `every`
+    rounds) for the next round to use.
     """
+
+    needs_targets = True  # the engine asks the acceptance walk for p at the visited nodes
 
     def __init__(self, A: torch.Tensor, vocab: int, k: int = 16, eta: float = 0.01, every: int = 1,
                  temperature: float = 1.0, learn_A: bool = True, scope: str = "group", carry: bool = False,
@@ -164,7 +153,8 @@ class Spark:
         self.store = SparseRows(vocab, A.shape[1], A.device)
         self.grad_A = torch.zeros_like(self.A, dtype=torch.float64)
         self.updates = 0  # owner-round updates accumulated in grad_A
-        self.stats = {"spark_contexts": 0, "spark_skipped": 0, "spark_correct_s": 0.0}
+        self.stats = {"spark_contexts": 0, "spark_skipped": 0}
+        self.seconds = 0.0
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._owner = torch.zeros(0, dtype=torch.long, device=A.device)
         self._tok = self._rows = None
@@ -185,14 +175,17 @@ class Spark:
         if not self.carry:
             self.store = SparseRows(self.V, self.A.shape[1], self.A.device)
         self._pending, self._round = [], 0
-        self.stats = {"spark_contexts": 0, "spark_skipped": 0, "spark_correct_s": 0.0}
+        self.stats = {"spark_contexts": 0, "spark_skipped": 0}
+        self.seconds = 0.0
         r = torch.arange(n_prompts * group_size, device=self.A.device)
         self._owners_all = {"group": r // group_size, "response": r, "batch": r * 0}[self.scope]
 
-    def select(self, responses: torch.Tensor) -> None:
-        """The active batch rows for this round: responses (B,) response indices."""
-        self._owner = self._owners_all[responses.to(self.A.device)]
+    def select(self, responses) -> None:
+        """The active batch rows for this round: their response indices (a list or a (B,) tensor)."""
+        t0 = time.perf_counter()
+        self._owner = self._owners_all[torch.as_tensor(responses, device=self.A.device)]
         self._tok, self._rows = self.store.of_owners(self._owner) if len(self.store) else (None, None)
+        self.seconds += time.perf_counter() - t0
 
     def correct(self, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """z (B, [T,] V) draft logits, h (B, [T,] d) features of the selected rows -> z + B_g A^T h."""
@@ -206,7 +199,7 @@ class Spark:
         u = h.float() @ self.A  # (B, T, r)
         corr = u @ self._rows.transpose(1, 2)  # (B, T, m)
         out = z.float().scatter_add(-1, self._tok[:, None, :].expand(B, T, -1), corr)
-        self.stats["spark_correct_s"] += time.perf_counter() - t0
+        self.seconds += time.perf_counter() - t0
         return out[:, 0] if squeeze else out
 
     def feedback(self, row: torch.Tensor, h: torch.Tensor, z: torch.Tensor, p: torch.Tensor, w: torch.Tensor) -> None:
@@ -248,12 +241,24 @@ class Spark:
             return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
         return torch.softmax(logits.float() / self.temperature, -1)
 
+    def observe(self, proposal, acc, logits_at) -> None:
+        """A verified round (`drafters.tree.Proposal`, `verify.Acceptance` with targets): its feedback."""
+        t0 = time.perf_counter()
+        round_feedback(self, proposal.contexts, acc, logits_at)
+        self.seconds += time.perf_counter() - t0
+
     def end_round(self) -> None:
         """The round has committed: apply the pending update (every `every` rounds)."""
+        t0 = time.perf_counter()
         self._round += 1
         if self._round % self.every == 0 and self._pending:
             self.store.add(torch.cat([k for k, _ in self._pending]), torch.cat([s for _, s in self._pending]))
             self._pending = []
+        self.seconds += time.perf_counter() - t0
+
+    def metrics(self) -> dict:
+        """The rollout's SPARK figures: its own time, feedback contexts, skipped owners, rows of B."""
+        return {"spark_s": self.seconds, **self.stats, "spark_rows": len(self.store)}
 
     def state_dict(self) -> dict:
         """The corrections carried into the next rollout (only meaningful with `carry`)."""
@@ -276,60 +281,31 @@ class Spark:
 # --- feedback contexts of a verified round ------------------------------------------------------
 
 
-def tree_feedback(spark: Spark, tree, acc, ctx, levels: list, target_at, max_children: int) -> None:
-    """Feed one tree round back: the contexts on the verified path and the eligible rejected children.
+def round_feedback(spark: Spark, ctx, acc, logits_at) -> None:
+    """Feed one verified round back (DESIGN "SPARK"): the contexts on the verified path, and
 
-    tree/acc: the round's `verify.Tree` and `verify.Acceptance`; ctx: its `drafters.tree.Contexts`;
-    levels: [(cur (B,), p (B, Vd))] per level the acceptance walk reached (its current node and target
-    distribution on the draft vocabulary); target_at(rows (n,), nodes (n,)) -> (n, Vd) the target at
-    other nodes (rejected children; their policy hidden states are in the verification forward).
-    A rejected child is eligible when the walk tried it and the drafter expanded it (so q exists).
-    spark.accepted_only (ablation): only path contexts whose proposal was accepted.
+    * trees (ctx.rejected_children): the eligible rejected children, i.e. the nodes the walk tried and
+      rejected that the drafter expanded (so q exists there); their target comes from the policy's
+      logits there, logits_at(rows (n,), nodes (n,)) -> (n, Vd) (hidden states of the verification
+      forward; no extra policy forward);
+    * one-path proposals (chains, blocks): the last path position, where the walk stopped, is the
+      first rejected position (weight w_rejected).
+
+    ctx: the round's `drafters.tree.Contexts`; acc: its `verify.Acceptance`, with `targets` (the
+    walk's p at every visited node). spark.accepted_only (ablation): only path contexts whose proposal
+    was accepted.
     """
-    w_path, w_rejected, accepted_only = spark.w_path, spark.w_rejected, spark.accepted_only
-    B, N = tree.tokens.shape
-    dev = tree.tokens.device
-    b = torch.arange(B, device=dev)
-    node_ids = torch.arange(N, device=dev)
-    n_acc = acc.n_accepted
-    rows, cidx, ps, rej = [], [], [], []
-    for level, (cur, p) in enumerate(levels):
-        c = ctx.node[b, cur]  # (B,)
-        on = (level < n_acc) if accepted_only else (level <= n_acc)
-        sel = on & (c >= 0)
-        rows.append(b[sel])
-        cidx.append(c[sel])
-        ps.append(p[sel])
-        if accepted_only:
-            continue
-        nxt = acc.path[:, level] if level < acc.path.shape[1] else torch.full_like(cur, N)
-        nxt = torch.where(level < n_acc, nxt, N)  # children are tried in node order up to the accepted one
-        child = (tree.parents == cur[:, None]) & tree.valid & (tree.parents >= 0)  # (B, N)
-        tried = child & (child.long().cumsum(-1) <= max_children) & (node_ids < nxt[:, None])
-        rej.append((tried & (level <= n_acc)[:, None] & (ctx.node >= 0)).nonzero(as_tuple=True))
-    n_path = sum(r.numel() for r in rows)
-    if rej:
-        rb = torch.cat([r for r, _ in rej])
-        nb = torch.cat([n for _, n in rej])
-        if rb.numel():
-            rows.append(rb)
-            cidx.append(ctx.node[rb, nb])
-            ps.append(target_at(rb, nb))
-    rows, cidx = torch.cat(rows), torch.cat(cidx)
-    w = torch.where(torch.arange(rows.numel(), device=dev) < n_path, w_path, w_rejected).float()  # path first
-    spark.feedback(rows, ctx.h[rows, cidx], ctx.z[rows, cidx], torch.cat(ps), w)
-
-
-def chain_feedback(spark: Spark, acc, ctx, p: torch.Tensor) -> None:
-    """Feed one chain/block round back: the accepted prefix and the first rejected position.
-
-    p: (B, D + 1, Vd) the verifier's target at every chain position (the root is position 0).
-    """
-    w_path, w_rejected, accepted_only = spark.w_path, spark.w_rejected, spark.accepted_only
-    B, D = ctx.z.shape[:2]
-    d = torch.arange(D, device=ctx.z.device)[None]  # (1, D)
     n_acc = acc.n_accepted[:, None]
-    sel = (d < n_acc) if accepted_only else (d <= n_acc)  # (B, D)
-    rows, pos = sel.nonzero(as_tuple=True)
-    w = torch.where(pos < acc.n_accepted[rows], w_path, w_rejected).float()
-    spark.feedback(rows, ctx.h[rows, pos], ctx.z[rows, pos], p[rows, pos], w)
+    lvl = torch.arange(acc.visited.shape[1], device=n_acc.device)[None]  # (1, L)
+    ctx_at = ctx.node.gather(1, acc.visited)  # (B, L) context of each visited node, -1: none
+    on = (lvl < n_acc) if spark.accepted_only else (lvl <= n_acc)
+    rows, lv = (on & (ctx_at >= 0)).nonzero(as_tuple=True)
+    cidx, p = ctx_at[rows, lv], acc.targets[rows, lv]
+    stopped = (lv == acc.n_accepted[rows]) & (not ctx.rejected_children)
+    w = torch.where(stopped, spark.w_rejected, spark.w_path).float()
+    if ctx.rejected_children and not spark.accepted_only:
+        rb, nb = (acc.rejected & (ctx.node >= 0)).nonzero(as_tuple=True)
+        rows, cidx = torch.cat([rows, rb]), torch.cat([cidx, ctx.node[rb, nb]])
+        p = torch.cat([p, spark.target(logits_at(rb, nb))])
+        w = torch.cat([w, torch.full((rb.numel(),), spark.w_rejected, device=w.device)])
+    spark.feedback(rows, ctx.h[rows, cidx], ctx.z[rows, cidx], p, w)

@@ -19,18 +19,18 @@ import torch
 from tqdm import tqdm
 
 from sparkrl import __version__
+from sparkrl.analysis import append_round_log
+from sparkrl.build import make_drafting
 from sparkrl.checkpoint import list_checkpoints, load_latest, save_checkpoint, set_rng_state
 from sparkrl.config import RunConfig, to_dict
 from sparkrl.data import build_prompts, load_problems
+from sparkrl.draft_train import DraftTrainer
 from sparkrl.errors import UserError
 from sparkrl.grpo import grpo_loss, group_advantages, token_logprobs
-from sparkrl.model import Transformer
+from sparkrl.model import Transformer, pad_right
 from sparkrl.rewards import Grader
-from sparkrl.draft_train import DraftTrainer
-from sparkrl.analysis import append_round_log
-from sparkrl.drafters import make_budget, make_drafter
-from sparkrl.rollout import Rollout, generate, generate_speculative, response_generators
-from sparkrl.spark import make_spark
+from sparkrl.rollout import Rollout, generate, response_generators
+from sparkrl.speculative import generate_speculative
 from sparkrl.weights import load_model, resolve_model_path
 
 # Settings that may change between a run and its resumption (they do not change the maths).
@@ -108,12 +108,9 @@ def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Ro
     loss_sum = 0.0
     for i in range(0, len(rows), g.micro_batch):
         mb = rows[i:i + g.micro_batch]
-        seqs = [rollout.prompt_of(r) + rollout.tokens[r] for r in mb]
-        L = max(len(s) for s in seqs)
+        toks, _ = pad_right([rollout.prompt_of(r) + rollout.tokens[r] for r in mb])
+        L = toks.shape[1]
         R = max(len(rollout.tokens[r]) for r in mb)
-        toks = torch.zeros(len(mb), L, dtype=torch.long)
-        for j, s in enumerate(seqs):
-            toks[j, :len(s)] = torch.tensor(s)
         start = torch.tensor([len(rollout.prompt_of(r)) - 1 for r in mb])  # predicts the first response token
         # hidden positions: R that predict the response tokens, plus one (the drafter's last target)
         pos = (start[:, None] + torch.arange(R + 1)).clamp(max=L - 1)  # (b, R+1)
@@ -176,13 +173,9 @@ class GRPORun:
         self.policy = policy = lm.model
         self.ref = copy.deepcopy(policy).requires_grad_(False) if cfg.grpo.kl_beta > 0 else None
         self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
-        self.drafter = make_drafter(cfg.draft, policy, cfg.seed)
-        projection, self.spark = make_spark(cfg.draft, policy, self.drafter, cfg.sampling.temperature)
-        sc = cfg.draft.spark_config
-        self.drafting = None if self.drafter is None else DraftTrainer(
-            self.drafter, cfg.draft.draft_lr, projection=projection, projection_lr=sc.spark_lr,
-            learn_projection=not sc.spark_frozen_a)
-        self.budget = make_budget(cfg.draft, policy, self.drafter)
+        d = make_drafting(cfg.draft, policy, cfg.sampling.temperature, cfg.seed)
+        self.drafter, self.spark, self.budget = d.drafter, d.spark, d.budget
+        self.drafting = d.trainer(cfg.draft)
         self.order = DataOrder(len(self.prompts.problems), cfg.grpo.prompts_per_step, cfg.seed)
         self.grader = grader or Grader()
 
@@ -203,8 +196,15 @@ class GRPORun:
 
     def state(self) -> dict:
         return {"policy": self.policy.state_dict(), "optimizer": self.opt.state_dict(), "config": to_dict(self.cfg),
-                **({"draft": self.drafting.state_dict()} if self.drafting else {}),
+                **({"draft": self.drafting.state_dict()} if self.drafting is not None else {}),
                 **({"spark_carry": self.spark.state_dict()} if self.spark is not None and self.spark.carry else {})}
+
+    def checkpoint_if_due(self, m: dict) -> bool:
+        """Write a checkpoint after the step whose metrics are m when the run's rule says so."""
+        if not self.cfg.checkpoint_due(m["step"]):
+            return False
+        save_checkpoint(self.cfg.out, m["step"], self.state(), self.cfg.keep_checkpoints)
+        return True
 
     def step(self, step: int, progress=None, on_commit=None) -> dict:
         """GRPO step `step` (0-based): rollout, rewards, one policy update (and the draft step).
@@ -244,7 +244,7 @@ class GRPORun:
                 "response_len_mean": rollout.num_tokens / len(rollout.tokens),
                 "truncated_frac": rollout.finish_reason.count("length") / len(rollout.tokens),
                 **upd,
-                **_draft_metrics(rollout.stats),
+                **rollout.stats.to_metrics(),
             }
             _append_metrics(cfg.out, m)
             if cfg.draft.round_log:
@@ -268,8 +268,7 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
 
     def checkpoint(m):
         nonlocal saved_step
-        if m["step"] % cfg.checkpoint_every == 0 or m["step"] == cfg.steps:
-            save_checkpoint(cfg.out, m["step"], run.state(), cfg.keep_checkpoints)
+        if run.checkpoint_if_due(m):
             saved_step = m["step"]
 
     try:
@@ -301,18 +300,6 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
         run.grader.close()
     bar.close()
     return _summary(cfg, totals, first, last)
-
-
-def _draft_metrics(stats: dict) -> dict:
-    """Speculative-rollout statistics for metrics.jsonl (empty for autoregressive rollouts)."""
-    if "aal" not in stats:
-        return {"policy_forwards": stats.get("policy_forwards", 0)}
-    rr = max(stats["tree_row_rounds"], 1)
-    return {"aal": stats["aal"], "rounds": stats["rounds"], "tree_rounds": stats["tree_rounds"],
-            "committed": stats["committed"], "row_rounds": stats["row_rounds"],
-            "policy_forwards": stats["policy_forwards"], "draft_s": stats["draft_s"], "verify_s": stats["verify_s"],
-            "accept_s": stats["accept_s"], "accept_at_depth": [n / rr for n in stats["accepted_at_depth"]],
-            **{k: stats[k] for k in ("spark_s", "spark_contexts", "spark_skipped", "spark_rows") if k in stats}}
 
 
 def _append_metrics(out: str, m: dict) -> None:

@@ -48,6 +48,10 @@ class Tree:
             mask[:, i] |= mask[torch.arange(B), par] & has[:, None]
         return mask
 
+    def children_of(self, node: torch.Tensor) -> torch.Tensor:
+        """(B, N) bool: the valid children of node (B,) in every row."""
+        return (self.parents == node[:, None]) & self.valid & (self.parents >= 0)
+
     def child_counts(self) -> torch.Tensor:
         """(B, N) number of valid children of every node."""
         counts = torch.zeros_like(self.tokens)
@@ -66,6 +70,11 @@ class Acceptance:
     n_accepted: torch.Tensor  # (B,) accepted draft tokens
     bonus: torch.Tensor  # (B,) the token sampled after the accepted path (residual or next)
     last: torch.Tensor  # (B,) node whose target distribution produced the bonus token
+    visited: torch.Tensor  # (B, L) the node the walk stood on at each level it reached (meaningful for
+    # levels <= n_accepted); L <= max depth + 1
+    rejected: torch.Tensor  # (B, N) bool: the nodes the walk tried and rejected
+    targets: torch.Tensor | None = None  # (B, L, Vd) float32 target p at the visited nodes, before any
+    # rejection, on the token ids `vocab` the caller asked for (None when it did not ask)
 
 
 def uniforms_per_round(max_depth: int, max_children: int) -> int:
@@ -74,7 +83,7 @@ def uniforms_per_round(max_depth: int, max_children: int) -> int:
 
 
 def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.Tensor,
-                max_depth: int, max_children: int, on_target=None) -> Acceptance:
+                max_depth: int, max_children: int, vocab: torch.Tensor | None = None) -> Acceptance:
     """Walk every row's tree with point-mass acceptance.
 
     logits: (B, N, V) policy logits at every node (the distribution of the token after the node),
@@ -82,8 +91,8 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
     the walk visits).
     u: (B, uniforms_per_round(max_depth, max_children)) float64 in [0, 1).
     No node may be deeper than max_depth or have more than max_children children.
-    on_target: optional callable(cur (B,), p (B, V)) seeing, at every level the walk reaches, each
-    row's current node and its target distribution before any rejection (SPARK's feedback).
+    vocab: token ids (Vd,); when given, the result carries the target p on them at every visited
+    node (SPARK's feedback).
     """
     B, N = tree.tokens.shape
     dev = tree.tokens.device
@@ -98,12 +107,15 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
     last = torch.zeros(B, dtype=torch.long, device=dev)
     node_ids = torch.arange(N, device=dev)
     at = logits if callable(logits) else (lambda nodes: logits[rows, nodes])
+    visited, targets = [], []
+    rejected = torch.zeros(B, N, dtype=torch.bool, device=dev)
     for level in range(max_depth + 1):
         p = target_probs(at(cur), temperature, top_p).double()  # (B, V)
-        if on_target is not None:
-            on_target(cur, p)
+        visited.append(cur)
+        if vocab is not None:
+            targets.append(p[:, vocab].float())  # (B, Vd), a copy: p is changed below
         # children of the current node, in node order
-        is_child = (tree.parents == cur[:, None]) & tree.valid & (tree.parents >= 0)  # (B, N)
+        is_child = tree.children_of(cur)  # (B, N)
         order = torch.where(is_child, node_ids, N).sort(-1).values[:, :max_children]  # (B, C) first C children
         moved = torch.zeros(B, dtype=torch.bool, device=dev)
         nxt = cur.clone()
@@ -121,6 +133,7 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
             moved |= acc
             rej = has & ~acc
             p[rows[rej], x[rej]] = 0.0  # reject: remove x (renormalised implicitly)
+            rejected[rows[rej], node_c[rej]] = True
         # rows that did not move sample their committed token from the remaining p
         stop = active & ~moved
         if bool(stop.any()):
@@ -134,26 +147,26 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
         cur = nxt
         if not bool(active.any()):  # host sync: every row has its bonus token
             break
-    return Acceptance(path, n_acc, bonus, last)
+    return Acceptance(path, n_acc, bonus, last, torch.stack(visited, 1), rejected,
+                      torch.stack(targets, 1) if vocab is not None else None)
 
 
 def accept_chain(tokens: torch.Tensor, q: torch.Tensor, logits: torch.Tensor, temperature: float, top_p: float,
-                 u: torch.Tensor, on_target=None) -> Acceptance:
+                 u: torch.Tensor, vocab: torch.Tensor | None = None) -> Acceptance:
     """Speculative sampling for chains drawn from q.
 
     tokens: (B, D) drafted tokens, token d drawn from q[:, d]; q: (B, D, V) the draft distributions
     actually sampled from; logits: (B, D + 1, V) policy logits at the root and after each draft
     token. u: (B, D + 1) float64 uniforms: u[:, d] tests token d, u[:, D] samples the bonus.
     Node indices in `path` count the root as 0, so draft token d is node d + 1.
-    on_target: optional callable seeing the target distributions p (B, D + 1, V) (SPARK's feedback).
+    vocab: token ids (Vd,); when given, the result carries p on them at every position (B, D + 1, Vd).
     """
     B, D = tokens.shape
     dev = tokens.device
     rows = torch.arange(B, device=dev)
     u = u.to(dev)
     p = target_probs(logits.reshape(B * (D + 1), -1), temperature, top_p).view(B, D + 1, -1).double()
-    if on_target is not None:
-        on_target(p)
+    targets = None if vocab is None else p[..., vocab].float()
     q = q.double()
     px = p[:, :D].gather(-1, tokens[..., None])[..., 0]  # (B, D)
     qx = q.gather(-1, tokens[..., None])[..., 0]
@@ -166,4 +179,7 @@ def accept_chain(tokens: torch.Tensor, q: torch.Tensor, logits: torch.Tensor, te
     resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_stop)  # p == q: no residual mass
     bonus = sample_from(resid, u[:, D])
     path = torch.where(torch.arange(D, device=dev)[None] < n_acc[:, None], torch.arange(1, D + 1, device=dev)[None], -1)
-    return Acceptance(path, n_acc, bonus, stop)
+    visited = torch.arange(D + 1, device=dev).expand(B, -1)  # chain position d is node d
+    rejected = torch.zeros(B, D + 1, dtype=torch.bool, device=dev)
+    rejected[rows, (n_acc + 1).clamp(max=D)] = n_acc < D  # the first rejected draft token
+    return Acceptance(path, n_acc, bonus, stop, visited, rejected, targets)

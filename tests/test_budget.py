@@ -8,8 +8,9 @@ import torch
 from sparkrl.budget import Budget, CostModel
 from sparkrl.config import SamplingConfig
 from sparkrl.drafters.eagle3 import Eagle3Drafter
-from sparkrl.drafters.tree import TreeShape
-from sparkrl.rollout import generate, generate_speculative, response_generators
+from sparkrl.config import TreeShape
+from sparkrl.rollout import generate, response_generators
+from sparkrl.speculative import generate_speculative
 
 ROWS = (1, 2, 4, 8)
 
@@ -30,12 +31,12 @@ def test_budget_speculates_with_few_rows_and_not_with_many():
     # a round of 6 nodes whose accepted paths had ranks (1, 5) and (2, 3, 4): a tree of 4 nodes
     # would have kept 1 and 3 of those drafts, a tree of 1 node 1 and 0
     big = 99
-    b.observe(6, torch.tensor([[1, 5, big], [2, 3, 4]]))
+    b.observe_ranks(6, torch.tensor([[1, 5, big], [2, 3, 4]]))
     assert b.accepted[6] == pytest.approx(0.9 * 1.5 + 0.1 * 2.5)
     assert b.accepted[4] == pytest.approx(0.9 * 1.5 + 0.1 * 2.0)
     assert b.accepted[1] == pytest.approx(0.9 * 0.5 + 0.1 * 0.5)
     before = dict(b.accepted)
-    b.observe(2, torch.tensor([[1, 2, big]]))  # says nothing about trees larger than 2
+    b.observe_ranks(2, torch.tensor([[1, 2, big]]))  # says nothing about trees larger than 2
     assert b.accepted[4] == before[4] and b.accepted[6] == before[6]
 
 
@@ -69,7 +70,7 @@ def test_mixed_rounds_stay_exact_greedy(tiny_llama):
     sp = generate_speculative(tiny_llama, Eagle3Drafter(tiny_llama.args), prompts, sc, (7,),
                               response_generators(0, 2, 3), shape, group_size=3, budget=b)
     assert sp.tokens == ar.tokens
-    assert 0 < sp.stats["tree_rounds"] < sp.stats["rounds"]
+    assert 0 < sp.stats.tree_rounds < sp.stats.rounds
 
 
 def test_drafter_catches_up_after_autoregressive_rounds():
@@ -84,5 +85,5 @@ def test_drafter_catches_up_after_autoregressive_rounds():
     sp = generate_speculative(policy, SelfDrafter(policy), [[1, 2, 3], [4, 0, 1]], sc, (),
                               response_generators(0, 2, 2), shape, group_size=2, budget=Alternating(synthetic(), shape))
     st = sp.stats
-    assert 0 < st["tree_rounds"] < st["rounds"]
-    assert st["accepted_at_depth"] == [st["tree_row_rounds"]] * 3
+    assert 0 < st.tree_rounds < st.rounds
+    assert st.accepted_at_depth == [st.tree_row_rounds] * 3

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from sparkrl.config import SamplingConfig
-from sparkrl.drafters.base import load_drafter
+from sparkrl.drafters import load_drafter
 from sparkrl.drafters.dflash import DFlashDrafter, block_logits, block_loss, build_block
 from sparkrl.drafters.eagle3 import Eagle3Drafter
-from sparkrl.drafters.tree import TreeShape
+from sparkrl.config import TreeShape
 from sparkrl.errors import UserError
-from sparkrl.rollout import generate, generate_speculative, response_generators
+from sparkrl.rollout import generate, response_generators
+from sparkrl.speculative import generate_speculative
 
 
 def test_training_blocks_equal_inference_blocks(tiny_llama):
@@ -34,9 +35,11 @@ def test_training_blocks_equal_inference_blocks(tiny_llama):
                 step = d.block(toks[b:b + 1, anchor], cache, 3)
                 assert torch.allclose(step.z[0], z[b, k], atol=1e-4)
                 cache.commit(n_keep=torch.tensor([0]))  # roll the block back
-                tree, ctx = build_block(d, cache, toks[b:b + 1, anchor], 3)
+                prop = build_block(d, cache, toks[b:b + 1, anchor], 3)
+                tree = prop.tree
                 assert tree.tokens[0, 1:].tolist() == d.vocab_ids[z[b, k].argmax(-1)].tolist()
-                assert tree.parents[0].tolist() == [-1, 0, 1, 2] and ctx is None
+                assert tree.parents[0].tolist() == [-1, 0, 1, 2] and prop.q is None
+                assert prop.contexts.node[0].tolist() == [0, 1, 2, -1] and not prop.contexts.rejected_children
 
 
 def test_block_loss_weights_decay_and_training_helps():
@@ -76,8 +79,8 @@ def test_greedy_with_block_drafter_equals_greedy(tiny_llama):
     sc = SamplingConfig(0.0, 1.0, 12)
     ar = generate(tiny_llama, prompts, sc, (5,), response_generators(0, 2, 3), group_size=3)
     sp = generate_speculative(tiny_llama, DFlashDrafter(tiny_llama.args, block_size=5), prompts, sc, (5,),
-                              response_generators(0, 2, 3), TreeShape(4, 1, 4, "block"), group_size=3)
-    assert sp.tokens == ar.tokens and sp.finish_reason == ar.finish_reason and sp.stats["rounds"] > 0
+                              response_generators(0, 2, 3), TreeShape.block(4), group_size=3)
+    assert sp.tokens == ar.tokens and sp.finish_reason == ar.finish_reason and sp.stats.rounds > 0
 
 
 def test_checkpoints_and_block_size_errors(tmp_path, tiny_llama):
@@ -94,8 +97,6 @@ def test_checkpoints_and_block_size_errors(tmp_path, tiny_llama):
         load_drafter(tmp_path / "e.pt", tiny_llama.args, "dflash")
     with pytest.raises(UserError, match="larger than the drafter was trained for"):
         back.check_block(7)
-    with pytest.raises(UserError, match="--block-size must be >= 2"):
-        DFlashDrafter(tiny_llama.args, block_size=1)
 
 
 @pytest.mark.parametrize("argv,msg", [

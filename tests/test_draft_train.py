@@ -10,8 +10,8 @@ import torch
 
 from conftest import hf_model, ours_from_hf
 from sparkrl.config import RunConfig, build
-from sparkrl.draft_train import draft_loss
-from sparkrl.drafters.base import load_drafter
+from sparkrl.drafters.eagle3 import draft_loss
+from sparkrl.drafters import load_drafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.errors import UserError
 from sparkrl.trainer import train
@@ -67,7 +67,7 @@ def test_draft_loss_by_hand(tiny_llama):
 def test_unrolled_training_matches_tree_drafting(tiny_llama):
     """Segment 2 of the unrolled training forward at position j computes exactly what the engine
     computes for a depth-1 tree node drafted after the committed prefix 0..j."""
-    from sparkrl.draft_train import unrolled
+    from sparkrl.drafters.eagle3 import unrolled
 
     torch.manual_seed(2)
     d = Eagle3Drafter(tiny_llama.args).bind(tiny_llama)
@@ -141,7 +141,7 @@ def test_train_with_drafter_writes_draft_metrics_and_resumes_exactly(tiny_model_
 def test_draft_vocabulary_keeps_eos_and_the_most_frequent():
     from collections import Counter
 
-    from sparkrl.draft_train import draft_vocabulary
+    from sparkrl.pretrain import draft_vocabulary
 
     counts = Counter({5: 10, 6: 9, 7: 8, 8: 1})
     assert draft_vocabulary(counts, 3, 20, (2,)).tolist() == [2, 5, 6]  # EOS kept though rare

@@ -8,9 +8,11 @@ import torch
 
 from sparkrl.config import SamplingConfig
 from sparkrl.drafters.eagle3 import Eagle3Drafter
-from sparkrl.drafters.tree import TreeShape, build_chain, build_tree
+from sparkrl.config import TreeShape
+from sparkrl.drafters.tree import build_chain, build_tree
 from sparkrl.errors import UserError
-from sparkrl.rollout import generate, generate_speculative, response_generators
+from sparkrl.rollout import generate, response_generators
+from sparkrl.speculative import generate_speculative
 from sparkrl.spark import Projection, SparseRows, Spark, init_projection, sparse_delta
 from sparkrl.weights import load_model
 
@@ -239,22 +241,24 @@ def _drafter_state(policy, B=3, seed=0):
 @pytest.mark.parametrize("mode", ["tree", "chain"])
 def test_first_round_proposes_what_the_baseline_proposes(tiny_llama, mode):
     drafter, cache, root, z, a, h = _drafter_state(tiny_llama)
-    shape = TreeShape(3, 2, 5, mode)
+    shape = TreeShape(3, 2, 5)
     spark = Spark(init_projection(tiny_llama.lm_head.weight, 4), tiny_llama.args.vocab_size)
     spark.begin(1, 3)
     spark.select(torch.arange(3))
     u = torch.rand(3, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     zero = torch.zeros(3, dtype=torch.long)
     if mode == "tree":
-        base, none = build_tree(drafter, cache, root, z, a, shape)
+        base = build_tree(drafter, cache, root, z, a, h, shape)
         cache.commit(n_keep=zero)
-        on, ctx = build_tree(drafter, cache, root, z, a, shape, h=h, spark=spark)
+        on = build_tree(drafter, cache, root, z, a, h, shape, correct=spark.correct)
     else:
-        base, q0, none = build_chain(drafter, cache, root, z, a, 3, 1.0, u)
+        base = build_chain(drafter, cache, root, z, a, h, 3, 1.0, u)
         cache.commit(n_keep=zero)
-        on, q1, ctx = build_chain(drafter, cache, root, z, a, 3, 1.0, u, h, spark)
-        assert torch.equal(q0, q1)
-    assert none is None and torch.equal(base.tokens, on.tokens) and torch.equal(base.parents, on.parents)
+        on = build_chain(drafter, cache, root, z, a, h, 3, 1.0, u, spark.correct)
+        assert torch.equal(base.q, on.q)
+    ctx = on.contexts
+    assert torch.equal(base.tree.tokens, on.tree.tokens) and torch.equal(base.tree.parents, on.tree.parents)
+    assert torch.equal(base.contexts.z, ctx.z) and torch.equal(base.contexts.h, ctx.h)  # B = 0: no change
     assert ctx.z.shape[:2] == ctx.h.shape[:2] and int(ctx.node.max()) < ctx.z.shape[1]
     assert (ctx.node[:, 0] == 0).all()
 
@@ -266,7 +270,7 @@ def test_greedy_with_spark_equals_greedy(tiny_llama):
     spark = Spark(init_projection(tiny_llama.lm_head.weight, 4), tiny_llama.args.vocab_size, eta=5.0)
     sp = generate_speculative(tiny_llama, Eagle3Drafter(tiny_llama.args), prompts, sc, (5,),
                               response_generators(0, 2, 3), TreeShape(4, 3, 8), group_size=3, spark=spark)
-    assert sp.tokens == ar.tokens and sp.stats["spark_contexts"] > 0
+    assert sp.tokens == ar.tokens and sp.stats.adapter["spark_contexts"] > 0
 
 
 def _train_cfg(model_dir, out, **kw):

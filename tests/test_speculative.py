@@ -13,8 +13,9 @@ from sparkrl.config import SamplingConfig
 from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.selfdraft import SelfDrafter
-from sparkrl.drafters.tree import TreeShape
-from sparkrl.rollout import generate, generate_speculative, response_generators
+from sparkrl.config import TreeShape
+from sparkrl.rollout import generate, response_generators
+from sparkrl.speculative import generate_speculative
 from sparkrl.sampling import target_probs
 from sparkrl.spark import Spark, init_projection
 
@@ -74,13 +75,13 @@ def test_rollouts_are_exact_in_ragged_batches(temperature, top_p, mode, spark):
     prompts = [[1, 2, 3, 4], [2, 0]]  # ragged prefixes; EOS ends responses at different rounds
     G, L = 3000, 3
     sc = SamplingConfig(temperature, top_p, L)
-    shape = TreeShape(depth=2, branch=2, nodes=4, mode=mode)  # a block: depth 2 (block size 3)
+    shape = {"tree": TreeShape(2, 2, 4), "chain": TreeShape.chain(2), "block": TreeShape.block(2)}[mode]  # block size 3
     corr = Spark(init_projection(policy.lm_head.weight, 4), V, k=2, eta=5.0, temperature=temperature) if spark else None
     r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G), shape, group_size=G,
                              spark=corr)
-    assert r.stats["rounds"] >= 1 and r.stats["aal"] > 1.0
+    assert r.stats.rounds >= 1 and r.stats.aal > 1.0
     if spark:  # the correction changed proposals (and so which uniforms decided)
-        assert r.stats["spark_contexts"] > 0 and len(corr.store) > 0
+        assert r.stats.adapter["spark_contexts"] > 0 and len(corr.store) > 0
         assert r.tokens != generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G),
                                                 shape, group_size=G).tokens
     for i, prompt in enumerate(prompts):
@@ -99,7 +100,7 @@ def test_greedy_self_drafting_accepts_every_level_and_equals_greedy():
         assert sp.tokens == ar.tokens
     # with one branch the tree is the drafter's greedy chain, which the greedy policy accepts whole:
     # 1 token from the prefill, then rounds of depth + 1 = 4 tokens: 9 = 1 + 4 + 4
-    assert sp.stats["rounds"] == 2 and sp.stats["aal"] == 4.0
+    assert sp.stats.rounds == 2 and sp.stats.aal == 4.0
 
 
 def test_greedy_with_random_drafter_equals_greedy(tiny_llama):

@@ -1,5 +1,13 @@
 """What every drafter shares: the policy's embedding and (reduced) output head, the fused policy
-features, the `DraftStep` record, and checkpoints checked against the policy they serve."""
+features, the `DraftStep` and `DraftState` records, and checkpoints checked against the policy they
+serve.
+
+A drafter kind owns its model, its proposals (`propose(cache, state, shape, nodes, temperature, u,
+correct) -> drafters.tree.Proposal`) and its loss (`loss(tokens, taps, hidden, target_logits, mask)`).
+The engine also needs `bind(policy)`, `features(taps)`, `feature_layers`, `prefill(...)`,
+`forward(tokens, feats, cache, tree_mask=, depth=) -> DraftStep` (its catch-up over committed
+positions), `new_cache(batch, capacity)`, `logits(h)` and `vocab_ids`.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +33,21 @@ class DraftStep:
     h: torch.Tensor  # (B, T, d) normed feature entering the head
     a: torch.Tensor  # (B, T, d) pre-norm output (EAGLE: the feature of children of these positions)
     z: torch.Tensor | None  # (B, T, Vd) draft logits over the draft vocabulary, float32 (None: not computed)
+
+
+@dataclass
+class DraftState:
+    """Per active row: the root (last committed token, not yet run by the policy) and the drafter's
+    output at the root's position (logits of the first draft level, feature of its nodes)."""
+
+    root: torch.Tensor  # (B,)
+    z: torch.Tensor | None  # (B, Vd) (None for a block drafter, which drafts from the root in one forward)
+    a: torch.Tensor  # (B, d)
+    h: torch.Tensor  # (B, d) the head feature behind z (SPARK corrects z with it)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.root, self.a, self.h = self.root[rows], self.a[rows], self.h[rows]
+        self.z = None if self.z is None else self.z[rows]
 
 
 class SharedHeadDrafter(nn.Module):
@@ -89,8 +112,8 @@ def read_checkpoint(path: str | Path | dict) -> dict:
         p = Path(path)
         if not p.exists():
             raise UserError(f"--draft-checkpoint {p} does not exist")
-        try:
-            ck = torch.load(p, map_location="cpu", weights_only=False)
+        try:  # mmap: of a GRPO checkpoint only the drafter's tensors are read
+            ck = torch.load(p, map_location="cpu", weights_only=False, mmap=True)
         except Exception as e:
             raise UserError(f"--draft-checkpoint {p} is not a readable checkpoint ({type(e).__name__}); "
                             "make one with `sparkrl pretrain-draft`") from None
@@ -99,25 +122,3 @@ def read_checkpoint(path: str | Path | dict) -> dict:
     if not isinstance(ck, dict) or not {"kind", "state", "policy", "feature_layers"} <= set(ck):
         raise UserError(f"{path} is not a sparkrl drafter checkpoint; make one with `sparkrl pretrain-draft`")
     return ck
-
-
-def load_drafter(path: str | Path | dict, policy_args: ModelArgs, kind: str | None = None):
-    """A drafter checkpoint (file or dict) checked against the policy it will serve (and the kind asked for)."""
-    from sparkrl.drafters import KINDS
-
-    ck = read_checkpoint(path)
-    if kind is not None and ck["kind"] != kind:
-        raise UserError(f"{path} is a {ck['kind']!r} drafter, not {kind!r}; pass --draft {ck['kind']} or another checkpoint")
-    if ck["kind"] not in KINDS:
-        raise UserError(f"{path} is a {ck['kind']!r} drafter; this sparkrl knows {', '.join(KINDS)}")
-    d = KINDS[ck["kind"]](policy_args, tuple(ck["feature_layers"]), ck["state"]["vocab_ids"], **ck.get("settings", {}))
-    want = d.signature()
-    for k, v in ck["policy"].items():
-        if want.get(k) != v:
-            raise UserError(f"drafter checkpoint {path} was made for a policy with {k}={v}, this policy has "
-                            f"{k}={want.get(k)}; pretrain a drafter for this model")
-    try:
-        d.load_state_dict(ck["state"])
-    except RuntimeError as e:
-        raise UserError(f"drafter checkpoint {path} does not fit the drafter ({str(e).splitlines()[0]})") from None
-    return d

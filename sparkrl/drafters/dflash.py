@@ -30,10 +30,9 @@ import torch
 from torch import nn
 
 from sparkrl.drafters.base import DraftStep, SharedHeadDrafter
-from sparkrl.drafters.tree import Contexts
+from sparkrl.drafters.tree import Proposal, identity, path_contexts, path_tree
 from sparkrl.errors import UserError
 from sparkrl.model import KVCache, ModelArgs, Stack
-from sparkrl.verify import Tree
 
 KIND = "dflash"
 GAMMA = 4.0  # decay of the loss weight with block position
@@ -46,8 +45,6 @@ class DFlashDrafter(SharedHeadDrafter):
     def __init__(self, policy_args: ModelArgs, feature_layers: tuple[int, ...] | None = None,
                  vocab_ids: torch.Tensor | None = None, block_size: int = 16, num_layers: int = 3):
         super().__init__(policy_args, feature_layers, vocab_ids)
-        if block_size < 2:
-            raise UserError(f"--block-size must be >= 2 (an anchor and at least one drafted token), got {block_size}")
         self.block_size, self.num_layers = block_size, num_layers
         self.stack = Stack(dataclasses.replace(policy_args, num_layers=num_layers))
         self.mask_embed = nn.Parameter(torch.randn(policy_args.hidden_size) * 0.02)
@@ -56,8 +53,7 @@ class DFlashDrafter(SharedHeadDrafter):
         return {"block_size": self.block_size, "num_layers": self.num_layers}
 
     def check_block(self, n: int) -> None:
-        if n < 2:
-            raise UserError(f"--block-size must be >= 2 (an anchor and at least one drafted token), got {n}")
+        """Generation may use blocks up to the size the drafter was trained for."""
         if n > self.block_size:
             raise UserError(f"--block-size {n} is larger than the drafter was trained for ({self.block_size}); "
                             f"pass --block-size {self.block_size} or less")
@@ -88,23 +84,21 @@ class DFlashDrafter(SharedHeadDrafter):
         h = out.hidden[:, 1:]
         return DraftStep(h, h, self.logits(h))
 
+    def propose(self, cache: KVCache, state, shape, nodes: int, temperature: float, u, correct=identity) -> Proposal:
+        """Greedy blocks of `nodes` tokens after the roots (`base.DraftState`); u is unused (point masses)."""
+        return build_block(self, cache, state.root, nodes, correct)
+
     def loss(self, tokens, taps, hidden, target_logits, mask, generator=None) -> tuple[torch.Tensor, dict]:
         return block_loss(self, tokens, taps, target_logits, mask, generator=generator)
 
 
-def build_block(drafter: DFlashDrafter, cache: KVCache, root: torch.Tensor, n: int, spark=None):
-    """Greedy blocks of n tokens after the roots (B,) as one-path trees (point masses), and the
-    contexts (block position j is context j, the prediction after tree node j) when spark is given."""
+def build_block(drafter: DFlashDrafter, cache: KVCache, root: torch.Tensor, n: int, correct=identity) -> Proposal:
+    """Greedy blocks of n tokens after the roots (B,) as one-path trees (point masses); block position j
+    is context j (the prediction after tree node j)."""
     step = drafter.block(root, cache, n)
-    z = step.z if spark is None else spark.correct(step.z, step.h)  # (B, n, Vd)
+    z = correct(step.z, step.h)  # (B, n, Vd)
     tok = drafter.vocab_ids[z.argmax(-1)]  # (B, n)
-    B, dev = root.shape[0], root.device
-    ar = torch.arange(n + 1, device=dev)
-    tree = Tree(tokens=torch.cat([root[:, None], tok], 1), parents=(ar - 1).expand(B, -1).clone(),
-                valid=torch.ones(B, n + 1, dtype=torch.bool, device=dev), depth=ar.expand(B, -1).clone(),
-                rank=ar.expand(B, -1).clone())
-    ctx = None if spark is None else Contexts(step.h, z, torch.where(ar < n, ar, -1).expand(B, -1).clone())
-    return tree, ctx
+    return Proposal(path_tree(torch.cat([root[:, None], tok], 1)), None, path_contexts(step.h, z))
 
 
 def block_mask(T: int, anchors: torch.Tensor, bs: int) -> torch.Tensor:

@@ -11,6 +11,12 @@ a reduced draft vocabulary (the most frequent tokens; `vocab_ids` maps back to t
 At every drafted context it exposes `h` (the normed feature entering the head) and `z` (the logits),
 which is what SPARK corrects.
 
+Loss (paper appendix A, FastGRPO): 2 * SmoothL1(feature) + 0.1 * softCE(target distribution).
+Drafter position i reads token i+1 and the policy's fused features at i, and predicts token i+2; its
+pre-norm output is regressed on the policy's final normed hidden state at i+1, and its distribution
+(over the draft vocabulary) is pulled towards the policy's distribution at i+1 by soft cross-entropy,
+with EAGLE-3's training-time test (`draft_loss`).
+
 Departures from EAGLE-3: the embedding/feature fusion is a linear 2d -> d in front of a standard
 decoder layer (so the policy's layer code serves unchanged); the feature-regression target of the
 online loss is the policy's final normed hidden state at the next position (EAGLE-1's target).
@@ -21,9 +27,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sparkrl.drafters.base import DraftStep, SharedHeadDrafter
+from sparkrl.drafters.tree import propose
 from sparkrl.model import KVCache, ModelArgs, Stack
 
 KIND = "eagle3"
@@ -56,8 +64,76 @@ class Eagle3Drafter(SharedHeadDrafter):
             self(prompts[:, 1:], feats[:, :-1], cache)
         cache.commit(n_keep=lens - 1)
 
-    def loss(self, tokens, taps, hidden, target_logits, mask) -> tuple[torch.Tensor, dict]:
-        """The online/pretraining loss (`draft_train.draft_loss`)."""
-        from sparkrl.draft_train import draft_loss
+    propose = propose  # trees or sampled chains (drafters/tree.py)
 
+    def loss(self, tokens, taps, hidden, target_logits, mask) -> tuple[torch.Tensor, dict]:
+        """The online/pretraining loss (`draft_loss`)."""
         return draft_loss(self, tokens, taps, hidden, target_logits, mask)
+
+
+FEATURE_WEIGHT, CE_WEIGHT = 2.0, 0.1
+
+
+def unrolled_mask(n: int, steps: int, device) -> torch.Tensor:
+    """(1, 1, steps*n, steps*n) attention among `steps` segments of n positions: segment 1 is causal;
+    position j of segment s (a depth s-1 tree node drafted from position j) sees segment 1 up to j
+    (the committed prefix) and position j of segments 2..s (its ancestors and itself)."""
+    j = torch.arange(n, device=device)
+    seg = torch.arange(steps, device=device)
+    qs, qj = seg.repeat_interleave(n), j.repeat(steps)  # segment and position of every row
+    prefix = (qs[None, :] == 0) & (qj[None, :] <= qj[:, None])
+    chain = (qs[None, :] > 0) & (qs[None, :] <= qs[:, None]) & (qj[None, :] == qj[:, None])
+    return (prefix | chain)[None, None]
+
+
+def unrolled(drafter, tokens: torch.Tensor, feats: torch.Tensor, steps: int) -> list:
+    """Drafter outputs of segments 1..steps (see `draft_loss`), each (a, z) over n = T - 1 positions.
+
+    tokens (B, T) padded on the right by `steps` extra positions; feats (B, n, d) policy features."""
+    B, n = feats.shape[:2]
+    j = torch.arange(n, device=tokens.device)
+    seg_tokens, seg_feats, seg_depth, outs = [], [], [], []
+    for s in range(1, steps + 1):
+        seg_tokens.append(tokens[:, s:s + n])
+        seg_feats.append(feats if s == 1 else outs[-1][0])
+        seg_depth.append(j + s - 1)
+        step = drafter(torch.cat(seg_tokens, 1), torch.cat(seg_feats, 1),
+                       depth=torch.cat(seg_depth).expand(B, -1), mask=unrolled_mask(n, s, tokens.device))
+        outs.append((step.a[:, -n:], step.z[:, -n:]))
+    return outs
+
+
+def draft_loss(drafter, tokens: torch.Tensor, taps: dict[int, torch.Tensor], hidden: torch.Tensor,
+               target_logits: torch.Tensor, mask: torch.Tensor, steps: int = 3) -> tuple[torch.Tensor, dict]:
+    """tokens (B, T); taps: policy layer outputs (B, T, d); hidden (B, T, d) policy final normed
+    hidden; target_logits (B, T, V) policy logits; mask (B, T): position t is trained to predict
+    token t + 2 from token t + 1 (targets at t + 1).
+
+    Training-time test (EAGLE-3): besides the teacher-forced step, `steps - 1` unrolled steps feed
+    the drafter its own previous output as the feature, as at tree depth >= 2 (segment s, position j:
+    token j + s, feature = segment s-1's output at j, targets at j + s, RoPE position j + s - 1).
+    Returns (loss averaged over steps and trained positions, stats; top1_s per segment).
+    """
+    B, T = tokens.shape
+    n = T - 1
+    K = max(1, min(steps, n))
+    pad = lambda t: torch.cat([t, t[:, -1:].expand(-1, K, *t.shape[2:])], 1)
+    target = torch.softmax(target_logits.float(), -1)[..., drafter.vocab_ids]  # (B, T, Vd), once
+    toks_p, hid_p, p_p, m_p = pad(tokens), pad(hidden.detach()), pad(target), pad(mask)
+    feats = drafter.features({i: t[:, :-1] for i, t in taps.items()})  # (B, n, d) features at 0..n-1
+    j = torch.arange(n, device=tokens.device)
+    total, stats = 0.0, {}
+    for s, (a, z) in enumerate(unrolled(drafter, toks_p, feats, K), start=1):
+        m = (m_p[:, s - 1:s - 1 + n] & (j + s <= T - 1)).to(hidden.dtype)  # (B, n)
+        cnt = m.sum().clamp(min=1)
+        feat = F.smooth_l1_loss(a, hid_p[:, s:s + n], reduction="none").mean(-1)  # (B, n)
+        p = p_p[:, s:s + n]  # (B, n, Vd) the policy's distribution on the draft vocabulary
+        ce = -(p * torch.log_softmax(z, -1)).sum(-1)
+        total = total + ((FEATURE_WEIGHT * feat + CE_WEIGHT * ce) * m).sum() / cnt
+        with torch.no_grad():
+            top1 = float(((z.argmax(-1) == p.argmax(-1)).float() * m).sum() / cnt)
+            stats[f"top1_{s}"] = top1
+            if s == 1:
+                stats.update(feat=float((feat.detach() * m).sum() / cnt), ce=float((ce.detach() * m).sum() / cnt),
+                             top1=top1, positions=float(cnt))
+    return total / K, stats

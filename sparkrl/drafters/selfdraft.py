@@ -10,12 +10,15 @@ from __future__ import annotations
 import torch
 
 from sparkrl.drafters.base import DraftStep
+from sparkrl.drafters.tree import propose
 from sparkrl.model import KVCache, Transformer
 
 
 class SelfDrafter:
     kind = "self"
     feature_layers = ()
+
+    propose = propose  # trees or sampled chains (drafters/tree.py)
 
     def __init__(self, policy: Transformer):
         self.policy = policy

@@ -15,68 +15,69 @@ node attends to its own ancestors there. The caller rolls the region back after 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
-from sparkrl.errors import UserError
+from sparkrl.config import TreeShape
+from sparkrl.sampling import sample_from
 from sparkrl.verify import Tree
 
 
-@dataclass(frozen=True)
-class TreeShape:
-    depth: int  # draft levels below the root
-    branch: int  # children per expanded node, and nodes expanded per level
-    nodes: int  # draft nodes kept (the root not counted)
-    mode: str = "tree"  # "tree": point-mass top-k trees; "chain": `depth` tokens sampled from q;
-    # "block": DFlash greedy blocks of `depth` tokens (point masses)
+def identity(z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The logit correction when nothing adapts the drafter: z unchanged."""
+    return z
 
-    def __post_init__(self):
-        if self.mode not in ("tree", "chain", "block"):
-            raise UserError(f"--draft-mode must be tree or chain, got {self.mode!r}")
-        if self.mode in ("chain", "block"):
-            object.__setattr__(self, "branch", 1)
-            object.__setattr__(self, "nodes", self.depth)
-        if self.nodes < 1:
-            raise UserError(f"--tree-nodes must be >= 1, got {self.nodes}")
-        if self.branch < 1:
-            raise UserError(f"--tree-branch must be >= 1, got {self.branch}")
-        if self.depth < 1:
-            raise UserError(f"--tree-depth must be >= 1, got {self.depth}")
-        if self.depth > self.nodes:
-            raise UserError(f"--tree-depth {self.depth} is larger than the node budget --tree-nodes {self.nodes}")
 
-    @property
-    def max_children(self) -> int:
-        return self.branch
+class Contexts:
+    """The drafted contexts of a round, for SPARK's feedback: every position where the drafter computed
+    a distribution (the root and expanded tree nodes; chain and block positions).
+
+    h (B, C, d) the features entering the draft head and z (B, C, Vd) the (corrected) logits the
+    proposals came from, given as tensors or as lists of (B, c, .) parts (concatenated on first use,
+    so a round nobody reads back costs nothing); node (B, N) the context index of each tree node's
+    prediction, -1 where the drafter did not expand it. rejected_children: the feedback includes
+    tried-and-rejected children (trees) rather than treating the last path position as the rejected
+    one (one-path proposals: chains, blocks)."""
+
+    def __init__(self, h, z, node: torch.Tensor, rejected_children: bool):
+        self._h, self._z, self.node, self.rejected_children = h, z, node, rejected_children
+
+    @cached_property
+    def h(self) -> torch.Tensor:
+        return self._h if isinstance(self._h, torch.Tensor) else torch.cat(self._h, 1)
+
+    @cached_property
+    def z(self) -> torch.Tensor:
+        return self._z if isinstance(self._z, torch.Tensor) else torch.cat(self._z, 1)
 
 
 @dataclass
-class Contexts:
-    """The drafted contexts of a round, for SPARK's feedback: every position where the drafter computed
-    a distribution (the root, expanded tree nodes, chain positions)."""
+class Proposal:
+    """One round's candidates: the tree to verify, the distributions sampled from (chains; None for
+    point masses) and the drafted contexts."""
 
-    h: torch.Tensor  # (B, C, d) features entering the draft head
-    z: torch.Tensor  # (B, C, Vd) the (corrected) logits the proposals came from
-    node: torch.Tensor  # (B, N) context index of each tree node, -1 where the drafter did not expand it
+    tree: Tree
+    q: torch.Tensor | None  # (B, D, Vd)
+    contexts: Contexts
 
 
-def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Tensor, shape: TreeShape,
-               nodes: int | None = None, h: torch.Tensor | None = None, spark=None) -> tuple[Tree, Contexts | None]:
+def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Tensor, h: torch.Tensor,
+               shape: TreeShape, nodes: int | None = None, correct=identity) -> Proposal:
     """Trees for a batch of roots.
 
     root: (B,) policy ids of the roots; z: (B, Vd) drafter logits after the root; a: (B, d) the
-    drafter feature at the root's position (parent feature of the level-1 nodes). nodes: keep this
-    many nodes instead of shape.nodes (the `nodes` best are also the best of any larger tree, so
-    smaller trees are subsets of larger ones). spark: a `spark.Spark` correcting every context's
-    logits (h (B, d): the root's head feature); then the contexts are returned too, else None.
+    drafter feature at the root's position (parent feature of the level-1 nodes); h: (B, d) the
+    root's head feature. nodes: keep this many nodes instead of shape.nodes (the `nodes` best are
+    also the best of any larger tree, so smaller trees are subsets of larger ones). correct(z, h):
+    the logit correction applied at every context (SPARK's; `identity` otherwise).
     """
     B = root.shape[0]
     dev = root.device
     k = shape.branch
     ids = drafter.vocab_ids
-    if spark is not None:
-        z = spark.correct(z, h)
-        ctx_h, ctx_z, expanded = [h[:, None]], [z[:, None]], []  # expanded: (recorded ids, first context)
+    z = correct(z, h)
+    ctx_h, ctx_z, expanded = [h[:, None]], [z[:, None]], []  # expanded: (recorded ids, first context)
     logq = torch.log_softmax(z.float(), -1)  # (B, Vd)
     score, tok = logq.topk(min(k, logq.shape[-1]), dim=-1)  # (B, F)
     F = score.shape[1]
@@ -84,18 +85,17 @@ def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Ten
     front_id = torch.arange(F, device=dev).expand(B, F)  # recorded ids of the frontier
     front_feat = a[:, None].expand(B, F, a.shape[-1])
     front_anc = torch.zeros(B, F, 0, dtype=torch.bool, device=dev)  # ancestors in the speculative region
-    n_rec = F
+    n_rec, n_ctx = F, 1
     for level in range(2, shape.depth + 1):
         P = cache.pending
         mask = torch.cat([front_anc, torch.eye(F, dtype=torch.bool, device=dev).expand(B, F, F)], -1)
         step = drafter(rec_tok[-1], front_feat, cache, tree_mask=mask,
                        depth=torch.full((B, F), level - 2, device=dev))
-        zs = step.z
-        if spark is not None:
-            zs = spark.correct(zs, step.h)  # (B, F, Vd)
-            expanded.append((front_id, sum(c.shape[1] for c in ctx_z)))
-            ctx_h.append(step.h)
-            ctx_z.append(zs)
+        zs = correct(step.z, step.h)  # (B, F, Vd)
+        expanded.append((front_id, n_ctx))
+        ctx_h.append(step.h)
+        ctx_z.append(zs)
+        n_ctx += F
         cs, ci = torch.log_softmax(zs, -1).topk(k, dim=-1)  # (B, F, k)
         cum = (rec_score[-1][:, :, None] + cs).flatten(1)  # (B, F*k)
         score, sel = cum.topk(k, dim=-1)  # (B, k) next frontier
@@ -115,13 +115,36 @@ def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Ten
     tree, keep = _select(torch.cat(rec_tok, 1), torch.cat(rec_score, 1), torch.cat(rec_parent, 1),
                          torch.cat([torch.full_like(s, d, dtype=torch.long) for s, d in zip(rec_score, rec_depth)], 1),
                          root, nodes or shape.nodes)
-    if spark is None:
-        return tree, None
     rec_ctx = torch.full((B, n_rec), -1, dtype=torch.long, device=dev)  # context of each recorded node
     for ids_, first in expanded:
         rec_ctx.scatter_(1, ids_, first + torch.arange(ids_.shape[1], device=dev).expand_as(ids_))
     node = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), rec_ctx.gather(1, keep)], 1)
-    return tree, Contexts(torch.cat(ctx_h, 1), torch.cat(ctx_z, 1), node)
+    return Proposal(tree, None, Contexts(ctx_h, ctx_z, node, rejected_children=True))
+
+
+def propose(drafter, cache, state, shape: TreeShape, nodes: int, temperature: float, u: torch.Tensor,
+            correct=identity) -> Proposal:
+    """EAGLE-style proposals from the drafter's state at the roots (`base.DraftState`): a dynamic tree of
+    `nodes` nodes (shape.mode "tree"), or a chain sampled from q with uniforms u (B, depth) ("chain")."""
+    if shape.mode == "chain":
+        return build_chain(drafter, cache, state.root, state.z, state.a, state.h, shape.depth, temperature, u, correct)
+    return build_tree(drafter, cache, state.root, state.z, state.a, state.h, shape, nodes, correct)
+
+
+def path_tree(tokens: torch.Tensor) -> Tree:
+    """A one-path tree over tokens (B, 1 + D): the root, then each token the child of the previous."""
+    B, n = tokens.shape
+    ar = torch.arange(n, device=tokens.device)
+    return Tree(tokens=tokens, parents=(ar - 1).expand(B, -1).clone(),
+                valid=torch.ones(B, n, dtype=torch.bool, device=tokens.device), depth=ar.expand(B, -1).clone(),
+                rank=ar.expand(B, -1).clone())
+
+
+def path_contexts(h: torch.Tensor, z: torch.Tensor) -> Contexts:
+    """Contexts of a one-path proposal of D tokens: position d (the prediction after node d) is context d."""
+    B, D = z.shape[:2]
+    ar = torch.arange(D + 1, device=z.device)
+    return Contexts(h, z, torch.where(ar < D, ar, -1).expand(B, -1).clone(), rejected_children=False)
 
 
 def _select(tok, score, parent, depth, root, nodes) -> tuple[Tree, torch.Tensor]:
@@ -147,15 +170,13 @@ def _select(tok, score, parent, depth, root, nodes) -> tuple[Tree, torch.Tensor]
     ), keep
 
 
-def build_chain(drafter, cache, root, z, a, depth: int, temperature: float, u: torch.Tensor, h=None, spark=None):
+def build_chain(drafter, cache, root, z, a, h, depth: int, temperature: float, u: torch.Tensor,
+                correct=identity) -> Proposal:
     """Chains of `depth` tokens sampled from the draft distribution q = softmax(z / temperature).
 
-    u: (B, depth) uniforms. Returns (Tree, q (B, depth, Vd), Contexts | None): q[:, d] is the
-    distribution token d was drawn from (point masses at temperature 0), after SPARK's correction
-    when `spark` is given (h (B, d): the root's head feature); chain position d is context d.
+    u: (B, depth) uniforms. The proposal's q[:, d] (B, depth, Vd) is the distribution token d was drawn
+    from (point masses at temperature 0), after the correction `correct(z, h)`.
     """
-    from sparkrl.sampling import sample_from
-
     B = root.shape[0]
     dev = root.device
     ids = drafter.vocab_ids
@@ -165,23 +186,12 @@ def build_chain(drafter, cache, root, z, a, depth: int, temperature: float, u: t
         if d:
             step = drafter(toks[-1][:, None], feat, cache, depth=torch.full((B, 1), d - 1, device=dev))
             z, feat, h = step.z[:, 0], step.a, step.h[:, 0]
-        if spark is not None:
-            z = spark.correct(z, h)
-            hs.append(h)
-            zs.append(z)
+        z = correct(z, h)
+        hs.append(h)
+        zs.append(z)
         q = torch.softmax(z.float() / temperature, -1) if temperature > 0 else \
             torch.nn.functional.one_hot(z.argmax(-1), z.shape[-1]).float()
         qs.append(q)
         toks.append(ids[sample_from(q, u[:, d])])
-    n = torch.arange(depth + 1, device=dev)
-    tree = Tree(
-        tokens=torch.cat([root[:, None], torch.stack(toks, 1)], 1),
-        parents=(n - 1).expand(B, -1).clone(),
-        valid=torch.ones(B, depth + 1, dtype=torch.bool, device=dev),
-        depth=n.expand(B, -1).clone(),
-    )
-    ctx = None
-    if spark is not None:
-        node = torch.where(n < depth, n, -1).expand(B, -1).clone()
-        ctx = Contexts(torch.stack(hs, 1), torch.stack(zs, 1), node)
-    return tree, torch.stack(qs, 1), ctx
+    tree = path_tree(torch.cat([root[:, None], torch.stack(toks, 1)], 1))
+    return Proposal(tree, torch.stack(qs, 1), path_contexts(torch.stack(hs, 1), torch.stack(zs, 1)))

@@ -1,0 +1,89 @@
+"""Objects from configs: the drafter, SPARK, the budget and the draft trainer a `DraftConfig` asks for.
+
+Used by the entry points (trainer, CLI commands, bench); the engine and the library below never
+read configs of other components. A draft checkpoint is read once (`read_checkpoint`) and serves
+both the drafter and SPARK's projection A.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from sparkrl.budget import Budget, CostModel
+from sparkrl.config import DraftConfig
+from sparkrl.draft_train import DraftTrainer
+from sparkrl.drafters import KINDS, load_drafter
+from sparkrl.drafters.base import read_checkpoint
+from sparkrl.model import Transformer
+from sparkrl.spark import Projection, Spark
+
+
+def make_drafter(cfg: DraftConfig, policy: Transformer, seed: int = 0, checkpoint: dict | None = None):
+    """The drafter, on the policy's device, bound to it (None for --draft none). checkpoint: the
+    already read `cfg.draft_checkpoint` (read here when not given)."""
+    if cfg.draft == "none":
+        return None
+    if cfg.draft_checkpoint:
+        d = load_drafter(checkpoint or read_checkpoint(cfg.draft_checkpoint), policy.args, cfg.draft)
+    else:
+        print(f"sparkrl: warning: --draft {cfg.draft} without --draft-checkpoint starts from a freshly initialised "
+              "drafter (low acceptance until it has trained); make one with `sparkrl pretrain-draft`", file=sys.stderr)
+        torch.manual_seed(seed)
+        d = KINDS[cfg.draft](policy.args, **({"block_size": cfg.block_size} if cfg.draft == "dflash" else {}))
+    if cfg.draft == "dflash":
+        d.check_block(cfg.block_size)
+    w = policy.lm_head.weight
+    return d.to(device=w.device, dtype=w.dtype).bind(policy)
+
+
+def make_spark(cfg: DraftConfig, policy: Transformer, drafter, temperature: float,
+               checkpoint: dict | None = None) -> tuple[Projection | None, Spark | None]:
+    """SPARK's projection and rollout state ((None, None) without --spark). A comes from the drafter
+    checkpoint when it holds one (a GRPO run's checkpoint does), else from the policy's output
+    projection (QR)."""
+    sc = cfg.spark_config
+    if drafter is None or not sc.spark:
+        return None, None
+    proj = Projection.for_policy(policy, sc.spark_rank)
+    if cfg.draft_checkpoint:
+        ck = checkpoint or read_checkpoint(cfg.draft_checkpoint)
+        if "spark" in ck:
+            proj.load(ck["spark"], cfg.draft_checkpoint)
+    proj.to(policy.lm_head.weight.device)
+    return proj, Spark.from_config(sc, proj.A, drafter.vocab_ids.numel(), temperature)
+
+
+def make_budget(cfg: DraftConfig, policy: Transformer, drafter) -> Budget | None:
+    """The per-round speculation budget (None: always the full proposal)."""
+    if drafter is None or cfg.budget == "fixed":
+        return None
+    return Budget(CostModel.measure(policy, drafter, cfg.shape()), cfg.shape())
+
+
+@dataclass
+class Drafting:
+    """Everything speculative rollouts need (each part None when not asked for)."""
+
+    drafter: object = None
+    projection: Projection | None = None
+    spark: Spark | None = None
+    budget: Budget | None = None
+
+    def trainer(self, cfg: DraftConfig) -> DraftTrainer | None:
+        """The drafter's online trainer (learning A too, unless --spark-frozen-a)."""
+        if self.drafter is None:
+            return None
+        sc = cfg.spark_config
+        return DraftTrainer(self.drafter, cfg.draft_lr, projection=self.projection, projection_lr=sc.spark_lr,
+                            learn_projection=not sc.spark_frozen_a)
+
+
+def make_drafting(cfg: DraftConfig, policy: Transformer, temperature: float, seed: int = 0) -> Drafting:
+    """The drafter, SPARK and the budget, with the draft checkpoint read once."""
+    ck = read_checkpoint(cfg.draft_checkpoint) if cfg.draft != "none" and cfg.draft_checkpoint else None
+    drafter = make_drafter(cfg, policy, seed, ck)
+    projection, spark = make_spark(cfg, policy, drafter, temperature, ck)
+    return Drafting(drafter, projection, spark, make_budget(cfg, policy, drafter))

@@ -1,0 +1,231 @@
+"""The speculative rollout engine (paper section 3.1): rounds of propose -> verify -> adapt -> commit.
+
+Each round, for every active response: the drafter proposes a tree (EAGLE3-style), a sampled chain,
+or a greedy block (DFlash-style) (`drafter.propose`) -> the policy verifies all of them in ONE
+batched forward with tree attention -> exact acceptance (`verify.accept_tree` / `accept_chain`) ->
+the drafter adapter sees the verified round (SPARK's feedback; nothing by default) -> the accepted
+path is committed in the policy's cache, the drafter's tree is rolled back, and the policy's
+features at the accepted tokens feed the drafter (its "catch-up" forward, which also yields the
+next round's first draft level). No extra policy forward is spent on features: they are taps of the
+verification forward. A budget may choose an autoregressive round instead (`rollout.decode_one_token`);
+the drafter then catches up on that backlog at the next drafted round.
+
+The steps, as gpt-fast keeps prefill / decode_one_token / speculative_decode apart:
+`Speculation.start` (prefills, first token), `autoregressive_round`, `speculative_round`; each round
+returns a `rollout.Round` record that `RoundStats` sums.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sparkrl.config import SamplingConfig, TreeShape
+from sparkrl.drafters.base import DraftState
+from sparkrl.drafters.tree import Proposal
+from sparkrl.model import KVCache, Transformer, pad_right
+from sparkrl.rollout import HIT, MISS, UNDRAFTED, Batch, Round, RoundStats, decode_one_token, prefill
+from sparkrl.sampling import sample
+from sparkrl.verify import Acceptance, accept_chain, accept_tree, uniforms_per_round
+
+
+class NoAdaptation:
+    """The drafter adapter when nothing adapts the drafter during the rollout (SPARK off): proposals
+    use the drafter's own logits. `spark.Spark` implements the same protocol."""
+
+    needs_targets = False
+
+    def begin(self, n_prompts: int, group_size: int) -> None:
+        pass
+
+    def select(self, responses) -> None:
+        pass
+
+    def correct(self, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return z
+
+    def observe(self, proposal: Proposal, acc: Acceptance, logits_at) -> None:
+        pass
+
+    def end_round(self) -> None:
+        pass
+
+    def metrics(self) -> dict:
+        return {}
+
+
+class Backlog:
+    """Drafter inputs of autoregressive rounds (the sampled token, the policy's features at its
+    predecessor) that the drafter has not run yet: it runs them all at the next drafted round."""
+
+    def __init__(self):
+        self.tokens, self.feats = [], []
+
+    def add(self, tokens: torch.Tensor, feats) -> None:
+        self.tokens.append(tokens)
+        self.feats.append(feats)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.tokens = [t[rows] for t in self.tokens]
+        self.feats = [None if f is None else f[rows] for f in self.feats]
+
+    def pop(self):
+        tokens = torch.cat(self.tokens, 1)
+        feats = None if self.feats[0] is None else torch.cat(self.feats, 1)
+        self.tokens, self.feats = [], []
+        n = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=tokens.device)
+        return tokens, feats, n
+
+
+def catch_up(drafter, cache: KVCache, tokens: torch.Tensor, feats, n: torch.Tensor) -> DraftState:
+    """Drafter forward over newly committed positions: tokens (B, T) are the tokens after each
+    position, feats (B, T, d) the policy's features there, n (B,) how many are real (>= 1)."""
+    step = drafter(tokens, feats, cache)
+    cache.commit(n_keep=n)
+    last = (n - 1)[:, None, None]
+    pick = lambda t: t.gather(1, last.expand(-1, 1, t.shape[-1]))[:, 0]
+    z = None if step.z is None else pick(step.z)  # a block drafter computes no logits on its context
+    return DraftState(tokens.gather(1, (n - 1)[:, None])[:, 0], z, pick(step.a), pick(step.h))
+
+
+class Speculation:
+    """One speculative rollout in progress: the policy's and the drafter's caches, the drafter's state
+    at every active row's root, and the batch bookkeeping."""
+
+    def __init__(self, policy: Transformer, drafter, sampling: SamplingConfig, shape: TreeShape,
+                 generators: list[torch.Generator], adapter):
+        self.policy, self.drafter, self.sampling, self.shape = policy, drafter, sampling, shape
+        self.generators, self.adapter = generators, adapter
+        self.taps = tuple(drafter.feature_layers)
+        self.chain = shape.mode == "chain"
+        self.uniforms = 2 * shape.depth + 1 if self.chain else uniforms_per_round(shape.depth, shape.max_children)
+        self.vocab = drafter.vocab_ids if adapter.needs_targets else None  # targets for the adapter
+        self.backlog = Backlog()
+
+    def start(self, prompts: list[list[int]], group_size: int, eos_ids: tuple[int, ...]) -> None:
+        """Prefill the policy and the drafter once per prompt, sample every response's first token, run
+        the drafter on it."""
+        policy, drafter, G = self.policy, self.drafter, group_size
+        capacity = max(map(len, prompts)) + self.sampling.max_new_tokens + self.shape.draft_region + 2
+        self.pcache, logits, out = prefill(policy, prompts, capacity, G, self.taps)
+        device = logits.device
+        toks, lens = pad_right(prompts, device)
+        self.dcache = drafter.new_cache(len(prompts), capacity)
+        feats = drafter.features(out.taps)
+        drafter.prefill(toks, lens, feats, self.dcache)
+        rows = torch.arange(len(prompts), device=device).repeat_interleave(G)
+        self.dcache.keep_rows(rows)
+        root = sample(logits, self.sampling.temperature, self.sampling.top_p, self.generators)  # (N,)
+        self.batch = Batch(len(self.generators), eos_ids, self.sampling.max_new_tokens)
+        self.batch.commit([[t] for t in root.tolist()])  # host sync
+        last_feat = None if feats is None else feats[rows, lens[rows] - 1][:, None]  # (N, 1, d)
+        self.state = catch_up(drafter, self.dcache, root[:, None], last_feat, torch.ones_like(root))
+        self.adapter.begin(len(prompts), G)
+
+    def drop_finished(self) -> bool:
+        """Remove finished responses from every per-row structure; False when none is left."""
+        keep = self.batch.drop_finished()
+        if keep is not None and self.batch.active:
+            keep = keep.to(self.state.root.device)
+            self.pcache.keep_rows(keep)
+            self.dcache.keep_rows(keep)
+            self.state.keep(keep)
+            self.backlog.keep(keep)
+        return bool(self.batch.active)
+
+    def autoregressive_round(self) -> Round:
+        """A plain sampling step; the drafter catches up on it at the next drafted round."""
+        t0 = time.perf_counter()
+        gens = [self.generators[r] for r in self.batch.active]
+        nxt, out = decode_one_token(self.policy, self.pcache, self.state.root, self.sampling, gens, self.taps)
+        self.batch.commit([[t] for t in nxt.tolist()])  # host sync: tokens to lists
+        self.backlog.add(nxt[:, None], self.drafter.features(out.taps))
+        self.state.root = nxt
+        return Round([1] * len(nxt), drafted=False, verify_s=time.perf_counter() - t0)
+
+    def speculative_round(self, nodes: int) -> tuple[Round, Proposal, Acceptance]:
+        """Draft `nodes` nodes per active row, verify them in one policy forward, accept exactly, commit."""
+        policy, drafter, shape, sampling = self.policy, self.drafter, self.shape, self.sampling
+        t1 = time.perf_counter()
+        if self.backlog.tokens:
+            self.state = catch_up(drafter, self.dcache, *self.backlog.pop())
+        u = torch.stack([torch.rand(self.uniforms, generator=self.generators[r], dtype=torch.float64)
+                         for r in self.batch.active]).to(self.state.root.device)  # (B, M)
+        self.adapter.select(self.batch.active)
+        prop = drafter.propose(self.dcache, self.state, shape, nodes, sampling.temperature, u[:, shape.depth + 1:],
+                               self.adapter.correct)
+        tree = prop.tree
+        B = tree.tokens.shape[0]
+        self.dcache.commit(n_keep=torch.zeros(B, dtype=torch.long, device=tree.tokens.device))  # roll back
+        t2 = time.perf_counter()
+        out = policy(tree.tokens, self.pcache, tree_mask=tree.ancestor_mask(), depth=tree.depth, taps=self.taps)
+        t3 = time.perf_counter()
+        rows = torch.arange(B, device=tree.tokens.device)
+        if self.chain:  # every chain node's target is needed; q over the policy's vocabulary
+            node_logits = policy.logits(out.hidden)  # (B, 1+D, V)
+            q = torch.zeros(*prop.q.shape[:2], node_logits.shape[-1], device=node_logits.device)
+            q.index_copy_(2, drafter.vocab_ids, prop.q)
+            acc = accept_chain(tree.tokens[:, 1:], q, node_logits, sampling.temperature, sampling.top_p,
+                               u[:, :shape.depth + 1], self.vocab)
+        else:  # the LM head runs only on the nodes the acceptance walk visits
+            acc = accept_tree(tree, lambda n: policy.logits(out.hidden[rows, n]), sampling.temperature,
+                              sampling.top_p, u, shape.depth, shape.max_children, self.vocab)
+        n_acc = acc.n_accepted
+        kept = torch.cat([torch.zeros_like(acc.path[:, :1]), acc.path.clamp(min=0)], 1)  # (B, 1+D) root + path
+        self.pcache.commit(kept, n_acc + 1)
+        new = tree.tokens.gather(1, kept)[:, 1:]  # (B, D) accepted tokens (then padding)
+        new = torch.cat([new, new[:, :1]], 1).scatter(1, n_acc[:, None], acc.bonus[:, None])  # (B, 1+D) + bonus
+        counts = self._commit(tree, acc, new)
+        t4 = time.perf_counter()
+        self.adapter.observe(prop, acc, lambda r, n: drafter.logits(out.hidden[r, n]))
+        self.adapter.end_round()  # the feedback of this round serves the next round's proposals
+        feats = {i: t.gather(1, kept[..., None].expand(-1, -1, t.shape[-1])) for i, t in out.taps.items()}
+        self.state = catch_up(drafter, self.dcache, new, drafter.features(feats), n_acc + 1)
+        t5 = time.perf_counter()
+        return Round(counts, True, (t2 - t1) + (t5 - t4), t3 - t2, t4 - t3), prop, acc
+
+    def _commit(self, tree, acc: Acceptance, new: torch.Tensor) -> list[int]:
+        """Each row's accepted tokens and bonus token (new (B, 1+D)) into the batch, tagged HIT (an
+        accepted draft), MISS (the drafter proposed other tokens there) or UNDRAFTED."""
+        missed = (tree.child_counts() > 0).gather(1, acc.last[:, None])[:, 0]
+        counts = (acc.n_accepted + 1).tolist()  # host sync: tokens go to Python lists
+        tags = [[HIT] * (c - 1) + [MISS if m else UNDRAFTED] for c, m in zip(counts, missed.tolist())]
+        self.batch.commit([r[:c] for r, c in zip(new.tolist(), counts)], tags)
+        return counts
+
+
+@torch.no_grad()
+def generate_speculative(policy: Transformer, drafter, prompts: list[list[int]], sampling: SamplingConfig,
+                         eos_ids: tuple[int, ...], generators: list[torch.Generator], shape: TreeShape,
+                         group_size: int = 1, progress=None, budget=None, spark=None):
+    """Exact speculative sampling; same contract and outputs as `rollout.generate`.
+
+    shape: what the drafter proposes each round. budget: optional `budget.Budget` choosing each
+    round's node count, or an autoregressive step (0), from the number of active responses. spark:
+    optional drafter adapter (`spark.Spark`) correcting the proposals from earlier rounds' feedback
+    (the A gradient it accumulates is left for the caller).
+    The committed tokens follow the policy's sampling distribution exactly, whatever the drafter
+    proposes and whatever the budget chooses (which round is speculative may then depend on the
+    batch, so with a budget a response's exact realisation can depend on its batch; its
+    distribution does not).
+    """
+    t0 = time.perf_counter()
+    assert len(generators) == len(prompts) * group_size, "one generator per response"
+    eng = Speculation(policy, drafter.bind(policy), sampling, shape, generators, spark or NoAdaptation())
+    eng.start(prompts, group_size, eos_ids)
+    stats = RoundStats(depth=shape.depth)
+    while eng.drop_finished():
+        nodes = shape.nodes if budget is None else budget.choose(len(eng.batch.active))
+        if nodes == 0:
+            r = eng.autoregressive_round()
+        else:
+            r, prop, acc = eng.speculative_round(nodes)
+            if budget is not None:
+                budget.observe(nodes, prop.tree, acc)
+        eng.batch.rounds += 1
+        stats.add(r)
+        if progress is not None:
+            progress(sum(r.counts))
+    stats.adapter = eng.adapter.metrics()
+    return eng.batch.rollout(prompts, group_size, t0, stats)
