@@ -1,0 +1,38 @@
+"""The command-line contract: every command's flags, their choices and defaults, against a snapshot.
+
+A change to the interface must be on purpose: regenerate the snapshot with
+`SPARKRL_UPDATE_SNAPSHOT=1 .venv/bin/python -m pytest tests/test_cli_flags.py` and commit it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+from pathlib import Path
+
+from sparkrl.cli import make_parser
+
+SNAPSHOT = Path(__file__).with_name("cli_flags.txt")
+
+
+def describe() -> str:
+    lines = []
+    sub = next(a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        lines.append(f"sparkrl {name}")
+        for a in parser._actions:
+            if isinstance(a, argparse._HelpAction):
+                continue
+            kind = "flag" if isinstance(a, argparse.BooleanOptionalAction) else getattr(a.type, "__name__", "str")
+            choices = f" {{{','.join(map(str, a.choices))}}}" if a.choices else ""
+            lines.append(f"  {' / '.join(a.option_strings)} {kind}{choices}")
+    return "\n".join(lines) + "\n"
+
+
+def test_cli_flags_match_the_snapshot():
+    now = describe()
+    if os.environ.get("SPARKRL_UPDATE_SNAPSHOT"):
+        SNAPSHOT.write_text(now)
+    diff = "".join(difflib.unified_diff(SNAPSHOT.read_text().splitlines(True), now.splitlines(True), "snapshot", "now"))
+    assert not diff, f"the CLI changed; if on purpose, regenerate the snapshot (see this file's docstring):\n{diff}"
