@@ -64,9 +64,13 @@ def chi2_ok(samples, exact):
     return chisquare(obs, exp).pvalue
 
 
-@pytest.mark.parametrize("spark", [False, True], ids=["baseline", "spark"])
-@pytest.mark.parametrize("mode", ["tree", "chain", "block"])
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.7)])
+FAST = {(0.8, 0.7, "tree", True), (0.8, 0.7, "chain", True), (0.8, 0.7, "block", True), (1.0, 1.0, "tree", False)}
+
+
+@pytest.mark.parametrize("temperature,top_p,mode,spark", [
+    pytest.param(t, p, m, s, id=f"{t}-{p}-{m}-{'spark' if s else 'baseline'}",
+                 marks=() if (t, p, m, s) in FAST else pytest.mark.slow)
+    for t, p in [(1.0, 1.0), (0.8, 0.7)] for m in ["tree", "chain", "block"] for s in [False, True]])
 def test_rollouts_are_exact_in_ragged_batches(temperature, top_p, mode, spark):
     """With SPARK adapting strongly (eta 5, so the proposals change a lot), too."""
     torch.manual_seed(0)
@@ -79,7 +83,7 @@ def test_rollouts_are_exact_in_ragged_batches(temperature, top_p, mode, spark):
     corr = Spark(init_projection(policy.lm_head.weight, 4), V, k=2, eta=5.0, temperature=temperature) if spark else None
     r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G), shape, group_size=G,
                              spark=corr)
-    assert r.stats.rounds >= 1 and r.stats.aal > 1.0
+    assert r.stats.tree_rounds == r.stats.rounds and r.stats.aal > 1.0  # drafts were accepted, so verified
     if spark:  # the correction changed proposals (and so which uniforms decided)
         assert r.stats.adapter["spark_contexts"] > 0 and len(corr.store) > 0
         assert r.tokens != generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G),

@@ -89,7 +89,8 @@ def test_data_order_covers_each_epoch():
     order = DataOrder(n=10, per_step=3, seed=5)
     seen = [i for s in range(10) for i in order.batch(s)]
     assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
-    assert order.batch(4) == DataOrder(10, 3, 5).batch(4)
+    assert seen[:10] != seen[10:20]  # every epoch is reshuffled
+    assert [i for s in range(4) for i in DataOrder(10, 3, 6).batch(s)] != seen[:12]  # and the order is seeded
 
 
 @pytest.mark.parametrize("argv,msg", [
