@@ -27,7 +27,7 @@ def make_drafter(cfg: DraftConfig, policy: Transformer, seed: int = 0, checkpoin
     if cfg.draft == "none":
         return None
     if cfg.draft_checkpoint:
-        d = load_drafter(checkpoint or read_checkpoint(cfg.draft_checkpoint), policy.args, cfg.draft)
+        d = load_drafter(checkpoint or read_checkpoint(cfg.draft_checkpoint), policy.args, cfg.draft, cfg.draft_checkpoint)
     else:
         print(f"sparkrl: warning: --draft {cfg.draft} without --draft-checkpoint starts from a freshly initialised "
               "drafter (low acceptance until it has trained); make one with `sparkrl pretrain-draft`", file=sys.stderr)

@@ -114,7 +114,7 @@ def run_generate(cfg: GenerateConfig) -> None:
               f"acceptance per depth [{depth}], "
               f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s accept+commit {s.accept_s:.2f}s"
               + (f", SPARK {a['spark_s']:.2f}s ({a['spark_contexts']} feedback contexts, {a['spark_rows']} rows)"
-                 if a else ""), file=sys.stderr)
+                 if "spark_contexts" in a else ""), file=sys.stderr)
 
 
 def run_train(cfg: RunConfig) -> None:

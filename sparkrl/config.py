@@ -235,7 +235,8 @@ class DraftConfig(Checked):
     def validate(self):
         _existing_checkpoint("--draft-checkpoint", self.draft_checkpoint)
         _check(self.draft != "none" or not self.spark_config.spark, "--spark corrects a drafter: pass --draft eagle3 or dflash")
-        self.shape()  # checks the tree fields (`TreeShape`)
+        if self.draft != "none":
+            self.shape()  # checks the tree fields (`TreeShape`)
 
     def shape(self) -> TreeShape:
         if self.draft == "dflash":

@@ -184,8 +184,8 @@ def prefill(model: Transformer, prompts: list[list[int]], capacity: int, group_s
     cache.commit(n_keep=lens)
     rows = torch.arange(len(prompts), device=device).repeat_interleave(group_size)
     cache.keep_rows(rows)
-    last = out.hidden[rows, lens[rows] - 1]  # (P*G, d)
-    return cache, model.logits(last), out
+    logits = model.logits(out.hidden[torch.arange(len(prompts), device=device), lens - 1])  # (P, V)
+    return cache, logits.index_select(0, rows), out
 
 
 def decode_one_token(model: Transformer, cache: KVCache, tokens: torch.Tensor, sampling: SamplingConfig,
@@ -212,8 +212,8 @@ def generate(model: Transformer, prompts: list[list[int]], sampling: SamplingCon
     batch = Batch(len(generators), eos_ids, sampling.max_new_tokens)
     stats = RoundStats()
     nxt = sample(logits, sampling.temperature, sampling.top_p, generators)  # (B,)
+    batch.commit([[t] for t in nxt.tolist()])  # host sync: tokens go to Python lists
     while True:
-        batch.commit([[t] for t in nxt.tolist()])  # host sync: tokens go to Python lists
         if progress is not None:
             progress(len(batch.active))
         keep = batch.drop_finished()
@@ -224,6 +224,7 @@ def generate(model: Transformer, prompts: list[list[int]], sampling: SamplingCon
             cache.keep_rows(keep)
             nxt = nxt.index_select(0, keep)
         nxt, _ = decode_one_token(model, cache, nxt, sampling, [generators[r] for r in batch.active])
+        batch.commit([[t] for t in nxt.tolist()])  # round r commits with round_of r, as in speculative mode
         batch.rounds += 1
         stats.policy_forwards += 1
     return batch.rollout(prompts, group_size, t0, stats)

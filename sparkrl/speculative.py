@@ -52,7 +52,7 @@ class NoAdaptation:
         pass
 
     def metrics(self) -> dict:
-        return {}
+        return {"spark_s": 0.0}
 
 
 class Backlog:
@@ -177,13 +177,14 @@ class Speculation:
         new = tree.tokens.gather(1, kept)[:, 1:]  # (B, D) accepted tokens (then padding)
         new = torch.cat([new, new[:, :1]], 1).scatter(1, n_acc[:, None], acc.bonus[:, None])  # (B, 1+D) + bonus
         counts = self._commit(tree, acc, new)
-        t4 = time.perf_counter()
+        t_accept = time.perf_counter() - t3
         self.adapter.observe(prop, acc, lambda r, n: drafter.logits(out.hidden[r, n]))
         self.adapter.end_round()  # the feedback of this round serves the next round's proposals
+        t4 = time.perf_counter()  # the adapter times itself (spark_s)
         feats = {i: t.gather(1, kept[..., None].expand(-1, -1, t.shape[-1])) for i, t in out.taps.items()}
         self.state = catch_up(drafter, self.dcache, new, drafter.features(feats), n_acc + 1)
         t5 = time.perf_counter()
-        return Round(counts, True, (t2 - t1) + (t5 - t4), t3 - t2, t4 - t3), prop, acc
+        return Round(counts, True, (t2 - t1) + (t5 - t4), t3 - t2, t_accept), prop, acc
 
     def _commit(self, tree, acc: Acceptance, new: torch.Tensor) -> list[int]:
         """Each row's accepted tokens and bonus token (new (B, 1+D)) into the batch, tagged HIT (an

@@ -19,10 +19,11 @@ from sparkrl.model import ModelArgs
 KINDS = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter}  # kind -> drafter class
 
 
-def load_drafter(path: str | Path | dict, policy_args: ModelArgs, kind: str | None = None):
+def load_drafter(path: str | Path | dict, policy_args: ModelArgs, kind: str | None = None, where: str = ""):
     """A drafter checkpoint (file, or a dict from `read_checkpoint`) checked against the policy it will
-    serve (and the kind asked for)."""
+    serve (and the kind asked for). where: the file a dict came from, for the error messages."""
     ck = read_checkpoint(path)
+    path = where or ("the checkpoint" if isinstance(path, dict) else path)
     if kind is not None and ck["kind"] != kind:
         raise UserError(f"{path} is a {ck['kind']!r} drafter, not {kind!r}; pass --draft {ck['kind']} or another checkpoint")
     if ck["kind"] not in KINDS:

@@ -63,7 +63,7 @@ class SharedHeadDrafter(nn.Module):
         self.policy_args = policy_args
         self.feature_layers = tuple(feature_layers or default_feature_layers(policy_args.num_layers))
         self.fc = nn.Linear(len(self.feature_layers) * d, d, bias=False)
-        ids = torch.arange(policy_args.vocab_size) if vocab_ids is None else vocab_ids.long()
+        ids = torch.arange(policy_args.vocab_size) if vocab_ids is None else vocab_ids.long().clone()  # own memory
         self.register_buffer("vocab_ids", ids)  # (Vd,) draft vocabulary -> policy token ids
         self._shared = ()  # (policy embedding,): a tuple, so it is not a submodule of the drafter
         self._head = None
