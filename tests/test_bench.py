@@ -65,7 +65,7 @@ def test_bench_ablations(tiny_model_dir, tmp_path, monkeypatch):
     for name, s in ms.items():  # each variant ran with its own settings (frozen A: A unchanged)
         assert s["steps"] == 1 and len(s["aal_per_step"]) == 1
     cfgs = {p.parent.name: json.loads(p.read_text())["config"]["draft"]["spark_config"]
-            for p in (tmp_path / "a" / "default").glob("*/config.json")}
+            for p in (tmp_path / "a").rglob("config.json")}
     assert {c["spark_every"] for c in cfgs.values() if c["spark"]} == {1, 5}
     assert sum(c["spark_frozen_a"] for c in cfgs.values()) == 1
     assert "| default | frozen projection A |" in (tmp_path / "a" / "bench.md").read_text()
