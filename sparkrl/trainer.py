@@ -80,7 +80,11 @@ class DataOrder:
 
 @contextmanager
 def deferred_sigint():
-    """Hold Ctrl-C while the policy changes, so a checkpoint never sees half an update."""
+    """Hold Ctrl-C while the policy changes, so a checkpoint never sees half an update. A process
+    started with SIGINT ignored (a shell's background job) keeps ignoring it here too."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield
+        return
     pending = []
     old = signal.signal(signal.SIGINT, lambda *a: pending.append(a))
     try:

@@ -121,7 +121,10 @@ def test_ctrl_c_writes_checkpoint_and_resumes(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "sparkrl.cli", "train", "--model", str(tiny_model_dir), "--out", str(out),
            "--steps", "500", "--group-size", "2", "--prompts-per-step", "1", "--max-new-tokens", "4",
            "--default-size", "20", "--checkpoint-every", "1000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a shell's background job inherits SIGINT ignored, and Python then installs no Ctrl-C handler:
+    # give the run the default disposition, as an interactive terminal would
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
