@@ -24,6 +24,7 @@ import bisect
 import hashlib
 import json
 import platform
+import sys
 import time
 from dataclasses import dataclass
 import torch
@@ -85,24 +86,27 @@ class CostModel:
                 best = min(best, time.perf_counter() - t)
             return best
 
+        print(f"sparkrl: timing the policy and the drafter on this machine for the speculation budget (once; "
+              f"cached in {path.parent})", file=sys.stderr, flush=True)
+        g = torch.Generator(device=dev).manual_seed(0)  # random inputs that leave the global RNG alone
         with torch.no_grad():
             for B in ROWS:
                 pc = policy.new_cache(B, CONTEXT + shape.nodes + 2)
                 dc = drafter.new_cache(B, CONTEXT + shape.draft_region + 2)
                 pc.lengths += CONTEXT
                 dc.lengths += CONTEXT
-                root = torch.randint(0, V, (B,), device=dev)
-                z = torch.randn(B, drafter.vocab_ids.numel(), device=dev)
-                a = torch.randn(B, policy.args.hidden_size, device=dev, dtype=policy.lm_head.weight.dtype)
+                root = torch.randint(0, V, (B,), device=dev, generator=g)
+                z = torch.randn(B, drafter.vocab_ids.numel(), device=dev, generator=g)
+                a = torch.randn(B, policy.args.hidden_size, device=dev, generator=g).to(policy.lm_head.weight.dtype)
                 zeros = torch.zeros(B, dtype=torch.long, device=dev)
 
                 def forward(T):
-                    out = policy(torch.randint(0, V, (B, T), device=dev), pc, taps=tuple(drafter.feature_layers))
+                    out = policy(torch.randint(0, V, (B, T), device=dev, generator=g), pc, taps=tuple(drafter.feature_layers))
                     policy.logits(out.hidden[:, :shape.depth + 1])  # the head runs on the visited nodes
                     pc.commit(n_keep=zeros)
 
                 state = DraftState(root=root, z=z, a=a, h=a)
-                u = torch.rand(B, shape.depth, device=dev, dtype=torch.float64)
+                u = torch.rand(B, shape.depth, device=dev, dtype=torch.float64, generator=g)
 
                 def tree():
                     drafter.propose(dc, state, shape, shape.nodes, 1.0, u)
@@ -125,6 +129,17 @@ class Budget:
         # expected accepted drafts per round for each size; optimistic at first, kept across rollouts
         self.accepted = {n: prior_accept * min(n, shape.depth) / shape.depth for n in self.sizes}
         self.momentum = momentum
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to choose as the uninterrupted one would: the cost model it used
+        and the running acceptance estimates."""
+        c = self.cost
+        return {"rows": list(c.rows), "verify": {n: list(v) for n, v in c.verify.items()}, "draft": list(c.draft),
+                "accepted": dict(self.accepted)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cost = CostModel(tuple(state["rows"]), {int(n): v for n, v in state["verify"].items()}, state["draft"])
+        self.accepted = {int(n): a for n, a in state["accepted"].items()}
 
     def choose(self, B: int) -> int:
         best, best_t = 0, self.cost.seconds(B, 0)

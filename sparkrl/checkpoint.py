@@ -1,20 +1,27 @@
-"""Checkpoints: one file per step under DIR/checkpoints/, written atomically (temp file + rename).
+"""Checkpoints: one folder per step under DIR/checkpoints/, written atomically.
 
-A checkpoint holds everything a run needs to continue exactly: the step, policy and optimizer
-states, RNG states and the run config. The data position and every response's sampling generator
-are derived from (seed, step), so they need no state of their own.
+`checkpoints/step-000003/` holds `policy.safetensors` (the policy's weights, loadable by anything
+that reads safetensors) and `state.pt` (everything else a run needs to continue exactly: the step,
+the optimizer states, RNG states, the drafter and its optimizer, SPARK's carried corrections, the
+budget's estimates, the run config). A step is written into a `.tmp-*` folder, fsynced, then renamed;
+a kill during the write leaves only that temporary, which the next start removes
+(`remove_stale`). The data position and every response's sampling generator are derived from
+(seed, step), so they need no state of their own.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
-_PREFIX, _SUFFIX = "step-", ".pt"
+_PREFIX = "step-"
+POLICY, STATE = "policy.safetensors", "state.pt"
 
 
 def checkpoint_dir(out: str | Path) -> Path:
@@ -22,12 +29,30 @@ def checkpoint_dir(out: str | Path) -> Path:
 
 
 def list_checkpoints(out: str | Path) -> list[Path]:
-    """Checkpoint files of a run, oldest first."""
+    """Checkpoint folders of a run, oldest first."""
     d = checkpoint_dir(out)
     if not d.is_dir():
         return []
-    files = [p for p in d.iterdir() if p.name.startswith(_PREFIX) and p.name.endswith(_SUFFIX)]
-    return sorted(files, key=lambda p: int(p.name[len(_PREFIX):-len(_SUFFIX)]))
+    steps = [p for p in d.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()
+             and (p / STATE).exists()]
+    return sorted(steps, key=lambda p: int(p.name[len(_PREFIX):]))
+
+
+def remove_stale(out: str | Path) -> list[Path]:
+    """Remove temporaries a killed write left behind; returns what was removed."""
+    d = checkpoint_dir(out)
+    stale = sorted(d.glob(".tmp-*")) if d.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    return stale
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_save(obj, path: Path) -> None:
@@ -55,16 +80,38 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(out: str | Path, step: int, state: dict, keep: int) -> Path:
-    """Write DIR/checkpoints/step-N.pt and drop all but the `keep` newest."""
-    path = checkpoint_dir(out) / f"{_PREFIX}{step:06d}{_SUFFIX}"
-    atomic_save({"step": step, "rng": rng_state(), **state}, path)
+    """Write DIR/checkpoints/step-N/ (state["policy"] as safetensors, the rest as state.pt) and drop
+    all but the `keep` newest."""
+    d = checkpoint_dir(out)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{_PREFIX}{step:06d}"
+    tmp = Path(tempfile.mkdtemp(dir=d, prefix=".tmp-"))
+    try:
+        state = dict(state)
+        save_file({k: v.detach().contiguous() for k, v in state.pop("policy").items()}, str(tmp / POLICY))
+        torch.save({"step": step, "rng": rng_state(), **state}, tmp / STATE)
+        for f in (POLICY, STATE):
+            _fsync(tmp / f)
+        if path.exists():  # the same step again (e.g. an interrupted run's last step): replace it
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     for old in list_checkpoints(out)[:-keep]:
-        old.unlink(missing_ok=True)
+        shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def load_checkpoint(path: str | Path, with_policy: bool = True) -> dict:
+    """A checkpoint folder as one dict: state.pt's entries, plus "policy" (its weights) if asked."""
+    path = Path(path)
+    ck = torch.load(path / STATE, map_location="cpu", weights_only=False)
+    if with_policy:
+        ck["policy"] = load_file(str(path / POLICY))
+    return ck
 
 
 def load_latest(out: str | Path) -> dict | None:
     files = list_checkpoints(out)
-    if not files:
-        return None
-    return torch.load(files[-1], map_location="cpu", weights_only=False)
+    return load_checkpoint(files[-1]) if files else None

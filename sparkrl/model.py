@@ -371,6 +371,21 @@ class Transformer(nn.Module):
         """tokens (B, T); see `Stack.forward` for the cache, tree mask, depth and taps."""
         return self.model(self.model.embed_tokens(tokens), cache, tree_mask=tree_mask, depth=depth, taps=taps)
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The state dict with Hugging Face names, the tied output head left out (it is the embedding)."""
+        state = self.state_dict()
+        if self.args.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        return state
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        """Load `weights()`-style state (a tied head may be absent or present); returns (missing,
+        unexpected) names."""
+        if self.args.tie_word_embeddings:
+            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        return [k for k in missing if not (self.args.tie_word_embeddings and k == "lm_head.weight")], unexpected
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head in float32: (..., d) -> (..., V)."""
         return self.lm_head(hidden).float()

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from sparkrl import __version__
 from sparkrl.analysis import append_round_log
 from sparkrl.build import make_drafting
-from sparkrl.checkpoint import list_checkpoints, load_latest, save_checkpoint, set_rng_state
+from sparkrl.checkpoint import list_checkpoints, load_latest, remove_stale, save_checkpoint, set_rng_state
 from sparkrl.config import RunConfig, to_dict
 from sparkrl.data import build_prompts, load_problems
 from sparkrl.draft_train import DraftTrainer
@@ -47,6 +47,8 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def prepare_out_dir(cfg: RunConfig) -> None:
     """Refuse to mix runs: an out dir with checkpoints needs --resume and the same settings."""
     out = Path(cfg.out)
+    for p in remove_stale(out):
+        print(f"sparkrl: removed {p}, left by an interrupted checkpoint write", file=sys.stderr)
     has_ckpt = bool(list_checkpoints(out))
     if has_ckpt and not cfg.resume:
         raise UserError(f"{out} already holds checkpoints of a run; pass --resume to continue it, or choose a new --out")
@@ -187,21 +189,25 @@ class GRPORun:
         """Load the latest checkpoint when resuming; returns the number of steps already done."""
         start = 0
         if self.cfg.resume and (ck := load_latest(self.cfg.out)) is not None:
-            self.policy.load_state_dict(ck["policy"])
+            missing, unexpected = self.policy.load_weights(ck["policy"])
+            assert not missing and not unexpected, (missing, unexpected)
             self.opt.load_state_dict(ck["optimizer"])
             if self.drafting is not None:
                 self.drafting.load_state_dict(ck["draft"])
             if self.spark is not None and "spark_carry" in ck:
                 self.spark.load_state_dict(ck["spark_carry"])
+            if self.budget is not None and "budget" in ck:
+                self.budget.load_state_dict(ck["budget"])
             set_rng_state(ck["rng"])
             start = ck["step"]
         _truncate_metrics(self.cfg.out, start)
         return start
 
     def state(self) -> dict:
-        return {"policy": self.policy.state_dict(), "optimizer": self.opt.state_dict(), "config": to_dict(self.cfg),
+        return {"policy": self.policy.weights(), "optimizer": self.opt.state_dict(), "config": to_dict(self.cfg),
                 **({"draft": self.drafting.state_dict()} if self.drafting is not None else {}),
-                **({"spark_carry": self.spark.state_dict()} if self.spark is not None and self.spark.carry else {})}
+                **({"spark_carry": self.spark.state_dict()} if self.spark is not None and self.spark.carry else {}),
+                **({"budget": self.budget.state_dict()} if self.budget is not None else {})}
 
     def checkpoint_if_due(self, m: dict) -> bool:
         """Write a checkpoint after the step whose metrics are m when the run's rule says so."""

@@ -126,11 +126,7 @@ def load_model(name: str, device: str = "cpu", dtype: str = "auto", with_tokeniz
     path = resolve_model_path(name)
     args = read_args(path)
     model = Transformer(args)
-    state = load_state_dict(path)
-    if args.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (args.tie_word_embeddings and k == "lm_head.weight")]
+    missing, unexpected = model.load_weights(load_state_dict(path))
     if missing or unexpected:
         raise UserError(f"{path}: weights do not match the {args.arch} config "
                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from conftest import hf_model, ours_from_hf
+from sparkrl.budget import CostModel
 from sparkrl.build import make_drafter
+from sparkrl.checkpoint import list_checkpoints, load_latest
 from sparkrl.config import DraftConfig, RunConfig, build
 from sparkrl.drafters.eagle3 import draft_loss
 from sparkrl.drafters import load_drafter
@@ -124,16 +126,27 @@ def _cfg(model_dir, out, **kw):
     return build(RunConfig, {**flat, **kw})
 
 
-def test_train_with_drafter_writes_draft_metrics_and_resumes_exactly(tiny_model_dir, tmp_path):
+def test_train_with_drafter_writes_draft_metrics_and_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
+    # a cost model under which trees pay while the budget still expects many accepted drafts (the
+    # prior), and stop paying once it has seen this untrained drafter's low acceptance
+    cost = CostModel((1, 4, 16, 64), {0: [1.0] * 4, 1: [2.0] * 4, 2: [2.5] * 4, 3: [3.0] * 4}, [0.1] * 4)
+    monkeypatch.setattr(CostModel, "measure", classmethod(lambda cls, *a, **k: cost))
     train(_cfg(tiny_model_dir, tmp_path / "a", steps=3), grader=ParityGrader())
     train(_cfg(tiny_model_dir, tmp_path / "b", steps=1), grader=ParityGrader())
     train(_cfg(tiny_model_dir, tmp_path / "b", steps=3, resume=True), grader=ParityGrader())
     m = [json.loads(l) for l in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    mb = [json.loads(l) for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    timing = lambda k: k.endswith("_s") or k == "gen_tok_per_s"
+    # with --budget auto (the default) the resumed run makes the same tree / autoregressive choices:
+    # the budget's estimates and cost model are in the checkpoint
+    assert [{k: v for k, v in x.items() if not timing(k)} for x in mb] == \
+        [{k: v for k, v in x.items() if not timing(k)} for x in m]
+    assert 0 < sum(x["tree_rounds"] for x in m) < sum(x["rounds"] for x in m)  # the budget mixed both kinds
     for key in ("aal", "rounds", "policy_forwards", "draft_s", "verify_s", "accept_at_depth", "draft_ce"):
         assert key in m[0]
     assert m[0]["draft_train_s"] > 0
     assert all(x["aal"] == x["committed"] / x["row_rounds"] for x in m)
-    ca, cb = (torch.load(next((tmp_path / x / "checkpoints").glob("*.pt")), weights_only=False) for x in "ab")
+    ca, cb = (load_latest(tmp_path / x) for x in "ab")
     for k, v in ca["draft"]["drafter"]["state"].items():
         assert torch.equal(v, cb["draft"]["drafter"]["state"][k]), k
     for k in ca["policy"]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparkrl.checkpoint import list_checkpoints, load_latest
 from sparkrl.config import SamplingConfig
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.config import TreeShape
@@ -289,7 +290,7 @@ def test_carried_corrections_survive_a_resume(tiny_model_dir, tmp_path):
     train(_train_cfg(tiny_model_dir, tmp_path / "a", steps=3, spark_carry=True), grader=ParityGrader())
     train(_train_cfg(tiny_model_dir, tmp_path / "b", steps=1, spark_carry=True), grader=ParityGrader())
     train(_train_cfg(tiny_model_dir, tmp_path / "b", steps=3, spark_carry=True, resume=True), grader=ParityGrader())
-    ca, cb = (torch.load(next((tmp_path / x / "checkpoints").glob("*.pt")), weights_only=False) for x in "ab")
+    ca, cb = (load_latest(tmp_path / x) for x in "ab")
     assert len(ca["spark_carry"]["keys"]) > 0
     assert torch.equal(ca["spark_carry"]["keys"], cb["spark_carry"]["keys"])
     assert torch.equal(ca["spark_carry"]["rows"], cb["spark_carry"]["rows"])
@@ -310,7 +311,7 @@ def test_train_with_spark_learns_A_resumes_exactly_and_logs_rounds(tiny_model_di
     train(_train_cfg(tiny_model_dir, tmp_path / "b", steps=3, resume=True), grader=ParityGrader())
     m = [json.loads(l) for l in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert all(x["spark_contexts"] > 0 and x["spark_skipped"] == 0 and "spark_s" in x for x in m)
-    ca, cb = (torch.load(next((tmp_path / x / "checkpoints").glob("*.pt")), weights_only=False) for x in "ab")
+    ca, cb = (load_latest(tmp_path / x) for x in "ab")
     A = ca["draft"]["drafter"]["spark"]["A"]
     assert torch.equal(A, cb["draft"]["drafter"]["spark"]["A"])  # exact resume, A included
     init = Projection.for_policy(load_model(str(tiny_model_dir), with_tokenizer=False).model, 4).A
@@ -320,7 +321,7 @@ def test_train_with_spark_learns_A_resumes_exactly_and_logs_rounds(tiny_model_di
     resp = recs[0]["responses"][0]
     assert len(resp["tokens"]) == len(resp["outcome"]) == len(resp["round"])
     # the run's checkpoint serves as a drafter checkpoint, its A included; a different rank is refused
-    ck = next((tmp_path / "a" / "checkpoints").glob("*.pt"))
+    ck = list_checkpoints(tmp_path / "a")[-1]
     gen = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--n", "2", "--max-new-tokens", "6",
            "--draft", "eagle3", "--draft-checkpoint", str(ck), "--budget", "fixed", "--spark"]
     assert main(gen + ["--spark-rank", "4", "--round-log", str(tmp_path / "gen.jsonl")]) == 0

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sparkrl.checkpoint import list_checkpoints, load_checkpoint, load_latest
 from sparkrl.cli import main
 from sparkrl.config import build, RunConfig
 from sparkrl.errors import UserError
@@ -43,8 +44,7 @@ def _metrics(out):
 
 
 def _policy(out):
-    ck = sorted((Path(out) / "checkpoints").glob("step-*.pt"))[-1]
-    return torch.load(ck, weights_only=False)
+    return load_latest(out)
 
 
 def test_train_writes_contract_files(tiny_model_dir, tmp_path):
@@ -58,7 +58,9 @@ def test_train_writes_contract_files(tiny_model_dir, tmp_path):
         assert key in m[0]
     assert 0 < m[0]["gen_tokens"] <= 2 * 3 * 6
     assert m[0]["grad_norm"] > 0  # the parity reward gives non-zero advantages
-    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-000002.pt"]
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-000002"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step-000002").iterdir()) == \
+        ["policy.safetensors", "state.pt"]
 
 
 def test_resume_continues_exactly(tiny_model_dir, tmp_path):
@@ -83,6 +85,15 @@ def test_resume_refuses_other_settings_and_fresh_run_refuses_old_dir(tiny_model_
         train(_cfg(tiny_model_dir, tmp_path / "r", steps=2), grader=ParityGrader())
     with pytest.raises(UserError, match="group_size was 3, now 4"):
         train(_cfg(tiny_model_dir, tmp_path / "r", steps=2, resume=True, group_size=4), grader=ParityGrader())
+
+
+def test_a_killed_checkpoint_write_leaves_nothing_after_the_next_start(tiny_model_dir, tmp_path):
+    train(_cfg(tiny_model_dir, tmp_path / "r", steps=1), grader=ParityGrader())
+    stale = tmp_path / "r" / "checkpoints" / ".tmp-abc123"  # what a kill during save_checkpoint leaves
+    stale.mkdir()
+    (stale / "policy.safetensors").write_bytes(b"x" * 1000)
+    train(_cfg(tiny_model_dir, tmp_path / "r", steps=2, resume=True), grader=ParityGrader())
+    assert [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()] == ["step-000002"]
 
 
 def test_data_order_covers_each_epoch():
@@ -133,9 +144,9 @@ def test_ctrl_c_writes_checkpoint_and_resumes(tiny_model_dir, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "interrupted; checkpoint at step" in err and "Traceback" not in err
-    ck = sorted((out / "checkpoints").glob("step-*.pt"))
+    ck = list_checkpoints(out)
     assert len(ck) == 1
-    step = torch.load(ck[0], weights_only=False)["step"]
+    step = load_checkpoint(ck[0], with_policy=False)["step"]
     assert step >= 2 and len(_metrics(out)) >= step
 
 
@@ -148,7 +159,7 @@ def test_cli_train_and_generate_on_default_model(tmp_path):
                         "--max-new-tokens", "24"], capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr
     assert "trained 1 steps" in r.stderr
-    assert len(_metrics(out)) == 1 and (out / "checkpoints" / "step-000001.pt").exists()
+    assert len(_metrics(out)) == 1 and (out / "checkpoints" / "step-000001" / "policy.safetensors").exists()
     r = subprocess.run([sys.executable, "-m", "sparkrl.cli", "generate", "--model", "default", "--prompt",
                         "What is 2+3?", "--temperature", "0", "--json", "--max-new-tokens", "20", "--n", "2"],
                        capture_output=True, text=True, env=env, timeout=600)

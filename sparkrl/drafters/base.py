@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparkrl.checkpoint import STATE, list_checkpoints
 from sparkrl.errors import UserError
 from sparkrl.model import KVCache, ModelArgs
 
@@ -105,13 +106,20 @@ class SharedHeadDrafter(nn.Module):
 
 
 def read_checkpoint(path: str | Path | dict) -> dict:
-    """The drafter entry of a file (a `pretrain-draft` drafter.pt, or a GRPO run's step-N.pt) or dict."""
+    """The drafter entry of a file (a `pretrain-draft` drafter.pt), of a GRPO run's checkpoint (a
+    `checkpoints/step-N` folder, or the run's folder: its latest checkpoint), or of a dict."""
     if isinstance(path, dict):
         ck = path
     else:
         p = Path(path)
         if not p.exists():
             raise UserError(f"--draft-checkpoint {p} does not exist")
+        if p.is_dir():
+            steps = [p] if (p / STATE).exists() else list_checkpoints(p)
+            if not steps:
+                raise UserError(f"--draft-checkpoint {p} is a folder with no checkpoint; pass a drafter.pt, a run's "
+                                "checkpoints/step-N folder, or a run folder")
+            p = steps[-1] / STATE
         try:  # mmap: of a GRPO checkpoint only the drafter's tensors are read
             ck = torch.load(p, map_location="cpu", weights_only=False, mmap=True)
         except Exception as e:
