@@ -149,6 +149,12 @@ class Budget:
                 best, best_t = n, t
         return best
 
+    def autoregressive_estimate(self, stats) -> float:
+        """Seconds an autoregressive rollout would have taken for what a speculative one (its
+        `rollout.RoundStats`) committed: its autoregressive rounds as timed, and for every drafted round
+        with B active responses and AAL a, a autoregressive steps of B rows (cost model)."""
+        return stats.ar_s + sum(a * self.cost.seconds(B, 0) for B, a in stats.active_aal)
+
     def observe(self, nodes: int, tree, acc) -> None:
         """A verified round of `nodes` nodes: its `verify.Tree` (with the builder's ranks) and `Acceptance`."""
         rank = tree.rank.gather(1, acc.path.clamp(min=0))  # (B, D) rank of each accepted node

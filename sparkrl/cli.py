@@ -17,14 +17,14 @@ import torch
 from sparkrl.analysis import append_round_log, run as run_analysis
 from sparkrl.bench import bench
 from sparkrl.build import make_drafting
-from sparkrl.config import (AnalyzeConfig, BenchConfig, GenerateConfig, PretrainConfig, RunConfig, build, choices,
-                            field_docs, leaf_fields)
+from sparkrl.config import (AnalyzeConfig, BenchConfig, ExportConfig, GenerateConfig, PretrainConfig, RunConfig, build,
+                            choices, field_docs, leaf_fields)
 from sparkrl.data import chat_prompt_ids
 from sparkrl.errors import UserError
 from sparkrl.pretrain import pretrain
 from sparkrl.rollout import generate, response_generators
 from sparkrl.speculative import generate_speculative
-from sparkrl.trainer import train
+from sparkrl.trainer import export_run, train
 from sparkrl.weights import load_model
 
 COMMANDS = {
@@ -33,6 +33,7 @@ COMMANDS = {
     "pretrain-draft": (PretrainConfig, "pretrain a drafter on text the policy generates (and an optional corpus)"),
     "bench": (BenchConfig, "reproduce the paper's Table 1 (or, with --ablations, Table 2) on this machine"),
     "analyze": (AnalyzeConfig, "paper section-2 miss statistics (Fig. 2, Fig. 4) of round logs from --round-log"),
+    "export": (ExportConfig, "write a trained policy as a Hugging Face model folder (transformers loads it)"),
 }
 
 
@@ -41,7 +42,9 @@ def _add_flags(parser: argparse.ArgumentParser, cls) -> None:
         flag = "--" + f.name.replace("_", "-")
         kw = {"dest": f.name, "default": argparse.SUPPRESS, "help": field_docs(owner).get(f.name, "")}
         kw["help"] += f" (default: {f.default!r})" if f.default != "" else ""
-        if f.type in ("bool", bool):
+        if f.metadata.get("positional"):
+            parser.add_argument(f.name, nargs="?", metavar=f.name.upper(), default=argparse.SUPPRESS, help=kw["help"])
+        elif f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif f.name in choices(owner):
             parser.add_argument(flag, choices=choices(owner)[f.name], **kw)
@@ -117,14 +120,26 @@ def run_generate(cfg: GenerateConfig) -> None:
                  if "spark_contexts" in a else ""), file=sys.stderr)
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def run_train(cfg: RunConfig) -> None:
     s = train(cfg)
-    lines = [f"sparkrl: trained {s['steps_run']} steps -> {s['out']}",
-             f"  generation {s['gen_s']:.1f}s ({s['gen_tokens']} tokens), policy updates {s['train_s']:.1f}s"]
+    lines = [f"sparkrl: trained {plural(s['steps_run'], 'step')} -> {s['out']}",
+             f"  generation {s['gen_s']:.1f}s ({plural(s['gen_tokens'], 'token')}), policy updates {s['train_s']:.1f}s"
+             + (f", drafter training {s['draft_train_s']:.1f}s" if s["rounds"] else "")]
+    if s["rounds"]:  # speculative rollouts
+        est = s["gen_ar_estimate_s"]
+        lines.append(f"  drafting: {s['committed'] / max(s['row_rounds'], 1):.2f} tokens per verification round "
+                     f"(AAL), {s['tree_rounds'] / s['rounds']:.0%} of {plural(int(s['rounds']), 'round')} drafted"
+                     + (f"; generation {s['gen_s']:.1f}s against an estimated {est:.1f}s autoregressive "
+                        f"({est / max(s['gen_s'], 1e-9):.2f}x)" if est else ""))
     if "reward_first" in s:
         lines.append(f"  reward {s['reward_first']:.3f} (first step) -> {s['reward_last']:.3f} (last), "
                      f"accuracy {s['accuracy_last']:.2f}, {s['gen_tok_per_s']:.1f} generated tok/s")
-    lines.append(f"  metrics: {s['out']}/metrics.jsonl  checkpoints: {s['out']}/checkpoints/")
+    lines.append(f"  metrics: {s['out']}/metrics.jsonl  checkpoints: {s['out']}/checkpoints/  "
+                 f"model (Hugging Face): {s['out']}/model/")
     print("\n".join(lines), file=sys.stderr)
 
 
@@ -148,6 +163,12 @@ def run_analyze(cfg: AnalyzeConfig) -> None:
     print(f"sparkrl: {cfg.out}/analysis.json, {cfg.out}/analysis.png", file=sys.stderr)
 
 
+def run_export(cfg: ExportConfig) -> None:
+    step, out = export_run(cfg.run, cfg.out)
+    print(f"sparkrl: exported step {step} of {cfg.run} -> {out} (transformers: AutoModelForCausalLM.from_pretrained)",
+          file=sys.stderr)
+
+
 def run_bench(cfg: BenchConfig) -> None:
     res = bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     print((Path(cfg.out) / "bench.md").read_text(), end="")
@@ -159,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cmd, cfg = parse(sys.argv[1:] if argv is None else argv)
         {"train": run_train, "generate": run_generate, "pretrain-draft": run_pretrain, "analyze": run_analyze,
-         "bench": run_bench}[cmd](cfg)
+         "bench": run_bench, "export": run_export}[cmd](cfg)
     except UserError as e:
         print(f"sparkrl: error: {e}", file=sys.stderr)
         return 2

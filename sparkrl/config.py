@@ -341,6 +341,18 @@ class AnalyzeConfig(Checked):
         _check(bool(self.out), "--out is required: the directory for analysis.json and the plots")
 
 
+@dataclass(frozen=True)
+class ExportConfig(Checked):
+    run: str = field(default="", metadata={"positional": True})
+    """A `sparkrl train` output folder (its latest checkpoint is exported), or one of its checkpoints/step-N folders."""
+    out: str = ""
+    """The Hugging Face model folder to write (config.json, model.safetensors, tokenizer files)."""
+
+    def validate(self):
+        _check(bool(self.run), "give the run folder to export: sparkrl export RUN_DIR --out DIR")
+        _check(bool(self.out), "--out is required: the Hugging Face model folder to write")
+
+
 BENCH_METHODS = ("ar", "eagle3", "eagle3+spark", "dflash", "dflash+spark")
 
 

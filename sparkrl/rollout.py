@@ -54,6 +54,7 @@ class RoundStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     accept_s: float = 0.0
+    ar_s: float = 0.0  # time of the autoregressive rounds
     accepted_at_depth: list[int] = field(default_factory=list)  # rows whose accepted path reached depth d+1
     active_aal: list[tuple[int, float]] = field(default_factory=list)  # (active responses, AAL) per drafted round (paper Fig. 5)
     adapter: dict = field(default_factory=dict)  # the drafter adapter's figures (SPARK's)
@@ -70,7 +71,9 @@ class RoundStats:
         self.draft_s += r.draft_s
         self.verify_s += r.verify_s
         self.accept_s += r.accept_s
-        if r.drafted:
+        if not r.drafted:
+            self.ar_s += r.verify_s
+        else:
             self.tree_rounds += 1
             self.tree_row_rounds += B
             self.active_aal.append((B, n / B))

@@ -21,11 +21,13 @@ from tqdm import tqdm
 from sparkrl import __version__
 from sparkrl.analysis import append_round_log
 from sparkrl.build import make_drafting
-from sparkrl.checkpoint import list_checkpoints, load_latest, remove_stale, save_checkpoint, set_rng_state
+from sparkrl.checkpoint import (STATE, list_checkpoints, load_checkpoint, load_latest, remove_stale, save_checkpoint,
+                                set_rng_state)
 from sparkrl.config import RunConfig, to_dict
 from sparkrl.data import build_prompts, load_problems
 from sparkrl.draft_train import DraftTrainer
 from sparkrl.errors import UserError
+from sparkrl.export import export_model
 from sparkrl.grpo import grpo_loss, group_advantages, token_logprobs
 from sparkrl.model import Transformer, pad_right
 from sparkrl.rewards import Grader
@@ -255,6 +257,8 @@ class GRPORun:
                 "truncated_frac": rollout.finish_reason.count("length") / len(rollout.tokens),
                 **upd,
                 **rollout.stats.to_metrics(),
+                **({"gen_ar_estimate_s": self.budget.autoregressive_estimate(rollout.stats)}
+                   if self.budget is not None else {}),
             }
             _append_metrics(cfg.out, m)
             if cfg.draft.round_log:
@@ -266,13 +270,17 @@ class GRPORun:
 
 
 def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
-    """Run GRPO per `cfg`; returns a summary. Resumable, interruptible with Ctrl-C.
+    """Run GRPO per `cfg`; returns a summary. Resumable, interruptible with Ctrl-C. At the end the
+    policy is exported as a Hugging Face folder, DIR/model.
 
     grader: scores responses (default: `Grader()`, the paper's R_acc + 0.2 R_fmt).
     """
     run = GRPORun(cfg, grader)
     start = saved_step = run.resume()
-    totals = {"gen_s": 0.0, "train_s": 0.0, "gen_tokens": 0, "steps": 0}
+    if cfg.resume:
+        print(f"sparkrl: resuming {cfg.out} from step {start}" if start else
+              f"sparkrl: --resume: no checkpoint in {cfg.out}/checkpoints yet; starting from step 0", file=sys.stderr)
+    totals = {"steps": 0, **{k: 0.0 for k in SUMMED}}
     first = last = None
     bar = tqdm(total=cfg.steps, initial=start, unit="step", desc="grpo", dynamic_ncols=True, file=sys.stderr)
 
@@ -292,12 +300,14 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
 
             m = run.step(step, progress, checkpoint)
             first, last = first or m, m
-            for k in ("gen_s", "train_s", "gen_tokens"):
-                totals[k] += m[k]
             totals["steps"] += 1
+            for k in SUMMED:
+                totals[k] += m.get(k, 0.0)
             bar.update(1)
+            drafting = {"tok_per_round": f"{m['aal']:.2f}", "drafted": f"{m['tree_rounds']}/{m['rounds']}"} \
+                if "aal" in m else {}
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.2f}",
-                            tok_s=f"{m['gen_tok_per_s']:.0f}", refresh=True)
+                            tok_s=f"{m['gen_tok_per_s']:.0f}", **drafting, refresh=True)
     except KeyboardInterrupt:
         bar.close()
         done = last["step"] if last else start
@@ -309,7 +319,30 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
     finally:
         run.grader.close()
     bar.close()
+    export_model(run.policy, run.lm.path, Path(cfg.out) / "model")
     return _summary(cfg, totals, first, last)
+
+
+SUMMED = ("gen_s", "train_s", "draft_train_s", "gen_tokens", "rounds", "tree_rounds", "committed",
+          "row_rounds", "gen_ar_estimate_s")
+
+
+def export_run(run_dir: str, out: str) -> tuple[int, Path]:
+    """Export a run's latest checkpoint (or the checkpoints/step-N folder given) as a Hugging Face folder;
+    returns (its step, the folder)."""
+    p = Path(run_dir)
+    steps = [p] if (p / STATE).exists() else list_checkpoints(p)
+    if not steps:
+        raise UserError(f"{run_dir} holds no checkpoint: pass a `sparkrl train --out` folder or one of its "
+                        "checkpoints/step-N folders")
+    ck = load_checkpoint(steps[-1])
+    lm = load_model(ck["config"]["model"]["model"], with_tokenizer=False)
+    lm.model.to(next(iter(ck["policy"].values())).dtype)
+    missing, unexpected = lm.model.load_weights(ck["policy"])
+    if missing or unexpected:
+        raise UserError(f"{steps[-1]} does not fit {ck['config']['model']['model']} (missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]})")
+    return ck["step"], export_model(lm.model, lm.path, Path(out))
 
 
 def _append_metrics(out: str, m: dict) -> None:
@@ -327,7 +360,8 @@ def _truncate_metrics(out: str, step: int) -> None:
 
 
 def _summary(cfg: RunConfig, totals: dict, first: dict | None, last: dict | None) -> dict:
-    s = {"out": cfg.out, "steps_run": totals["steps"], **{k: totals[k] for k in ("gen_s", "train_s", "gen_tokens")}}
+    s = {"out": cfg.out, "steps_run": int(totals["steps"]), **{k: totals[k] for k in SUMMED}}
+    s["gen_tokens"] = int(s["gen_tokens"])
     if first:
         s.update(reward_first=first["reward_mean"], reward_last=last["reward_mean"],
                  accuracy_last=last["accuracy"], gen_tok_per_s=totals["gen_tokens"] / max(totals["gen_s"], 1e-9))

@@ -26,7 +26,7 @@ def describe() -> str:
                 continue
             kind = "flag" if isinstance(a, argparse.BooleanOptionalAction) else getattr(a.type, "__name__", "str")
             choices = f" {{{','.join(map(str, a.choices))}}}" if a.choices else ""
-            lines.append(f"  {' / '.join(a.option_strings)} {kind}{choices}")
+            lines.append(f"  {' / '.join(a.option_strings) or a.metavar} {kind}{choices}")
     return "\n".join(lines) + "\n"
 
 

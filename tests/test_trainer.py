@@ -158,7 +158,7 @@ def test_cli_train_and_generate_on_default_model(tmp_path):
                         "--out", str(out), "--steps", "1", "--group-size", "2", "--prompts-per-step", "1",
                         "--max-new-tokens", "24"], capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr
-    assert "trained 1 steps" in r.stderr
+    assert "trained 1 step ->" in r.stderr and (out / "model" / "model.safetensors").exists()
     assert len(_metrics(out)) == 1 and (out / "checkpoints" / "step-000001" / "policy.safetensors").exists()
     r = subprocess.run([sys.executable, "-m", "sparkrl.cli", "generate", "--model", "default", "--prompt",
                         "What is 2+3?", "--temperature", "0", "--json", "--max-new-tokens", "20", "--n", "2"],
@@ -176,3 +176,32 @@ def test_cli_train_and_generate_on_default_model(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[0])["token_ids"] == rows[0]["token_ids"]
     assert "freshly initialised drafter" in r.stderr and "drafting: aal" in r.stderr
+
+
+def test_cli_train_shows_drafting_resumes_aloud_and_exports(tiny_model_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from sparkrl.weights import load_model
+
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(tiny_model_dir), "--out", str(out), "--group-size", "2", "--prompts-per-step", "1",
+            "--max-new-tokens", "6", "--default-size", "20", "--draft", "eagle3", "--tree-depth", "2",
+            "--tree-branch", "2", "--tree-nodes", "3", "--budget", "fixed"]
+    assert main(argv + ["--steps", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "trained 1 step ->" in err and "tokens per verification round (AAL), 100% of" in err
+    assert main(argv + ["--steps", "2", "--resume"]) == 0
+    assert "resuming " + str(out) + " from step 1" in capsys.readouterr().err
+    assert main(["export", str(out), "--out", str(tmp_path / "hf")]) == 0
+    assert "exported step 2" in capsys.readouterr().err
+    ours = load_model(str(tiny_model_dir), with_tokenizer=False).model
+    assert not ours.load_weights(load_latest(out)["policy"])[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    toks = torch.randint(0, 1000, (1, 12))
+    with torch.no_grad():
+        want = ours.logits(ours(toks).hidden)
+        got = hf(toks).logits
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    for bad, msg in ((["export", str(tmp_path), "--out", str(tmp_path / "x")], "holds no checkpoint"),
+                     (["export", "--out", str(tmp_path / "x")], "give the run folder")):
+        assert main(bad) == 2 and msg in capsys.readouterr().err
