@@ -198,7 +198,8 @@ def plot(res: dict, out: str) -> None:
     ax[0].set_xlabel("rounds since the token's last miss in the response")
     ax[0].set_ylabel("P(miss)")
     ax[0].set_title("Recurrence within a response (Fig. 2a top / Fig. 4)")
-    ax[0].legend(fontsize=7)
+    if ax[0].get_legend_handles_labels()[0]:  # a log of autoregressive rollouts has no drafted position
+        ax[0].legend(fontsize=7)
     names = ["within response", "previous rollout", "within prompt"]
     keys = ["within_response", "previous_rollout", "within_prompt"]
     w = 0.8 / max(len(res), 1)

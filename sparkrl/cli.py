@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from sparkrl.bench import bench
 from sparkrl.build import make_drafting
 from sparkrl.config import (AnalyzeConfig, BenchConfig, ExportConfig, GenerateConfig, PretrainConfig, RunConfig, build,
                             choices, field_docs, leaf_fields)
-from sparkrl.data import chat_prompt_ids
+from sparkrl.data import chat_prompt_ids, read_prompts_file
 from sparkrl.errors import UserError
 from sparkrl.pretrain import pretrain
 from sparkrl.rollout import generate, response_generators
@@ -38,19 +37,26 @@ COMMANDS = {
 
 
 def _add_flags(parser: argparse.ArgumentParser, cls) -> None:
+    """One flag per config field, grouped by component (model, sampling, data, grpo, draft, spark)."""
+    groups = {}
     for path, f, owner in leaf_fields(cls):
+        if f.metadata.get("train_only") and cls is GenerateConfig:
+            continue
+        title = owner.__name__.removesuffix("Config").lower() if owner is not cls else None
+        group = parser if title is None else groups.get(title) or groups.setdefault(
+            title, parser.add_argument_group(f"{title} options"))
         flag = "--" + f.name.replace("_", "-")
         kw = {"dest": f.name, "default": argparse.SUPPRESS, "help": field_docs(owner).get(f.name, "")}
-        kw["help"] += f" (default: {f.default!r})" if f.default != "" else ""
+        kw["help"] += " (required)" if f.metadata.get("required") else f" (default: {f.default!r})" if f.default != "" else ""
         if f.metadata.get("positional"):
-            parser.add_argument(f.name, nargs="?", metavar=f.name.upper(), default=argparse.SUPPRESS, help=kw["help"])
+            group.add_argument(f.name, nargs="?", metavar=f.name.upper(), default=argparse.SUPPRESS, help=kw["help"])
         elif f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif f.name in choices(owner):
-            parser.add_argument(flag, choices=choices(owner)[f.name], **kw)
+            group.add_argument(flag, choices=choices(owner)[f.name], **kw)
         else:
             typ = {"int": int, "float": float, "str": str}[f.type]
-            parser.add_argument(flag, type=typ, metavar=f.name.upper(), **kw)
+            group.add_argument(flag, type=typ, metavar=f.name.upper(), **kw)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,16 +79,7 @@ def parse(argv: list[str]):
 
 
 def run_generate(cfg: GenerateConfig) -> None:
-    if cfg.prompts_file:
-        if not os.path.exists(cfg.prompts_file):
-            raise UserError(f"--prompts-file {cfg.prompts_file} does not exist")
-        with open(cfg.prompts_file, encoding="utf-8", errors="replace") as f:
-            lines = [l.rstrip("\n") for l in f if l.strip()]
-        texts = [json.loads(l)["prompt"] if cfg.prompts_file.endswith(".jsonl") else l for l in lines]
-        if not texts:
-            raise UserError(f"--prompts-file {cfg.prompts_file} has no prompts")
-    else:
-        texts = [cfg.prompt]
+    texts = read_prompts_file(cfg.prompts_file) if cfg.prompts_file else [cfg.prompt]
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
     lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
@@ -116,7 +113,7 @@ def run_generate(cfg: GenerateConfig) -> None:
         print(f"sparkrl: drafting: aal {s.aal:.2f}, {s.rounds} rounds ({s.tree_rounds} with a tree), "
               f"acceptance per depth [{depth}], "
               f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s accept+commit {s.accept_s:.2f}s"
-              + (f", SPARK {a['spark_s']:.2f}s ({a['spark_contexts']} feedback contexts, {a['spark_rows']} rows)"
+              + (f", SPARK {a['spark_s']:.2f}s ({a['spark_contexts']} feedback contexts, {plural(a['spark_rows'], 'row')} of B)"
                  if "spark_contexts" in a else ""), file=sys.stderr)
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Literal
 
+import torch
+
 from sparkrl.errors import UserError
 
 
@@ -27,15 +29,21 @@ def _check(ok: bool, msg: str) -> None:
         raise UserError(msg)
 
 
-def at_least(low, default, why: str = "", flag_name: str = ""):
+def option(default, **meta):
+    """A field with CLI metadata: required=True (its flag must be given), train_only=True (not a
+    flag of `generate`), positional=True (an argument, not a flag)."""
+    return field(default=default, metadata=meta)
+
+
+def at_least(low, default, why: str = "", flag_name: str = "", **meta):
     """A field whose value must be >= low (`why`: the reason, shown in the error; `flag_name`: the
     flag that sets it, when not the field's own)."""
-    return field(default=default, metadata={"bound": (">=", low, why), "flag": flag_name})
+    return field(default=default, metadata={"bound": (">=", low, why), "flag": flag_name, **meta})
 
 
-def above(low, default, why: str = ""):
+def above(low, default, why: str = "", **meta):
     """A field whose value must be > low."""
-    return field(default=default, metadata={"bound": (">", low, why), "flag": ""})
+    return field(default=default, metadata={"bound": (">", low, why), "flag": "", **meta})
 
 
 def flag(name: str) -> str:
@@ -122,6 +130,19 @@ class ModelConfig(Checked):
     threads: int = at_least(0, 0)
     """CPU threads for torch (0: torch's default)."""
 
+    def validate(self):
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError:
+            raise UserError(f"--device {self.device!r} is not a torch device; use cpu, cuda or cuda:N") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise UserError(f"--device {self.device}: {why}; use --device cpu (or install a CUDA build of torch "
+                            "on a machine with a GPU)")
+        _check(not (dev.type == "cpu" and self.dtype == "float16"),
+               "--dtype float16 on a CPU runs in slow software emulation (a policy update took 11x longer); use "
+               "--dtype bfloat16 or float32")
+
 
 @dataclass(frozen=True)
 class SamplingConfig(Checked):
@@ -178,17 +199,17 @@ class SparkConfig(Checked):
     """Feedback tokens per context: TopK(p, k) U TopK(q, k), plus a tail bucket."""
     spark_eta: float = above(0, 0.01)
     """Adaptation rate eta of the in-rollout update of B."""
-    spark_lr: float = above(0, 1e-4)
+    spark_lr: float = above(0, 1e-4, train_only=True)
     """Learning rate of the projection A, applied at the draft optimizer step."""
     spark_every: int = at_least(1, 1)
     """Update B every N verification rounds (ablation; 1 = the paper's method)."""
     spark_scope: Literal["group", "response", "batch"] = "group"
     """Who shares a correction: group (the responses of one prompt), response, or batch (ablations)."""
-    spark_carry: bool = False
+    spark_carry: bool = option(False, train_only=True)
     """Carry B across rollouts instead of resetting it (ablation)."""
     spark_feedback: Literal["all", "accepted"] = "all"
     """Feedback contexts: all (verified path and eligible rejected children) or accepted (ablation)."""
-    spark_frozen_a: bool = False
+    spark_frozen_a: bool = option(False, train_only=True)
     """Keep the projection A at its initialisation (ablation)."""
     spark_path_weight: float = at_least(0, 1.0)
     """Feedback weight of verified-path contexts."""
@@ -222,7 +243,7 @@ class DraftConfig(Checked):
     accepted with min(1, p/q)."""
     block_size: int = at_least(2, 16, "an anchor and at least one drafted token")
     """dflash: block size (the anchor and block-size - 1 drafted tokens), at most what the drafter was trained for."""
-    draft_lr: float = above(0, 1e-4)
+    draft_lr: float = above(0, 1e-4, train_only=True)
     """Online drafter learning rate (AdamW), one step per rollout."""
     budget: Literal["auto", "fixed"] = "auto"
     """auto: each round, verify the full tree or take an autoregressive step, whichever a cost model
@@ -248,8 +269,8 @@ class DraftConfig(Checked):
 
 @dataclass(frozen=True)
 class RunConfig(Checked):
-    out: str = ""
-    """Output directory: config.json, metrics.jsonl, checkpoints/."""
+    out: str = option("", required=True)
+    """Output directory: config.json, metrics.jsonl, checkpoints/, and model/ (the final policy, Hugging Face format)."""
     steps: int = at_least(1, 10)
     """GRPO steps (policy updates) to run in total."""
     seed: int = 0
@@ -298,7 +319,7 @@ class GenerateConfig(Checked):
 
 @dataclass(frozen=True)
 class PretrainConfig(Checked):
-    out: str = ""
+    out: str = option("", required=True)
     """Output directory: drafter.pt (the checkpoint), config.json, pretrain.jsonl."""
     draft: Literal["eagle3", "dflash"] = "eagle3"
     """Drafter kind."""
@@ -329,11 +350,11 @@ class PretrainConfig(Checked):
 
 @dataclass(frozen=True)
 class AnalyzeConfig(Checked):
-    logs: str = ""
+    logs: str = option("", required=True)
     """Round logs to analyse (from --round-log), comma-separated, e.g. a baseline and a SPARK run."""
     labels: str = ""
     """Names of the logs in the results, comma-separated (default: the file names)."""
-    out: str = ""
+    out: str = option("", required=True)
     """Output directory: analysis.json and analysis.png."""
 
     def validate(self):
@@ -343,9 +364,9 @@ class AnalyzeConfig(Checked):
 
 @dataclass(frozen=True)
 class ExportConfig(Checked):
-    run: str = field(default="", metadata={"positional": True})
+    run: str = option("", positional=True)
     """A `sparkrl train` output folder (its latest checkpoint is exported), or one of its checkpoints/step-N folders."""
-    out: str = ""
+    out: str = option("", required=True)
     """The Hugging Face model folder to write (config.json, model.safetensors, tokenizer files)."""
 
     def validate(self):
@@ -358,7 +379,7 @@ BENCH_METHODS = ("ar", "eagle3", "eagle3+spark", "dflash", "dflash+spark")
 
 @dataclass(frozen=True)
 class BenchConfig(Checked):
-    out: str = ""
+    out: str = option("", required=True)
     """Output directory: bench.json, bench.md, PNG plots, and one GRPO run folder per dataset and method."""
     datasets: str = "default"
     """Datasets, comma-separated (each as for --data: default, a local file such as

@@ -236,6 +236,32 @@ class PromptSet:
     truncated: int = 0
 
 
+def read_prompts_file(path: str) -> list[str]:
+    """`generate --prompts-file`: one prompt per non-empty line, or for a .jsonl one JSON object with a
+    'prompt' string per line."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--prompts-file {p} does not exist")
+    texts = []
+    for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        if p.suffix != ".jsonl":
+            texts.append(line)
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{p}:{i}: not JSON ({e.msg}); a .jsonl prompts file has one object with a 'prompt' "
+                            "field per line (use a .txt file for one plain prompt per line)") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise UserError(f"{p}:{i}: no 'prompt' string in this row; each line needs {{\"prompt\": \"...\"}}")
+        texts.append(row["prompt"])
+    if not texts:
+        raise UserError(f"--prompts-file {p} has no prompts")
+    return texts
+
+
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
     """The model's chat template around one user message, ready for generation."""
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)

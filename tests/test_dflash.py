@@ -90,10 +90,10 @@ def test_checkpoints_and_block_size_errors(tmp_path, tiny_llama):
     back = load_drafter(path, tiny_llama.args, "dflash")
     assert back.block_size == 6 and all(torch.equal(a, b) for a, b in zip(d.state_dict().values(),
                                                                            back.state_dict().values()))
-    with pytest.raises(UserError, match="is a 'dflash' drafter, not 'eagle3'; pass --draft dflash"):
+    with pytest.raises(UserError, match="holds a drafter of kind 'dflash', not 'eagle3'; pass --draft dflash"):
         load_drafter(path, tiny_llama.args, "eagle3")
     torch.save(Eagle3Drafter(tiny_llama.args).checkpoint(), tmp_path / "e.pt")
-    with pytest.raises(UserError, match="is a 'eagle3' drafter, not 'dflash'"):
+    with pytest.raises(UserError, match="holds a drafter of kind 'eagle3', not 'dflash'"):
         load_drafter(tmp_path / "e.pt", tiny_llama.args, "dflash")
     with pytest.raises(UserError, match="larger than the drafter was trained for"):
         back.check_block(7)

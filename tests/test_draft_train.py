@@ -111,7 +111,7 @@ def test_checkpoint_round_trip_and_mismatch_errors(tmp_path, tiny_llama):
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(UserError, match="not a readable checkpoint"):
         load_drafter(tmp_path / "junk.pt", tiny_llama.args)
-    with pytest.raises(UserError, match="is a 'eagle3' drafter, not 'dflash'; pass --draft eagle3"):
+    with pytest.raises(UserError, match="holds a drafter of kind 'eagle3', not 'dflash'; pass --draft eagle3"):
         load_drafter(path, tiny_llama.args, "dflash")
     torch.save({"kind": "eagle3", "state": {}}, tmp_path / "partial.pt")
     with pytest.raises(UserError, match="not a sparkrl drafter checkpoint"):

@@ -205,3 +205,44 @@ def test_cli_train_shows_drafting_resumes_aloud_and_exports(tiny_model_dir, tmp_
     for bad, msg in ((["export", str(tmp_path), "--out", str(tmp_path / "x")], "holds no checkpoint"),
                      (["export", "--out", str(tmp_path / "x")], "give the run folder")):
         assert main(bad) == 2 and msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["generate", "--prompt", "x", "--device", "gpu"], "--device 'gpu' is not a torch device"),
+    (["generate", "--prompt", "x", "--device", "cuda"], "--device cuda: "),
+    (["train", "--out", "X", "--device", "cuda:1"], "use --device cpu"),
+    (["train", "--out", "X", "--dtype", "float16"], "--dtype float16 on a CPU"),
+    (["generate", "--prompts-file", "p.jsonl"], "p.jsonl:2: no 'prompt' string"),
+    (["generate", "--prompts-file", "q.jsonl"], "q.jsonl:1: not JSON"),
+    (["generate", "--prompts-file", "none.txt"], "does not exist"),
+])
+def test_new_user_mistakes_are_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):
+    if "cuda" in " ".join(argv) and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n{"question": "no prompt"}\n')
+    (tmp_path / "q.jsonl").write_text("what is 2+2?\n")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_help_groups_flags_marks_required_and_hides_training_flags_from_generate(capsys):
+    for argv in (["train", "--help"], ["generate", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+    out = capsys.readouterr().out
+    train_help, gen_help = out.split("usage: sparkrl generate")
+    assert "spark options:" in train_help and "draft options:" in train_help and "(required)" in train_help
+    assert "--draft {none,eagle3,dflash}" in train_help and "--draft-lr" in train_help
+    assert "--draft-lr" not in gen_help and "--spark-carry" not in gen_help and "--spark-rank" in gen_help
+
+
+def test_round_log_of_autoregressive_rollouts_is_analysable(tiny_model_dir, tmp_path):
+    log = tmp_path / "rounds.jsonl"
+    train(_cfg(tiny_model_dir, tmp_path / "r", steps=1, round_log=str(log)), grader=ParityGrader())
+    rec = json.loads(log.read_text().splitlines()[0])
+    assert len(rec["responses"]) == 6 and all(set(r["outcome"]) == {-1} for r in rec["responses"])  # all undrafted
+    assert main(["analyze", "--logs", str(log), "--out", str(tmp_path / "an")]) == 0
+    res = json.loads((tmp_path / "an" / "analysis.json").read_text())["results"]
+    assert next(iter(res.values()))["drafted_positions"] == 0

@@ -25,9 +25,10 @@ def load_drafter(path: str | Path | dict, policy_args: ModelArgs, kind: str | No
     ck = read_checkpoint(path)
     path = where or ("the checkpoint" if isinstance(path, dict) else path)
     if kind is not None and ck["kind"] != kind:
-        raise UserError(f"{path} is a {ck['kind']!r} drafter, not {kind!r}; pass --draft {ck['kind']} or another checkpoint")
+        raise UserError(f"{path} holds a drafter of kind {ck['kind']!r}, not {kind!r}; pass --draft {ck['kind']} or "
+                        "another checkpoint")
     if ck["kind"] not in KINDS:
-        raise UserError(f"{path} is a {ck['kind']!r} drafter; this sparkrl knows {', '.join(KINDS)}")
+        raise UserError(f"{path} holds a drafter of kind {ck['kind']!r}; this sparkrl knows {', '.join(KINDS)}")
     d = KINDS[ck["kind"]](policy_args, tuple(ck["feature_layers"]), ck["state"]["vocab_ids"], **ck.get("settings", {}))
     want = d.signature()
     for k, v in ck["policy"].items():
