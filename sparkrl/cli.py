@@ -11,7 +11,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 
 from sparkrl.analysis import append_round_log, run as run_analysis
 from sparkrl.bench import bench
@@ -20,6 +19,7 @@ from sparkrl.config import (AnalyzeConfig, BenchConfig, ExportConfig, GenerateCo
                             choices, field_docs, leaf_fields)
 from sparkrl.data import chat_prompt_ids, read_prompts_file
 from sparkrl.errors import UserError
+from sparkrl.machine import set_threads
 from sparkrl.pretrain import pretrain
 from sparkrl.rollout import generate, response_generators
 from sparkrl.speculative import generate_speculative
@@ -80,8 +80,7 @@ def parse(argv: list[str]):
 
 def run_generate(cfg: GenerateConfig) -> None:
     texts = read_prompts_file(cfg.prompts_file) if cfg.prompts_file else [cfg.prompt]
-    if cfg.model.threads:
-        torch.set_num_threads(cfg.model.threads)
+    set_threads(cfg.model.threads)
     lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
     tok = lm.tokenizer
     prompts = [tok(t, add_special_tokens=False)["input_ids"] if cfg.raw else chat_prompt_ids(tok, t) for t in texts]

@@ -23,6 +23,7 @@ from sparkrl.data import INSTRUCTION, chat_prompt_ids, load_problems
 from sparkrl.draft_train import DraftTrainer
 from sparkrl.drafters import KINDS
 from sparkrl.errors import UserError
+from sparkrl.machine import set_threads
 from sparkrl.model import pad_right
 from sparkrl.rollout import generate, response_generators
 from sparkrl.weights import load_model
@@ -69,6 +70,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     """Make a corpus with the policy, pick the draft vocabulary, train; returns a summary."""
     out = Path(cfg.out)
     problems = load_problems(cfg.data.data, cfg.data.default_size, cfg.seed).problems
+    set_threads(cfg.model.threads)
     lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
     policy, tok = lm.model, lm.tokenizer
     extra = _corpus_from_file(cfg.corpus, tok, cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens) if cfg.corpus else []

@@ -29,6 +29,7 @@ from sparkrl.draft_train import DraftTrainer
 from sparkrl.errors import UserError
 from sparkrl.export import export_model
 from sparkrl.grpo import grpo_loss, group_advantages, token_logprobs
+from sparkrl.machine import RateWatch, set_threads
 from sparkrl.model import Transformer, pad_right
 from sparkrl.rewards import Grader
 from sparkrl.rollout import Rollout, generate, response_generators
@@ -165,10 +166,9 @@ class GRPORun:
     def __init__(self, cfg: RunConfig, grader: Grader | None = None):
         prepare_out_dir(cfg)
         resolve_model_path(cfg.model.model)  # a bad model path fails here, before data work
-        if cfg.model.threads:
-            torch.set_num_threads(cfg.model.threads)
         self.cfg = cfg
         problems = load_problems(cfg.data.data, cfg.data.default_size, cfg.seed)
+        set_threads(cfg.model.threads)  # after the inputs are checked: a bad one fails with one line
         self.lm = lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
         self.prompts = build_prompts(lm.tokenizer, problems.problems, cfg.data.max_prompt_tokens,
                                      cfg.data.prompt_overflow)
@@ -282,6 +282,7 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
               f"sparkrl: --resume: no checkpoint in {cfg.out}/checkpoints yet; starting from step 0", file=sys.stderr)
     totals = {"steps": 0, **{k: 0.0 for k in SUMMED}}
     first = last = None
+    watch = RateWatch()
     bar = tqdm(total=cfg.steps, initial=start, unit="step", desc="grpo", dynamic_ncols=True, file=sys.stderr)
 
     def checkpoint(m):
@@ -301,6 +302,7 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
             m = run.step(step, progress, checkpoint)
             first, last = first or m, m
             totals["steps"] += 1
+            watch.observe(m["gen_tok_per_s"])
             for k in SUMMED:
                 totals[k] += m.get(k, 0.0)
             bar.update(1)
