@@ -92,6 +92,7 @@ def save_checkpoint(out: str | Path, step: int, state: dict, keep: int) -> Path:
         torch.save({"step": step, "rng": rng_state(), **state}, tmp / STATE)
         for f in (POLICY, STATE):
             _fsync(tmp / f)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         if path.exists():  # the same step again (e.g. an interrupted run's last step): replace it
             shutil.rmtree(path)
         os.replace(tmp, path)

@@ -9,8 +9,8 @@ so it is not the default; sparkrl warns instead and says what to do.
 
 from __future__ import annotations
 
-import os
 import sys
+import time
 
 import torch
 
@@ -18,14 +18,30 @@ ADVICE = ("pass --threads 1 (or start with OMP_WAIT_POLICY=PASSIVE) while other 
           "spinning threads then make each step several times slower")
 
 
+def cpu_busy(window_s: float = 0.3) -> float | None:
+    """Share of the machine's CPU time other processes used over the next `window_s` seconds (this one
+    is idle meanwhile), from /proc/stat; None where that is not available."""
+    def read():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # total, idle + iowait
+
+    try:
+        t0, i0 = read()
+        time.sleep(window_s)
+        t1, i1 = read()
+    except (OSError, ValueError, IndexError):
+        return None
+    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
+
+
 def set_threads(threads: int) -> None:
-    """Apply --threads (0: torch's default, one per core) and warn when the machine is already busy."""
+    """Apply --threads (0: torch's default, one per core) and warn when other work is using the CPU."""
     if threads:
         torch.set_num_threads(threads)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    cores = os.cpu_count() or 1
-    if torch.get_num_threads() > 1 and load >= 0.75 * cores:
-        print(f"sparkrl: warning: this machine is busy (load {load:.1f} on {cores} cores); {ADVICE}",
+    busy = cpu_busy() if torch.get_num_threads() > 1 else None
+    if busy is not None and busy >= 0.4:
+        print(f"sparkrl: warning: other processes are using {busy:.0%} of this machine's CPU; {ADVICE}",
               file=sys.stderr)
 
 

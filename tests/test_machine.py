@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 
 from sparkrl import machine
@@ -21,10 +24,25 @@ def test_a_collapsed_generation_rate_is_reported_once(capsys, monkeypatch):
 
 def test_a_busy_machine_is_reported_at_start(capsys, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(machine.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(machine.os, "getloadavg", lambda: (0.3, 0.3, 0.3))
+    monkeypatch.setattr(machine, "cpu_busy", lambda: 0.1)
     machine.set_threads(0)
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(machine.os, "getloadavg", lambda: (1.9, 1.0, 0.5))
+    monkeypatch.setattr(machine, "cpu_busy", lambda: 0.9)
     machine.set_threads(0)
-    assert "busy (load 1.9 on 2 cores)" in capsys.readouterr().err
+    assert "other processes are using 90% of this machine's CPU" in capsys.readouterr().err
+
+
+def test_cpu_busy_sees_a_busy_process():
+    import subprocess
+    import sys
+
+    quiet = machine.cpu_busy(0.5)
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.3)
+        busy = machine.cpu_busy(0.5)
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+    assert 0.0 <= quiet <= 1.0 and busy >= 0.6  # one spinning process per core
