@@ -18,6 +18,7 @@ from sparkrl.draft_train import DraftTrainer
 from sparkrl.drafters import KINDS, load_drafter
 from sparkrl.drafters.base import read_checkpoint
 from sparkrl.model import Transformer
+from sparkrl.precision import RolloutCopy
 from sparkrl.spark import Projection, Spark
 
 
@@ -65,9 +66,12 @@ def make_budget(cfg: DraftConfig, policy: Transformer, drafter) -> Budget | None
 
 @dataclass
 class Drafting:
-    """Everything speculative rollouts need (each part None when not asked for)."""
+    """Everything speculative rollouts need (each part None when not asked for): the drafter (master
+    weights, trained), its rollout copy (`precision.RolloutCopy`, in the rollout policy's dtype and
+    bound to it), SPARK's projection and state, the budget."""
 
     drafter: object = None
+    rollout: RolloutCopy | None = None
     projection: Projection | None = None
     spark: Spark | None = None
     budget: Budget | None = None
@@ -81,9 +85,16 @@ class Drafting:
                             learn_projection=not sc.spark_frozen_a)
 
 
-def make_drafting(cfg: DraftConfig, policy: Transformer, temperature: float, seed: int = 0) -> Drafting:
-    """The drafter, SPARK and the budget, with the draft checkpoint read once."""
+def make_drafting(cfg: DraftConfig, policy: Transformer, rollout_policy: Transformer, temperature: float,
+                  seed: int = 0) -> Drafting:
+    """The drafter, SPARK and the budget, with the draft checkpoint read once. policy: the master
+    weights (what the drafter trains against); rollout_policy: what samples (the same module, or its
+    copy in the rollout dtype), which the rollout drafter, the cost model and the budget follow."""
     ck = read_checkpoint(cfg.draft_checkpoint) if cfg.draft != "none" and cfg.draft_checkpoint else None
     drafter = make_drafter(cfg, policy, seed, ck)
+    if drafter is None:
+        return Drafting()
+    rollout = RolloutCopy(drafter, rollout_policy.lm_head.weight.dtype)
+    rollout.model.bind(rollout_policy)
     projection, spark = make_spark(cfg, policy, drafter, temperature, ck)
-    return Drafting(drafter, projection, spark, make_budget(cfg, policy, drafter))
+    return Drafting(drafter, rollout, projection, spark, make_budget(cfg, rollout_policy, rollout.model))

@@ -20,6 +20,7 @@ from sparkrl.config import (AnalyzeConfig, BenchConfig, ExportConfig, GenerateCo
 from sparkrl.data import chat_prompt_ids, read_prompts_file
 from sparkrl.errors import UserError
 from sparkrl.machine import set_threads
+from sparkrl.precision import rollout_dtype
 from sparkrl.pretrain import pretrain
 from sparkrl.rollout import generate, response_generators
 from sparkrl.speculative import generate_speculative
@@ -82,16 +83,17 @@ def run_generate(cfg: GenerateConfig) -> None:
     texts = read_prompts_file(cfg.prompts_file) if cfg.prompts_file else [cfg.prompt]
     set_threads(cfg.model.threads)
     lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
+    lm.model.to(rollout_dtype(cfg.model.rollout_dtype, lm.model))  # nothing trains here: sample in the rollout dtype
     tok = lm.tokenizer
     prompts = [tok(t, add_special_tokens=False)["input_ids"] if cfg.raw else chat_prompt_ids(tok, t) for t in texts]
     if any(not p for p in prompts):
         raise UserError("a prompt is empty after tokenization")
     gens = response_generators(cfg.seed, len(prompts), cfg.n)
-    d = make_drafting(cfg.draft, lm.model, cfg.sampling.temperature, cfg.seed)
+    d = make_drafting(cfg.draft, lm.model, lm.model, cfg.sampling.temperature, cfg.seed)
     if d.drafter is None:
         r = generate(lm.model, prompts, cfg.sampling, lm.eos_ids, gens, group_size=cfg.n)
     else:
-        r = generate_speculative(lm.model, d.drafter, prompts, cfg.sampling, lm.eos_ids, gens, cfg.draft.shape(),
+        r = generate_speculative(lm.model, d.rollout.model, prompts, cfg.sampling, lm.eos_ids, gens, cfg.draft.shape(),
                                  group_size=cfg.n, budget=d.budget, spark=d.spark)
         if cfg.draft.round_log:
             append_round_log(cfg.draft.round_log, r, spark=d.spark is not None, seed=cfg.seed)

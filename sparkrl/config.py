@@ -126,7 +126,10 @@ class ModelConfig(Checked):
     device: str = "cpu"
     """Torch device: cpu, cuda, cuda:1, ..."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."""
+    """Weights dtype (the master weights the optimizer steps): auto (float32 on CPU, bfloat16 on CUDA)."""
+    rollout_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype rollouts sample in (a copy of the policy, refreshed after every update): auto = bfloat16 on
+    CUDA, and on a CPU where a measurement of the decode step (once, cached) finds it faster; else float32."""
     threads: int = at_least(0, 0)
     """CPU threads for torch (0: torch's default)."""
 
@@ -187,6 +190,10 @@ class GRPOConfig(Checked):
     """Gradient clipping by global norm."""
     micro_batch: int = at_least(1, 4)
     """Sequences per forward/backward chunk in the policy step (memory, not maths)."""
+    train_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Autocast of the policy and reference forward/backward in the update (the master weights stay as they are)."""
+    tis_cap: float = at_least(0, 2.0, "0: off")
+    """Truncated importance sampling: each token's policy-gradient term weighted by min(pi / pi_rollout, C)."""
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,9 @@ class DraftTrainer:
         returns its loss statistics."""
         t0 = time.perf_counter()
         with torch.enable_grad():
-            loss, st = self.drafter.loss(tokens, {i: t.detach() for i, t in taps.items()}, hidden.detach(),
-                                         logits.detach(), mask)
+            dt = self.drafter.fc.weight.dtype  # features of an autocast update come in bfloat16
+            loss, st = self.drafter.loss(tokens, {i: t.detach().to(dt) for i, t in taps.items()},
+                                         hidden.detach().to(dt), logits.detach(), mask)
             (loss * weight).backward()
         st["loss"] = float(loss.detach())
         self._stats.append(st)

@@ -4,6 +4,9 @@
   with the unbiased std (as TRL); a group whose rewards are all equal gets A = 0.
 * Per token: clipped surrogate min(rho A, clip(rho, 1 - eps, 1 + eps) A) with rho = pi / pi_old, minus
   beta times the k3 estimate of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1.
+* Rollouts from another model (bf16 rollouts of fp32 weights): each token's policy-gradient term is
+  weighted by min(pi_old / pi_rollout, C), detached (truncated importance sampling, Yao et al. 2025),
+  when the rollout's log-probabilities and a cap C are given.
 * Aggregation: the sum over all response tokens of the batch divided by their count (token-level
   mean, as DAPO / Dr. GRPO). Each token weighs the same, so long responses are not down-weighted
   per token as in GRPO's per-sequence mean, and the result does not depend on how the batch is split
@@ -52,8 +55,11 @@ def grpo_loss(
     clip_eps: float,
     beta: float,
     total_tokens: int,
+    rollout_logp: torch.Tensor | None = None,
+    tis_cap: float = 0.0,
 ) -> LossParts:
-    """logp/old_logp/ref_logp/mask: (B, T) over response tokens; adv (B,).
+    """logp/old_logp/ref_logp/mask/rollout_logp: (B, T) over response tokens; adv (B,); tis_cap: C
+    (0: no importance weight).
 
     Returns the micro-batch's contribution sum(per-token loss * mask) / total_tokens, so summing the
     contributions of all micro-batches gives the batch's token-level mean.
@@ -62,6 +68,8 @@ def grpo_loss(
     ratio = torch.exp(logp - old_logp)  # (B, T)
     a = adv[:, None].to(logp.dtype)
     surr = torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
+    if rollout_logp is not None and tis_cap > 0:
+        surr = surr * torch.exp(old_logp - rollout_logp).clamp(max=tis_cap).detach()
     per_token = -surr
     kl_sum = 0.0
     if ref_logp is not None and beta > 0:
@@ -72,3 +80,13 @@ def grpo_loss(
     loss = (per_token * mask).sum() / total_tokens
     clipped = float((((ratio.detach() - 1).abs() > clip_eps).to(mask.dtype) * mask).sum())
     return LossParts(loss, kl_sum, clipped, float(mask.sum()))
+
+
+def mismatch(logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict:
+    """How far the rollout model is from the trained one on the sampled tokens (B, T): sums over the
+    masked tokens of |log pi - log pi_rollout| and of the k3 estimate of KL(pi_rollout || pi), and the
+    max |difference| (the caller divides the sums by the token count)."""
+    d = (logp.detach() - rollout_logp).double() * mask
+    k3 = (torch.exp(d) - d - 1) * mask
+    return {"abs_sum": float(d.abs().sum()), "abs_max": float(d.abs().max()) if d.numel() else 0.0,
+            "kl_sum": float(k3.sum())}

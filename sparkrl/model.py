@@ -277,6 +277,13 @@ class Stack(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(args).float(), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """Moves and casts keep the RoPE frequencies in float32 (as transformers does): a bfloat16
+        copy of the model would otherwise round them and shift every angle at long positions."""
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_inv_freq(self.args).float().to(self.inv_freq.device)
+        return self
+
     def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)

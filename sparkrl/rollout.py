@@ -20,7 +20,7 @@ import torch
 
 from sparkrl.config import SamplingConfig
 from sparkrl.model import KVCache, Output, Transformer, pad_right
-from sparkrl.sampling import sample
+from sparkrl.sampling import logprob_of, sample
 
 HIT, MISS, UNDRAFTED = 1, 0, -1
 """Per-token drafting outcome: an accepted draft; the target's token where the drafter proposed other
@@ -111,6 +111,7 @@ class Rollout:
     stats: RoundStats = field(default_factory=RoundStats)
     outcome: list[list[int]] = field(default_factory=list)  # per token: HIT, MISS or UNDRAFTED (speculative)
     round_of: list[list[int]] = field(default_factory=list)  # per token: the round that committed it
+    logp: list[list[float]] = field(default_factory=list)  # per token: the rollout model's log-probability
 
     @property
     def num_tokens(self) -> int:
@@ -138,15 +139,17 @@ class Batch:
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.outcome: list[list[int]] = [[] for _ in range(n)]
         self.round_of: list[list[int]] = [[] for _ in range(n)]
+        self.logp: list[list[float]] = [[] for _ in range(n)]
         self.reason = ["length"] * n
         self.active = list(range(n))  # response index of each batch row
         self.eos, self.max_new = set(eos_ids), max_new_tokens
         self.done = [False] * n  # per active row, after the last commit
         self.rounds = 0
 
-    def commit(self, new: list[list[int]], outcome: list[list[int]] | None = None) -> None:
+    def commit(self, new: list[list[int]], logp: list[list[float]], outcome: list[list[int]] | None = None) -> None:
         """Append each active row's new tokens (cut after an EOS or at the length limit), with their
-        drafting outcomes (default UNDRAFTED) and the current round; marks the rows that finished."""
+        rollout log-probabilities, drafting outcomes (default UNDRAFTED) and the current round; marks the
+        rows that finished."""
         done = []
         for i, (r, toks) in enumerate(zip(self.active, new)):
             out = self.tokens[r]
@@ -154,6 +157,7 @@ class Batch:
                 if len(out) >= self.max_new:
                     break
                 out.append(t)
+                self.logp[r].append(logp[i][j])
                 self.outcome[r].append(outcome[i][j] if outcome else UNDRAFTED)
                 self.round_of[r].append(self.rounds)
                 if t in self.eos:
@@ -174,7 +178,7 @@ class Batch:
 
     def rollout(self, prompts: list[list[int]], group_size: int, t0: float, stats: RoundStats) -> Rollout:
         return Rollout([list(p) for p in prompts], group_size, self.tokens, self.reason, time.perf_counter() - t0,
-                       stats, self.outcome, self.round_of)
+                       stats, self.outcome, self.round_of, self.logp)
 
 
 def prefill(model: Transformer, prompts: list[list[int]], capacity: int, group_size: int, taps: tuple[int, ...] = ()):
@@ -192,13 +196,20 @@ def prefill(model: Transformer, prompts: list[list[int]], capacity: int, group_s
 
 
 def decode_one_token(model: Transformer, cache: KVCache, tokens: torch.Tensor, sampling: SamplingConfig,
-                     generators: list[torch.Generator], taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, Output]:
+                     generators: list[torch.Generator], taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, Output]:
     """One autoregressive step: run tokens (B,) and commit them, sample the next (B,) from each row's
-    generator. Returns the next tokens and the forward's output (its taps feed a drafter)."""
+    generator. Returns the next tokens, their log-probabilities (B,) and the forward's output (its taps
+    feed a drafter)."""
     out = model(tokens[:, None], cache, taps=taps)
     cache.commit(n_keep=torch.ones(len(tokens), dtype=torch.long, device=tokens.device))
-    nxt = sample(model.logits(out.hidden[:, -1]), sampling.temperature, sampling.top_p, generators)  # (B,)
-    return nxt, out
+    nxt, logp = sample_with_logprob(model.logits(out.hidden[:, -1]), sampling, generators)
+    return nxt, logp, out
+
+
+def sample_with_logprob(logits: torch.Tensor, sampling: SamplingConfig, generators) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens (N,) sampled from logits (N, V) and their log-probabilities (N,)."""
+    nxt = sample(logits, sampling.temperature, sampling.top_p, generators)  # (N,)
+    return nxt, logprob_of(logits, nxt, sampling.temperature)
 
 
 @torch.no_grad()
@@ -214,8 +225,8 @@ def generate(model: Transformer, prompts: list[list[int]], sampling: SamplingCon
     cache, logits, _ = prefill(model, prompts, max(map(len, prompts)) + sampling.max_new_tokens, group_size)
     batch = Batch(len(generators), eos_ids, sampling.max_new_tokens)
     stats = RoundStats()
-    nxt = sample(logits, sampling.temperature, sampling.top_p, generators)  # (B,)
-    batch.commit([[t] for t in nxt.tolist()])  # host sync: tokens go to Python lists
+    nxt, logp = sample_with_logprob(logits, sampling, generators)  # (B,)
+    batch.commit([[t] for t in nxt.tolist()], [[x] for x in logp.tolist()])  # host sync: tokens go to Python lists
     while True:
         if progress is not None:
             progress(len(batch.active))
@@ -226,8 +237,8 @@ def generate(model: Transformer, prompts: list[list[int]], sampling: SamplingCon
             keep = keep.to(nxt.device)
             cache.keep_rows(keep)
             nxt = nxt.index_select(0, keep)
-        nxt, _ = decode_one_token(model, cache, nxt, sampling, [generators[r] for r in batch.active])
-        batch.commit([[t] for t in nxt.tolist()])  # round r commits with round_of r, as in speculative mode
+        nxt, logp, _ = decode_one_token(model, cache, nxt, sampling, [generators[r] for r in batch.active])
+        batch.commit([[t] for t in nxt.tolist()], [[x] for x in logp.tolist()])  # round r: round_of r
         batch.rounds += 1
         stats.policy_forwards += 1
     return batch.rollout(prompts, group_size, t0, stats)

@@ -75,6 +75,16 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=probs.shape[1] - 1)
 
 
+def logprob_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T)[token] per row (T = 0: the raw logits), float32: logits (N, V), tokens (N,)
+    -> (N,). The rollout model's log-probability of a sampled token, as `grpo.token_logprobs` computes
+    the trained model's (no top-p: the importance ratio compares the two models, not the nucleus)."""
+    z = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        z = z / temperature
+    return z.gather(-1, tokens[:, None].to(z.device))[:, 0] - torch.logsumexp(z, -1)
+
+
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator]) -> torch.Tensor:
     """Sample one token id per row of logits (N, V), row i with generators[i]: (N,) int64.
 

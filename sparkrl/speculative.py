@@ -25,8 +25,8 @@ from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.base import DraftState
 from sparkrl.drafters.tree import Proposal
 from sparkrl.model import KVCache, Transformer, pad_right
-from sparkrl.rollout import HIT, MISS, UNDRAFTED, Batch, Round, RoundStats, decode_one_token, prefill
-from sparkrl.sampling import sample
+from sparkrl.rollout import (HIT, MISS, UNDRAFTED, Batch, Round, RoundStats, decode_one_token, prefill,
+                             sample_with_logprob)
 from sparkrl.verify import Acceptance, accept_chain, accept_tree, uniforms_per_round
 
 
@@ -116,9 +116,9 @@ class Speculation:
         drafter.prefill(toks, lens, feats, self.dcache)
         rows = torch.arange(len(prompts), device=device).repeat_interleave(G)
         self.dcache.keep_rows(rows)
-        root = sample(logits, self.sampling.temperature, self.sampling.top_p, self.generators)  # (N,)
+        root, logp = sample_with_logprob(logits, self.sampling, self.generators)  # (N,)
         self.batch = Batch(len(self.generators), eos_ids, self.sampling.max_new_tokens)
-        self.batch.commit([[t] for t in root.tolist()])  # host sync
+        self.batch.commit([[t] for t in root.tolist()], [[x] for x in logp.tolist()])  # host sync
         last_feat = None if feats is None else feats[rows, lens[rows] - 1][:, None]  # (N, 1, d)
         self.state = catch_up(drafter, self.dcache, root[:, None], last_feat, torch.ones_like(root))
         self.adapter.begin(len(prompts), G)
@@ -138,8 +138,8 @@ class Speculation:
         """A plain sampling step; the drafter catches up on it at the next drafted round."""
         t0 = time.perf_counter()
         gens = [self.generators[r] for r in self.batch.active]
-        nxt, out = decode_one_token(self.policy, self.pcache, self.state.root, self.sampling, gens, self.taps)
-        self.batch.commit([[t] for t in nxt.tolist()])  # host sync: tokens to lists
+        nxt, logp, out = decode_one_token(self.policy, self.pcache, self.state.root, self.sampling, gens, self.taps)
+        self.batch.commit([[t] for t in nxt.tolist()], [[x] for x in logp.tolist()])  # host sync: tokens to lists
         self.backlog.add(nxt[:, None], self.drafter.features(out.taps))
         self.state.root = nxt
         return Round([1] * len(nxt), drafted=False, verify_s=time.perf_counter() - t0)
@@ -192,7 +192,8 @@ class Speculation:
         missed = (tree.child_counts() > 0).gather(1, acc.last[:, None])[:, 0]
         counts = (acc.n_accepted + 1).tolist()  # host sync: tokens go to Python lists
         tags = [[HIT] * (c - 1) + [MISS if m else UNDRAFTED] for c, m in zip(counts, missed.tolist())]
-        self.batch.commit([r[:c] for r, c in zip(new.tolist(), counts)], tags)
+        logp = acc.logp.tolist()  # (B, L) the committed tokens' log-probabilities, level by level
+        self.batch.commit([r[:c] for r, c in zip(new.tolist(), counts)], [lp[:c] for lp, c in zip(logp, counts)], tags)
         return counts
 
 

@@ -28,9 +28,10 @@ from sparkrl.data import build_prompts, load_problems
 from sparkrl.draft_train import DraftTrainer
 from sparkrl.errors import UserError
 from sparkrl.export import export_model
-from sparkrl.grpo import grpo_loss, group_advantages, token_logprobs
+from sparkrl.grpo import grpo_loss, group_advantages, mismatch, token_logprobs
 from sparkrl.machine import RateWatch, set_threads
 from sparkrl.model import Transformer, pad_right
+from sparkrl.precision import RolloutCopy, rollout_dtype
 from sparkrl.rewards import Grader
 from sparkrl.rollout import Rollout, generate, response_generators
 from sparkrl.speculative import generate_speculative
@@ -115,6 +116,8 @@ def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Ro
     opt.zero_grad(set_to_none=True)
     kl = clipped = 0.0
     loss_sum = 0.0
+    gap = {"abs_sum": 0.0, "abs_max": 0.0, "kl_sum": 0.0}
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=g.train_dtype == "bfloat16")
     for i in range(0, len(rows), g.micro_batch):
         mb = rows[i:i + g.micro_batch]
         toks, _ = pad_right([rollout.prompt_of(r) + rollout.tokens[r] for r in mb])
@@ -125,11 +128,14 @@ def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Ro
         pos = (start[:, None] + torch.arange(R + 1)).clamp(max=L - 1)  # (b, R+1)
         mask = torch.arange(R + 1)[None, :] < torch.tensor([len(rollout.tokens[r]) for r in mb])[:, None]
         targets = toks.gather(1, (pos[:, :R] + 1).clamp(max=L - 1))
+        rollout_logp = torch.tensor([rollout.logp[r] + [0.0] * (R - len(rollout.logp[r])) for r in mb])  # (b, R)
         toks, pos, mask, targets = toks.to(device), pos.to(device), mask.to(device), targets.to(device)
+        rollout_logp = rollout_logp.to(device)
         taps = tuple(draft_trainer.drafter.feature_layers) if draft_trainer else ()
 
         def forward(model, taps=()):
-            out = model(toks, taps=taps)
+            with autocast:
+                out = model(toks, taps=taps)
             pick = lambda t: t.gather(1, pos[..., None].expand(-1, -1, t.shape[-1]))  # (b, R+1, d)
             h = pick(out.hidden)
             logits = model.logits(h)  # (b, R+1, V)
@@ -144,12 +150,18 @@ def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Ro
         mask_r = mask[:, :R]
         if draft_trainer is not None:
             draft_trainer.observe(toks.gather(1, pos), tapped, h, logits, mask, float(mask_r.sum()) / total)
-        parts = grpo_loss(logp, logp.detach(), ref_logp, adv[mb].to(device), mask_r, g.clip_eps, g.kl_beta, total)
+        parts = grpo_loss(logp, logp.detach(), ref_logp, adv[mb].to(device), mask_r, g.clip_eps, g.kl_beta, total,
+                          rollout_logp, g.tis_cap)
         parts.loss.backward()
         loss_sum += parts.loss.item()
         kl += parts.kl_sum
         clipped += parts.clipped
-    return {"loss": loss_sum, "kl": kl / max(total, 1), "clip_frac": clipped / max(total, 1)}
+        m = mismatch(logp, rollout_logp, mask_r)
+        gap = {"abs_sum": gap["abs_sum"] + m["abs_sum"], "abs_max": max(gap["abs_max"], m["abs_max"]),
+               "kl_sum": gap["kl_sum"] + m["kl_sum"]}
+    n = max(total, 1)
+    return {"loss": loss_sum, "kl": kl / n, "clip_frac": clipped / n, "rollout_logp_abs_mean": gap["abs_sum"] / n,
+            "rollout_logp_abs_max": gap["abs_max"], "rollout_kl": gap["kl_sum"] / n}
 
 
 def apply_update(policy: Transformer, opt, max_grad_norm: float) -> dict:
@@ -181,8 +193,9 @@ class GRPORun:
         self.policy = policy = lm.model
         self.ref = copy.deepcopy(policy).requires_grad_(False) if cfg.grpo.kl_beta > 0 else None
         self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
-        d = make_drafting(cfg.draft, policy, cfg.sampling.temperature, cfg.seed)
-        self.drafter, self.spark, self.budget = d.drafter, d.spark, d.budget
+        self.rollout = RolloutCopy(policy, rollout_dtype(cfg.model.rollout_dtype, policy))  # what samples
+        d = make_drafting(cfg.draft, policy, self.rollout.model, cfg.sampling.temperature, cfg.seed)
+        self.drafter, self.draft_rollout, self.spark, self.budget = d.drafter, d.rollout, d.spark, d.budget
         self.drafting = d.trainer(cfg.draft)
         self.order = DataOrder(len(self.prompts.problems), cfg.grpo.prompts_per_step, cfg.seed)
         self.grader = grader or Grader()
@@ -202,6 +215,9 @@ class GRPORun:
                 self.budget.load_state_dict(ck["budget"])
             set_rng_state(ck["rng"])
             start = ck["step"]
+            self.rollout.refresh()
+            if self.draft_rollout is not None:
+                self.draft_rollout.refresh()
         _truncate_metrics(self.cfg.out, start)
         return start
 
@@ -227,11 +243,13 @@ class GRPORun:
         idx = self.order.batch(step)
         gens = response_generators(cfg.seed, len(idx), G, offset=step * cfg.grpo.prompts_per_step)
         batch_prompts = [self.prompts.prompt_ids[i] for i in idx]
+        policy = self.rollout.model
         if self.drafter is None:
-            rollout = generate(self.policy, batch_prompts, cfg.sampling, self.lm.eos_ids, gens, G, progress)
+            rollout = generate(policy, batch_prompts, cfg.sampling, self.lm.eos_ids, gens, G, progress)
         else:
-            rollout = generate_speculative(self.policy, self.drafter, batch_prompts, cfg.sampling, self.lm.eos_ids,
-                                           gens, cfg.draft.shape(), G, progress, self.budget, self.spark)
+            rollout = generate_speculative(policy, self.draft_rollout.model, batch_prompts, cfg.sampling,
+                                           self.lm.eos_ids, gens, cfg.draft.shape(), G, progress, self.budget,
+                                           self.spark)
         texts = self.lm.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
         scores = [self.grader.score(t, self.prompts.problems[idx[r // G]].answer) for r, t in enumerate(texts)]
         rewards = torch.tensor([s.reward for s in scores])
@@ -239,8 +257,10 @@ class GRPORun:
         upd = policy_update(self.policy, self.ref, self.opt, rollout, group_advantages(rewards, G), cfg, self.drafting)
         with deferred_sigint():
             upd.update(apply_update(self.policy, self.opt, cfg.grpo.max_grad_norm))
+            self.rollout.refresh()  # the rollout copy follows the master weights
             if self.drafting is not None:
                 upd.update(self.drafting.step(self.spark.take_grad() if self.spark is not None else None))
+                self.draft_rollout.refresh()
             train_s = time.perf_counter() - t0 - upd.get("draft_train_s", 0.0)
             m = {
                 "step": step + 1,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparkrl.sampling import sample_from, target_probs
+from sparkrl.sampling import logprob_of, sample_from, target_probs
 
 
 @dataclass
@@ -73,6 +73,8 @@ class Acceptance:
     visited: torch.Tensor  # (B, L) the node the walk stood on at each level it reached (meaningful for
     # levels <= n_accepted); L <= max depth + 1
     rejected: torch.Tensor  # (B, N) bool: the nodes the walk tried and rejected
+    logp: torch.Tensor | None = None  # (B, L) float32 log softmax(logits / T) of the token committed at each
+    # visited level (the accepted child's, then the bonus), the rollout model's log-probability of it
     targets: torch.Tensor | None = None  # (B, L, Vd) float32 target p at the visited nodes, before any
     # rejection, on the token ids `vocab` the caller asked for (None when it did not ask)
 
@@ -107,10 +109,11 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
     last = torch.zeros(B, dtype=torch.long, device=dev)
     node_ids = torch.arange(N, device=dev)
     at = logits if callable(logits) else (lambda nodes: logits[rows, nodes])
-    visited, targets = [], []
+    visited, targets, logps = [], [], []
     rejected = torch.zeros(B, N, dtype=torch.bool, device=dev)
     for level in range(max_depth + 1):
-        p = target_probs(at(cur), temperature, top_p).double()  # (B, V)
+        lg = at(cur)  # (B, V)
+        p = target_probs(lg, temperature, top_p).double()  # (B, V)
         visited.append(cur)
         if vocab is not None:
             targets.append(p[:, vocab].float())  # (B, Vd), a copy: p is changed below
@@ -142,12 +145,13 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
             last[stop] = cur[stop]
         if level < max_depth:
             path[moved, level] = nxt[moved]
+        logps.append(logprob_of(lg, torch.where(moved, tree.tokens[rows, nxt], bonus), temperature))
         n_acc += moved.long()
         active = moved
         cur = nxt
         if not bool(active.any()):  # host sync: every row has its bonus token
             break
-    return Acceptance(path, n_acc, bonus, last, torch.stack(visited, 1), rejected,
+    return Acceptance(path, n_acc, bonus, last, torch.stack(visited, 1), rejected, torch.stack(logps, 1),
                       torch.stack(targets, 1) if vocab is not None else None)
 
 
@@ -182,4 +186,6 @@ def accept_chain(tokens: torch.Tensor, q: torch.Tensor, logits: torch.Tensor, te
     visited = torch.arange(D + 1, device=dev).expand(B, -1)  # chain position d is node d
     rejected = torch.zeros(B, D + 1, dtype=torch.bool, device=dev)
     rejected[rows, (n_acc + 1).clamp(max=D)] = n_acc < D  # the first rejected draft token
-    return Acceptance(path, n_acc, bonus, stop, visited, rejected, targets)
+    committed = torch.cat([tokens, bonus[:, None]], 1).scatter(1, n_acc[:, None], bonus[:, None])  # (B, D + 1)
+    logp = logprob_of(logits.reshape(B * (D + 1), -1), committed.reshape(-1), temperature).view(B, D + 1)
+    return Acceptance(path, n_acc, bonus, stop, visited, rejected, logp, targets)

@@ -70,3 +70,48 @@ def test_grpo_loss_matches_float64_hand_computation_and_microbatches():
     parts = sum(grpo_loss(logp[i:i + 2], old[i:i + 2], ref[i:i + 2], adv[i:i + 2], mask[i:i + 2], eps, beta, total).loss
                 for i in range(0, B, 2))
     assert abs(parts.item() - full.loss.item()) < 1e-6
+
+
+def test_truncated_importance_sampling_by_hand_and_its_gradient():
+    torch.manual_seed(2)
+    B, T, eps, beta, C = 3, 5, 0.2, 0.04, 2.0
+    logp = (torch.randn(B, T, dtype=torch.float64) * 0.3 - 2).requires_grad_()
+    old = logp.detach() + torch.randn(B, T, dtype=torch.float64) * 0.1
+    roll = old + torch.randn(B, T, dtype=torch.float64) * 0.8  # some weights above the cap
+    ref = logp.detach() + torch.randn(B, T, dtype=torch.float64) * 0.1
+    adv = torch.randn(B, dtype=torch.float64)
+    mask = torch.rand(B, T) > 0.2
+    total = int(mask.sum())
+    parts = grpo_loss(logp, old, ref, adv, mask, eps, beta, total, rollout_logp=roll, tis_cap=C)
+    s, grad = 0.0, torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            lp, o, r, a = float(logp.detach()[b, t]), float(old[b, t]), float(roll[b, t]), float(adv[b])
+            w = min(math.exp(o - r), C)
+            rho = math.exp(lp - o)
+            clipped = min(max(rho, 1 - eps), 1 + eps)
+            surr = min(rho * a, clipped * a)
+            d = float(ref[b, t]) - lp
+            s += -w * surr + beta * (math.exp(d) - d - 1)
+            # d/dlogp: the unclipped branch carries rho * a, the clipped one nothing; the KL term beta (1 - e^d)
+            g_surr = rho * a if rho * a <= clipped * a else 0.0
+            grad[b, t] = (-w * g_surr + beta * (1 - math.exp(d))) / total
+    assert abs(parts.loss.item() - s / total) < 1e-12
+    parts.loss.backward()
+    assert torch.allclose(logp.grad, grad, atol=1e-12)
+    assert (torch.exp(old - roll)[mask] > C).any()  # the cap was exercised
+    plain = grpo_loss(logp, old, ref, adv, mask, eps, beta, total)
+    assert abs(plain.loss.item() - parts.loss.item()) > 1e-6  # and the weights changed the loss
+
+
+def test_mismatch_by_hand():
+    from sparkrl.grpo import mismatch
+
+    lp = torch.tensor([[-1.0, -2.0, -0.5]])
+    roll = torch.tensor([[-1.1, -1.5, -9.0]])
+    m = mismatch(lp, roll, torch.tensor([[True, True, False]]))
+    assert math.isclose(m["abs_sum"], 0.1 + 0.5, rel_tol=1e-6) and math.isclose(m["abs_max"], 0.5, rel_tol=1e-6)
+    k3 = lambda d: math.exp(d) - d - 1
+    assert math.isclose(m["kl_sum"], k3(0.1) + k3(-0.5), rel_tol=1e-6)

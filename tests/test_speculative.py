@@ -134,3 +134,54 @@ def test_tree_shape_errors():
                     (dict(depth=5, branch=2, nodes=4), "larger than the node budget")]:
         with pytest.raises(UserError, match=msg):
             TreeShape(**kw)
+
+
+@pytest.mark.parametrize("mode", ["ar", "tree", "chain", "block"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_rollouts_record_the_rollout_models_logprob_of_every_token(tiny_llama, mode, temperature):
+    from sparkrl.grpo import token_logprobs
+
+    prompts, G = [[1, 2, 3, 4, 5], [6, 7]], 3
+    sc = SamplingConfig(temperature, 0.9, 10)
+    gens = response_generators(0, 2, G)
+    if mode == "ar":
+        r = generate(tiny_llama, prompts, sc, (5,), gens, group_size=G)
+    else:
+        shape = {"tree": TreeShape(3, 2, 5), "chain": TreeShape.chain(3), "block": TreeShape.block(3)}[mode]
+        d = DFlashDrafter(tiny_llama.args, block_size=4) if mode == "block" else Eagle3Drafter(tiny_llama.args)
+        r = generate_speculative(tiny_llama, d, prompts, sc, (5,), gens, shape, group_size=G)
+    for i, toks in enumerate(r.tokens):
+        seq = torch.tensor([r.prompt_of(i) + toks])
+        with torch.no_grad():
+            logits = tiny_llama.logits(tiny_llama(seq).hidden)[:, len(r.prompt_of(i)) - 1:-1]
+        want = token_logprobs(logits, torch.tensor([toks]), temperature)[0]
+        assert torch.allclose(torch.tensor(r.logp[i]), want, atol=1e-4), (i, r.logp[i], want.tolist())
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain", "block"])
+def test_bfloat16_rollouts_are_exact_for_the_bfloat16_model(mode):
+    """Exactness is relative to the rollout model: a bf16 policy and drafter sample from the bf16
+    policy's own distribution (computed here from the bf16 model's full-sequence forward)."""
+    torch.manual_seed(0)
+    policy = small_policy().to(torch.bfloat16)
+    drafter = (DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args))
+    drafter = drafter.to(torch.bfloat16).bind(policy)
+    prompts, G, L = [[1, 2, 3, 4], [2, 0]], 3000, 3
+    sc = SamplingConfig(0.8, 0.7, L)
+    shape = {"tree": TreeShape(2, 2, 4), "chain": TreeShape.chain(2), "block": TreeShape.block(2)}[mode]
+    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G), shape, group_size=G)
+    assert r.stats.aal > 1.0
+    for i, prompt in enumerate(prompts):
+        samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]
+        assert chi2_ok(samples, exact_sequences(policy, prompt, L, 0.8, 0.7)) > 1e-3
+
+
+def test_bfloat16_greedy_speculative_equals_bfloat16_greedy(tiny_llama):
+    policy = tiny_llama.to(torch.bfloat16)
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    sc = SamplingConfig(0.0, 1.0, 12)
+    ar = generate(policy, prompts, sc, (5,), response_generators(0, 2, 3), group_size=3)
+    for shape in (TreeShape(4, 3, 8), TreeShape.chain(3)):
+        d = Eagle3Drafter(policy.args).to(torch.bfloat16)
+        sp = generate_speculative(policy, d, prompts, sc, (5,), response_generators(0, 2, 3), shape, group_size=3)
+        assert sp.tokens == ar.tokens

@@ -1,0 +1,107 @@
+"""Rollouts in the rollout dtype, training with the master weights (DESIGN "Precision").
+
+The policy's master weights (--dtype; float32 on a CPU) are what the optimizer steps. Rollouts run on
+a copy in the rollout dtype (`RolloutCopy`, refreshed in place after every update, no reallocation);
+so does the drafter. `--rollout-dtype auto` picks bfloat16 on CUDA, and on a CPU when a start-up
+measurement of this policy's decode step says bfloat16 is faster there (cached per machine, model and
+thread count, like the cost model), float32 otherwise. Exactness is relative to the rollout model;
+the gap to the master weights is measured every step (`mismatch`) and can be corrected with
+truncated importance sampling (`grpo.grpo_loss`, --tis-cap).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from sparkrl.model import Transformer
+from sparkrl.weights import cache_dir
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _step_seconds(model: Transformer, rows: int = 8, context: int = 128, reps: int = 5) -> list[float]:
+    dev = model.lm_head.weight.device
+    g = torch.Generator(device=dev).manual_seed(0)
+    cache = model.new_cache(rows, context + 2)
+    cache.lengths += context
+    tok = torch.randint(0, model.args.vocab_size, (rows, 1), device=dev, generator=g)
+    zeros = torch.zeros(rows, dtype=torch.long, device=dev)
+    out = []
+    with torch.no_grad():
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            model.logits(model(tok, cache).hidden[:, -1])
+            cache.commit(n_keep=zeros)
+            out.append(time.perf_counter() - t)
+    return out[1:]
+
+
+def bf16_speedup(policy: Transformer) -> float:
+    """float32 / bfloat16 seconds of this policy's decode step (8 rows) on this machine, measured once
+    and cached."""
+    key = hashlib.sha1(json.dumps([platform.processor(), platform.machine(), torch.get_num_threads(),
+                                   torch.__version__, policy.args.__dict__], sort_keys=True,
+                                  default=str).encode()).hexdigest()[:16]
+    path = cache_dir() / "costs" / f"dtype-{key}.json"
+    if path.exists():
+        return json.loads(path.read_text())["speedup"]
+    print("sparkrl: timing float32 against bfloat16 decode steps on this machine (once; cached)", file=sys.stderr,
+          flush=True)
+    models = {dt: copy.deepcopy(policy).to(DTYPES[dt]) for dt in DTYPES}
+    times = {dt: [] for dt in DTYPES}
+    for _ in range(2):  # interleaved: drift hits both alike
+        for dt, m in models.items():
+            times[dt] += _step_seconds(m)
+    speedup = statistics.median(times["float32"]) / statistics.median(times["bfloat16"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"speedup": speedup, "seconds": times}))
+    return speedup
+
+
+def rollout_dtype(choice: str, policy: Transformer) -> torch.dtype:
+    """The dtype rollouts run in for --rollout-dtype `choice` (auto: measured, see the module doc)."""
+    if choice != "auto":
+        return DTYPES[choice]
+    if policy.lm_head.weight.device.type == "cuda":
+        return torch.bfloat16
+    if policy.lm_head.weight.dtype != torch.float32:
+        return policy.lm_head.weight.dtype
+    return torch.bfloat16 if bf16_speedup(policy) > 1.05 else torch.float32
+
+
+class RolloutCopy:
+    """`module` (a policy or a drafter) as the rollout runs it: the module itself when the dtypes agree,
+    else a copy in `dtype` that `refresh()` overwrites in place from the master weights."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype):
+        self.master = module
+        w = next(module.parameters())
+        if w.dtype == dtype:
+            self.model = module
+            return
+        shared = getattr(module, "_shared", ())  # a drafter's borrowed policy embedding: not copied
+        memo = {id(s): s for s in shared}
+        self.model = copy.deepcopy(module, memo).to(dtype).requires_grad_(False)
+        self.model._shared = shared if shared else getattr(self.model, "_shared", ())
+
+    @property
+    def copied(self) -> bool:
+        return self.model is not self.master
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the master weights (and buffers) into the rollout model, casting, without reallocating."""
+        if not self.copied:
+            return
+        for dst, src in zip(self.model.parameters(), self.master.parameters()):
+            dst.copy_(src)
+        for dst, src in zip(self.model.buffers(), self.master.buffers()):
+            dst.copy_(src)
