@@ -1,11 +1,12 @@
 """Our batched sampler vs transformers' `generate`, side by side in one process.
 
-Same model (the embedded default, fp32), same prompt, temperature 1, top-p 0.95, exactly
+Same model (the embedded default, in --dtype: float32 or bfloat16), same prompt, temperature 1, top-p 0.95, exactly
 --new-tokens tokens per response (EOS ignored on both sides, so both do the same work), batch sizes
 1, 8 and 32. The two systems alternate within every repeat so machine drift hits both alike; we
 report the median time of each and the ratio of generated tokens/s.
 
     .venv/bin/python bench/sampler_vs_hf.py --out bench/results
+    .venv/bin/python bench/sampler_vs_hf.py --dtype bfloat16 --out bench/results
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ def main():
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    lm = load_model("default")
-    hf = AutoModelForCausalLM.from_pretrained(str(lm.path), dtype=torch.float32).eval()
+    lm = load_model("default", dtype=args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(str(lm.path), dtype=getattr(torch, args.dtype)).eval()
     prompt = chat_prompt_ids(lm.tokenizer, PROMPT)
     sc = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=args.new_tokens)
 
@@ -78,12 +80,13 @@ def main():
 
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine(), "new_tokens": args.new_tokens,
-            "repeats": args.repeats, "prompt_tokens": len(prompt)}
-    (out / "sampler_vs_hf.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    _plot(rows, out / "sampler_vs_hf.png")
+            "repeats": args.repeats, "prompt_tokens": len(prompt), "dtype": args.dtype}
+    name = "sampler_vs_hf" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    _plot(rows, out / f"{name}.png", args.dtype)
 
 
-def _plot(rows, path):
+def _plot(rows, path, dtype):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,7 +102,7 @@ def _plot(rows, path):
     ax.set_xticks(list(xs), [f"batch {r['batch']}" for r in rows])
     ax.set_ylim(0, max(max(r["tok_per_s"].values()) for r in rows) * 1.15)
     ax.set_ylabel("generated tokens / s")
-    ax.set_title("Autoregressive sampling, default model, CPU")
+    ax.set_title(f"Autoregressive sampling, default model, CPU, {dtype}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
