@@ -121,39 +121,58 @@ class CostModel:
 
 
 class Budget:
-    """Chooses each round's node count from the number of active responses."""
+    """Chooses each round's node count from the number of active responses.
 
-    def __init__(self, cost: CostModel, shape: TreeShape, prior_accept: float = 2.0, momentum: float = 0.9):
+    adaptive: also learn from the rounds actually run. Each round's whole wall time (drafting, the
+    drafter's catch-up, verification, acceptance, commit, SPARK) rescales the cost model's prediction
+    for its size by a running ratio, so overheads the start-up timing does not see count. Decisions
+    then depend on wall-clock timings: a resumed run is not bit-identical to an uninterrupted one
+    (its distribution is unchanged), which is why `--budget auto` does not adapt."""
+
+    def __init__(self, cost: CostModel, shape: TreeShape, prior_accept: float = 2.0, momentum: float = 0.9,
+                 adaptive: bool = False):
         self.cost, self.shape = cost, shape
         self.sizes = tree_sizes(shape.nodes) if shape.mode == "tree" else [shape.nodes]
         # expected accepted drafts per round for each size; optimistic at first, kept across rollouts
         self.accepted = {n: prior_accept * min(n, shape.depth) / shape.depth for n in self.sizes}
-        self.momentum = momentum
+        self.scale = {n: 1.0 for n in [0] + self.sizes}  # measured / predicted round seconds (adaptive)
+        self.momentum, self.adaptive = momentum, adaptive
 
     def state_dict(self) -> dict:
         """What a resumed run needs to choose as the uninterrupted one would: the cost model it used
-        and the running acceptance estimates."""
+        and the running estimates."""
         c = self.cost
         return {"rows": list(c.rows), "verify": {n: list(v) for n, v in c.verify.items()}, "draft": list(c.draft),
-                "accepted": dict(self.accepted)}
+                "accepted": dict(self.accepted), "scale": dict(self.scale)}
 
     def load_state_dict(self, state: dict) -> None:
         self.cost = CostModel(tuple(state["rows"]), {int(n): v for n, v in state["verify"].items()}, state["draft"])
         self.accepted = {int(n): a for n, a in state["accepted"].items()}
+        self.scale = {int(n): a for n, a in state.get("scale", self.scale).items()}
+
+    def seconds(self, B: int, nodes: int) -> float:
+        """Predicted seconds of a round of `nodes` nodes (0: autoregressive) over B rows."""
+        return self.cost.seconds(B, nodes) * self.scale[nodes]
 
     def choose(self, B: int) -> int:
-        best, best_t = 0, self.cost.seconds(B, 0)
+        best, best_t = 0, self.seconds(B, 0)
         for n in self.sizes:
-            t = self.cost.seconds(B, n) / (1.0 + self.accepted[n])
+            t = self.seconds(B, n) / (1.0 + self.accepted[n])
             if t < best_t:
                 best, best_t = n, t
         return best
+
+    def observe_round(self, nodes: int, B: int, seconds: float) -> None:
+        """A round of `nodes` nodes over B rows took `seconds` in all (only used when adaptive)."""
+        if self.adaptive and seconds > 0:
+            ratio = seconds / max(self.cost.seconds(B, nodes), 1e-9)
+            self.scale[nodes] = self.momentum * self.scale[nodes] + (1 - self.momentum) * ratio
 
     def autoregressive_estimate(self, stats) -> float:
         """Seconds an autoregressive rollout would have taken for what a speculative one (its
         `rollout.RoundStats`) committed: its autoregressive rounds as timed, and for every drafted round
         with B active responses and AAL a, a autoregressive steps of B rows (cost model)."""
-        return stats.ar_s + sum(a * self.cost.seconds(B, 0) for B, a in stats.active_aal)
+        return stats.ar_s + sum(a * self.seconds(B, 0) for B, a in stats.active_aal)
 
     def observe(self, nodes: int, tree, acc) -> None:
         """A verified round of `nodes` nodes: its `verify.Tree` (with the builder's ranks) and `Acceptance`."""

@@ -61,7 +61,7 @@ def make_budget(cfg: DraftConfig, policy: Transformer, drafter) -> Budget | None
     """The per-round speculation budget (None: always the full proposal)."""
     if drafter is None or cfg.budget == "fixed":
         return None
-    return Budget(CostModel.measure(policy, drafter, cfg.shape()), cfg.shape())
+    return Budget(CostModel.measure(policy, drafter, cfg.shape()), cfg.shape(), adaptive=cfg.budget == "adaptive")
 
 
 @dataclass

@@ -252,9 +252,10 @@ class DraftConfig(Checked):
     """dflash: block size (the anchor and block-size - 1 drafted tokens), at most what the drafter was trained for."""
     draft_lr: float = above(0, 1e-4, train_only=True)
     """Online drafter learning rate (AdamW), one step per rollout."""
-    budget: Literal["auto", "fixed"] = "auto"
+    budget: Literal["auto", "adaptive", "fixed"] = "auto"
     """auto: each round, verify the full tree or take an autoregressive step, whichever a cost model
-    measured on this machine says is faster for the number of active responses; fixed: always the tree."""
+    measured on this machine says is faster for the number of active responses; adaptive: the same, the
+    cost model rescaled by the rounds' measured times (not bit-reproducible on resume); fixed: always the tree."""
     round_log: str = ""
     """Append each rollout's per-token drafting outcomes (hit, miss, undrafted; round) to this JSONL
     file, for `sparkrl analyze`."""
@@ -401,7 +402,7 @@ class BenchConfig(Checked):
     """The pretrained DFlash-style drafter the dflash methods start from (empty: a freshly initialised one)."""
     block_size: int = at_least(2, 16, "an anchor and at least one drafted token")
     """Block size of the dflash methods."""
-    budget: Literal["auto", "fixed"] = "fixed"
+    budget: Literal["auto", "adaptive", "fixed"] = "fixed"
     """Drafting budget of the drafting methods (fixed: the paper's; auto: the cost-model fallback)."""
     ablations: bool = False
     """Run the paper's Table 2 rows and the rank / k sweeps (appendix C) instead of the main table."""

@@ -218,12 +218,16 @@ def generate_speculative(policy: Transformer, drafter, prompts: list[list[int]],
     eng.start(prompts, group_size, eos_ids)
     stats = RoundStats(depth=shape.depth)
     while eng.drop_finished():
-        nodes = shape.nodes if budget is None else budget.choose(len(eng.batch.active))
+        B = len(eng.batch.active)
+        nodes = shape.nodes if budget is None else budget.choose(B)
+        t = time.perf_counter()
         if nodes == 0:
             r = eng.autoregressive_round()
         else:
             r, prop, acc = eng.speculative_round(nodes)
-            if budget is not None:
+        if budget is not None:
+            budget.observe_round(nodes, B, time.perf_counter() - t)
+            if nodes:
                 budget.observe(nodes, prop.tree, acc)
         eng.batch.rounds += 1
         stats.add(r)

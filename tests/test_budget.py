@@ -87,3 +87,49 @@ def test_drafter_catches_up_after_autoregressive_rounds():
     st = sp.stats
     assert 0 < st.tree_rounds < st.rounds
     assert st.accepted_at_depth == [st.tree_row_rounds] * 3
+
+
+def test_adaptive_budget_learns_the_whole_round_from_a_clock():
+    """Rounds that take longer than the cost model predicts (acceptance, commit, catch-up) move an
+    adaptive budget to autoregressive steps; --budget auto ignores the clock."""
+    shape = TreeShape(3, 2, 6)
+    fixed, adaptive = Budget(synthetic(), shape, prior_accept=1.5), Budget(synthetic(), shape, prior_accept=1.5,
+                                                                           adaptive=True)
+    assert fixed.choose(1) == adaptive.choose(1) == 4
+    for _ in range(30):  # the clock says a 4-node round over 1 row takes 3x what the cost model predicts
+        for b in (fixed, adaptive):
+            b.observe_round(4, 1, 3 * synthetic().seconds(1, 4))
+            b.observe_round(0, 1, synthetic().seconds(1, 0))  # autoregressive steps as predicted
+    assert fixed.choose(1) == 4 and adaptive.choose(1) != 4
+    assert adaptive.scale[4] == pytest.approx(3.0, rel=0.05) and adaptive.scale[0] == pytest.approx(1.0)
+    back = Budget(synthetic(), shape, adaptive=True)
+    back.load_state_dict(adaptive.state_dict())
+    assert back.scale == adaptive.scale and back.accepted == adaptive.accepted
+
+
+class FakeTime:
+    """A clock for the engine: every reading advances it by one second, so a round's measured time is
+    the number of clock readings it makes (a drafted round reads it far more often)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 1.0
+        return self.now
+
+
+def test_adaptive_budget_through_the_engine_with_a_fake_clock(tiny_llama, monkeypatch):
+    import sparkrl.speculative as engine
+
+    monkeypatch.setattr(engine, "time", FakeTime())
+    shape = TreeShape.chain(3)  # one proposal size, so the budget has one cost to learn
+    cost = CostModel(ROWS, {0: [1.0] * 4, 3: [1.0] * 4}, [0.0] * 4)  # a 3-token chain as cheap as a step
+    prompts, sc = [[1, 2, 3], [4, 5, 6, 7]], SamplingConfig(0.0, 1.0, 40)  # greedy: a random drafter rarely hits
+    runs = {}
+    for adaptive in (False, True):
+        b = Budget(cost, shape, prior_accept=2.0, adaptive=adaptive)
+        runs[adaptive] = generate_speculative(tiny_llama, Eagle3Drafter(tiny_llama.args), prompts, sc, (),
+                                              response_generators(0, 2, 2), shape, group_size=2, budget=b).stats
+    assert runs[False].tree_rounds == runs[False].rounds  # the cost model alone says trees always pay
+    assert runs[True].tree_rounds < runs[True].rounds / 2  # the clock says they do not: mostly AR steps

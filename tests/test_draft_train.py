@@ -144,7 +144,7 @@ def test_train_with_drafter_writes_draft_metrics_and_resumes_exactly(tiny_model_
     assert 0 < sum(x["tree_rounds"] for x in m) < sum(x["rounds"] for x in m)  # the budget mixed both kinds
     for key in ("aal", "rounds", "policy_forwards", "draft_s", "verify_s", "accept_at_depth", "draft_ce"):
         assert key in m[0]
-    assert m[0]["draft_train_s"] > 0
+    assert m[0]["draft_train_s"] > 0 and all(x["gen_ar_estimate_s"] > 0 for x in m)
     assert all(x["aal"] == x["committed"] / x["row_rounds"] for x in m)
     ca, cb = (load_latest(tmp_path / x) for x in "ab")
     for k, v in ca["draft"]["drafter"]["state"].items():
