@@ -34,7 +34,7 @@ def list_checkpoints(out: str | Path) -> list[Path]:
     if not d.is_dir():
         return []
     steps = [p for p in d.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()
-             and (p / STATE).exists()]
+             and (p / STATE).exists() and (p / POLICY).exists()]
     return sorted(steps, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
@@ -93,9 +93,13 @@ def save_checkpoint(out: str | Path, step: int, state: dict, keep: int) -> Path:
         for f in (POLICY, STATE):
             _fsync(tmp / f)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        if path.exists():  # the same step again (e.g. an interrupted run's last step): replace it
-            shutil.rmtree(path)
+        old = None
+        if path.exists():  # the same step again: move the old one aside (a .tmp-, so a kill leaves it to clean)
+            old = Path(tempfile.mkdtemp(dir=d, prefix=".tmp-old-"))
+            os.replace(path, old / path.name)
         os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -9,6 +9,7 @@ so it is not the default; sparkrl warns instead and says what to do.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -19,20 +20,24 @@ ADVICE = ("pass --threads 1 (or start with OMP_WAIT_POLICY=PASSIVE) while other 
 
 
 def cpu_busy(window_s: float = 0.3) -> float | None:
-    """Share of the machine's CPU time other processes used over the next `window_s` seconds (this one
-    is idle meanwhile), from /proc/stat; None where that is not available."""
+    """Share of the machine's CPU time other processes used over the next `window_s` seconds, from
+    /proc/stat less this process's own CPU time (its threads may still spin); None where /proc/stat
+    is not available."""
     def read():
         with open("/proc/stat") as f:
             v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + v[4]  # total, idle + iowait
+        own = os.times()
+        return sum(v), v[3] + v[4], own.user + own.system  # total, idle + iowait (jiffies), own CPU seconds
 
     try:
-        t0, i0 = read()
+        t0, i0, s0 = read()
         time.sleep(window_s)
-        t1, i1 = read()
-    except (OSError, ValueError, IndexError):
+        t1, i1, s1 = read()
+        tick = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
-    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
+    total = max(t1 - t0, 1) / tick
+    return max(0.0, (total - (i1 - i0) / tick - (s1 - s0)) / total)
 
 
 def set_threads(threads: int) -> None:

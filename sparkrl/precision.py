@@ -70,10 +70,11 @@ def rollout_dtype(choice: str, policy: Transformer) -> torch.dtype:
     """The dtype rollouts run in for --rollout-dtype `choice` (auto: measured, see the module doc)."""
     if choice != "auto":
         return DTYPES[choice]
-    if policy.lm_head.weight.device.type == "cuda":
-        return torch.bfloat16
-    if policy.lm_head.weight.dtype != torch.float32:
-        return policy.lm_head.weight.dtype
+    w = policy.lm_head.weight
+    if w.dtype != torch.float32:  # master weights already in a half type: sample in it
+        return w.dtype
+    if w.device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     return torch.bfloat16 if bf16_speedup(policy) > 1.05 else torch.float32
 
 

@@ -48,17 +48,24 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def prepare_out_dir(cfg: RunConfig) -> None:
-    """Refuse to mix runs: an out dir with checkpoints needs --resume and the same settings."""
+def prepare_out_dir(cfg: RunConfig) -> dict:
+    """Refuse to mix runs: an out dir with checkpoints needs --resume and the same settings. Returns
+    what the resumed run resolved at its start ({} for a new run): e.g. the measured rollout dtype."""
     out = Path(cfg.out)
     for p in remove_stale(out):
         print(f"sparkrl: removed {p}, left by an interrupted checkpoint write", file=sys.stderr)
+    if any((out / "checkpoints").glob("step-*.pt")):
+        raise UserError(f"{out}/checkpoints holds step-N.pt files of an older sparkrl, which this one does not read; "
+                        "continue that run with the sparkrl that wrote it, or choose a new --out")
     has_ckpt = bool(list_checkpoints(out))
     if has_ckpt and not cfg.resume:
         raise UserError(f"{out} already holds checkpoints of a run; pass --resume to continue it, or choose a new --out")
     saved = out / "config.json"
+    resolved = {}
     if cfg.resume and has_ckpt and saved.exists():
-        old = _flat(json.loads(saved.read_text())["config"])
+        before = json.loads(saved.read_text())
+        resolved = before.get("resolved", {})
+        old = _flat(before["config"])
         new = _flat(to_dict(cfg))
         diff = [k for k in new if k.split(".")[-1] not in _RESUMABLE and old.get(k) != new[k]]
         if diff:
@@ -66,7 +73,14 @@ def prepare_out_dir(cfg: RunConfig) -> None:
             raise UserError(f"--resume with different settings than the run in {out}: {k} was {old.get(k)!r}, "
                             f"now {new[k]!r} ({len(diff)} differ); use the run's settings or a new --out")
     out.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps({"config": to_dict(cfg), "sparkrl": __version__, "torch": torch.__version__}, indent=2))
+    write_run_config(cfg, resolved)
+    return resolved
+
+
+def write_run_config(cfg: RunConfig, resolved: dict) -> None:
+    """DIR/config.json: the settings, what was resolved from them at the start (`resolved`), versions."""
+    (Path(cfg.out) / "config.json").write_text(json.dumps({"config": to_dict(cfg), "resolved": resolved,
+                                                           "sparkrl": __version__, "torch": torch.__version__}, indent=2))
 
 
 class DataOrder:
@@ -176,7 +190,7 @@ class GRPORun:
     makes one policy update. `train` drives it; `sparkrl bench` interleaves several."""
 
     def __init__(self, cfg: RunConfig, grader: Grader | None = None):
-        prepare_out_dir(cfg)
+        resolved = prepare_out_dir(cfg)
         resolve_model_path(cfg.model.model)  # a bad model path fails here, before data work
         self.cfg = cfg
         problems = load_problems(cfg.data.data, cfg.data.default_size, cfg.seed)
@@ -193,7 +207,10 @@ class GRPORun:
         self.policy = policy = lm.model
         self.ref = copy.deepcopy(policy).requires_grad_(False) if cfg.grpo.kl_beta > 0 else None
         self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
-        self.rollout = RolloutCopy(policy, rollout_dtype(cfg.model.rollout_dtype, policy))  # what samples
+        # what samples; a resumed run keeps the dtype its start measured (another machine may measure otherwise)
+        dt = resolved.get("rollout_dtype") or str(rollout_dtype(cfg.model.rollout_dtype, policy)).removeprefix("torch.")
+        write_run_config(cfg, {**resolved, "rollout_dtype": dt})
+        self.rollout = RolloutCopy(policy, getattr(torch, dt))
         d = make_drafting(cfg.draft, policy, self.rollout.model, cfg.sampling.temperature, cfg.seed)
         self.drafter, self.draft_rollout, self.spark, self.budget = d.drafter, d.rollout, d.spark, d.budget
         self.drafting = d.trainer(cfg.draft)
@@ -205,7 +222,9 @@ class GRPORun:
         start = 0
         if self.cfg.resume and (ck := load_latest(self.cfg.out)) is not None:
             missing, unexpected = self.policy.load_weights(ck["policy"])
-            assert not missing and not unexpected, (missing, unexpected)
+            if missing or unexpected:
+                raise UserError(f"the checkpoint in {self.cfg.out} does not fit this model (missing {missing[:3]}, "
+                                f"unexpected {unexpected[:3]}); resume with the run's --model")
             self.opt.load_state_dict(ck["optimizer"])
             if self.drafting is not None:
                 self.drafting.load_state_dict(ck["draft"])
@@ -250,6 +269,8 @@ class GRPORun:
             rollout = generate_speculative(policy, self.draft_rollout.model, batch_prompts, cfg.sampling,
                                            self.lm.eos_ids, gens, cfg.draft.shape(), G, progress, self.budget,
                                            self.spark)
+        if self.drafter is not None:  # the trained drafter's head follows the policy it learns from (before the update)
+            self.drafter.bind(self.policy)
         texts = self.lm.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
         scores = [self.grader.score(t, self.prompts.problems[idx[r // G]].answer) for r, t in enumerate(texts)]
         rewards = torch.tensor([s.reward for s in scores])

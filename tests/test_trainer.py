@@ -278,3 +278,31 @@ def test_bfloat16_autocast_update_trains(tiny_model_dir, tmp_path):
     assert s["steps_run"] == 2
     m = _metrics(tmp_path / "r")
     assert all(x["grad_norm"] > 0 and x["draft_train_s"] > 0 for x in m)
+
+
+def test_resume_keeps_the_rollout_dtype_its_start_resolved(tiny_model_dir, tmp_path, monkeypatch):
+    import sparkrl.trainer as trainer_mod
+
+    train(_cfg(tiny_model_dir, tmp_path / "r", steps=1), grader=ParityGrader())
+    first = json.loads((tmp_path / "r" / "config.json").read_text())["resolved"]["rollout_dtype"]
+    other = "bfloat16" if first == "float32" else "float32"
+    monkeypatch.setattr(trainer_mod, "rollout_dtype", lambda *a: getattr(torch, other))  # another machine's measure
+    run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "r", steps=2, resume=True), grader=ParityGrader())
+    assert str(run.rollout.model.lm_head.weight.dtype) == f"torch.{first}"
+
+
+def test_checkpoints_of_an_older_format_are_refused_not_ignored(tiny_model_dir, tmp_path):
+    (tmp_path / "r" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "r" / "checkpoints" / "step-000001.pt").write_bytes(b"old")
+    with pytest.raises(UserError, match="older sparkrl"):
+        train(_cfg(tiny_model_dir, tmp_path / "r", steps=2, resume=True), grader=ParityGrader())
+
+
+def test_a_step_written_twice_replaces_the_first(tmp_path):
+    from sparkrl.checkpoint import save_checkpoint
+
+    for v in (1.0, 2.0):
+        save_checkpoint(tmp_path, 3, {"policy": {"w": torch.full((2,), v)}, "x": v}, keep=2)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000003"]
+    ck = load_latest(tmp_path)
+    assert ck["x"] == 2.0 and torch.equal(ck["policy"]["w"], torch.full((2,), 2.0))
