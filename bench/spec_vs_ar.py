@@ -39,13 +39,15 @@ def main():
     ap.add_argument("--tree", default="5,4,16", help="depth,branch,nodes")
     ap.add_argument("--skip", type=int, default=0, help="problems to skip (e.g. those used for pretraining)")
     ap.add_argument("--grpo-step", action="store_true")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the rollout dtype of every compared system (policy and drafter)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     depth, branch, nodes = map(int, args.tree.split(","))
     dcfg = DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, tree_depth=depth, tree_branch=branch,
                        tree_nodes=nodes)
-    lm = load_model("default")
-    drafter = make_drafter(dcfg, lm.model)
+    lm = load_model("default", dtype=args.dtype)
+    drafter = make_drafter(dcfg, lm.model)  # in the policy's dtype
     budget = make_budget(dcfg, lm.model, drafter)
     ds = load_problems(args.data)
     prompts = build_prompts(lm.tokenizer, ds.problems[args.skip:args.skip + 64], 512, "skip").prompt_ids
@@ -82,14 +84,16 @@ def main():
               f"({row['ratio']['eagle3+budget']:.2f}x, {sb.tree_rounds}/{sb.rounds} tree rounds), "
               f"split {row['split_s']}", flush=True)
     result = {"meta": {"tree": [depth, branch, nodes], "max_new_tokens": args.max_new_tokens, "data": args.data,
+                       "dtype": args.dtype,
                        "draft_checkpoint": args.draft_checkpoint, "repeats": args.repeats,
                        "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": rows}
     if args.grpo_step:
         result["grpo_step"] = grpo_steps(args, depth, branch, nodes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "spec_vs_ar.json").write_text(json.dumps(result, indent=2))
-    plot(result, out / "spec_vs_ar.png")
+    name = "spec_vs_ar" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / f"{name}.png")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -129,7 +133,7 @@ def grpo_steps(args, depth, branch, nodes) -> dict:
                                                             "tree_nodes": nodes})):
         with tempfile.TemporaryDirectory() as d:
             cfg = build(RunConfig, {"out": d, "steps": 1, "data": args.data, "prompts_per_step": 2, "group_size": 8,
-                                    "max_new_tokens": args.max_new_tokens, **draft})
+                                    "max_new_tokens": args.max_new_tokens, "rollout_dtype": args.dtype, **draft})
             t = time.perf_counter()
             train(cfg)
             total = time.perf_counter() - t
