@@ -39,13 +39,14 @@ def main():
     ap.add_argument("--tree", default="5,4,16", help="depth,branch,nodes")
     ap.add_argument("--skip", type=int, default=0, help="problems to skip (e.g. those used for pretraining)")
     ap.add_argument("--grpo-step", action="store_true")
+    ap.add_argument("--budget", default="auto", choices=("auto", "adaptive"), help="the eagle3+budget system's budget")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="the rollout dtype of every compared system (policy and drafter)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     depth, branch, nodes = map(int, args.tree.split(","))
     dcfg = DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, tree_depth=depth, tree_branch=branch,
-                       tree_nodes=nodes)
+                       tree_nodes=nodes, budget=args.budget)
     lm = load_model("default", dtype=args.dtype)
     drafter = make_drafter(dcfg, lm.model)  # in the policy's dtype
     budget = make_budget(dcfg, lm.model, drafter)
@@ -84,7 +85,7 @@ def main():
               f"({row['ratio']['eagle3+budget']:.2f}x, {sb.tree_rounds}/{sb.rounds} tree rounds), "
               f"split {row['split_s']}", flush=True)
     result = {"meta": {"tree": [depth, branch, nodes], "max_new_tokens": args.max_new_tokens, "data": args.data,
-                       "dtype": args.dtype,
+                       "dtype": args.dtype, "budget": args.budget,
                        "draft_checkpoint": args.draft_checkpoint, "repeats": args.repeats,
                        "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": rows}
     if args.grpo_step:
