@@ -21,9 +21,7 @@ per machine, model, thread count and tree shape (cached under the user cache dir
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -31,7 +29,7 @@ import torch
 
 from sparkrl.config import TreeShape
 from sparkrl.drafters.base import DraftState
-from sparkrl.weights import cache_dir
+from sparkrl.machine import measurement_path
 
 ROWS = (1, 4, 16, 64)
 CONTEXT = 192  # committed tokens per row while timing (a typical mid-rollout length)
@@ -64,11 +62,9 @@ class CostModel:
     @classmethod
     def measure(cls, policy, drafter, shape: TreeShape, repeats: int = 2) -> "CostModel":
         """Time the policy and the drafter on this machine (cached per machine/model/threads/shape)."""
-        key = hashlib.sha1(json.dumps([platform.processor(), platform.machine(), torch.get_num_threads(),
-                                       str(policy.lm_head.weight.device), str(policy.lm_head.weight.dtype),
-                                       policy.args.__dict__, drafter.kind, int(drafter.vocab_ids.numel()),
-                                       shape.__dict__, ROWS, CONTEXT], sort_keys=True, default=str).encode()).hexdigest()[:16]
-        path = cache_dir() / "costs" / f"{key}.json"
+        w = policy.lm_head.weight
+        path = measurement_path("costs", str(w.device), str(w.dtype), policy.args.__dict__, drafter.kind,
+                                int(drafter.vocab_ids.numel()), shape.__dict__, ROWS, CONTEXT)
         if path.exists():
             d = json.loads(path.read_text())
             return cls(tuple(d["rows"]), {int(k): v for k, v in d["verify"].items()}, d["draft"])

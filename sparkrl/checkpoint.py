@@ -38,6 +38,12 @@ def list_checkpoints(out: str | Path) -> list[Path]:
     return sorted(steps, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
+def checkpoints_at(path: str | Path) -> list[Path]:
+    """The checkpoints a path names, oldest first: a checkpoints/step-N folder itself, or a run folder's."""
+    path = Path(path)
+    return [path] if (path / STATE).exists() else list_checkpoints(path)
+
+
 def remove_stale(out: str | Path) -> list[Path]:
     """Remove temporaries a killed write left behind; returns what was removed."""
     d = checkpoint_dir(out)

@@ -9,14 +9,28 @@ so it is not the default; sparkrl warns instead and says what to do.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from sparkrl.weights import cache_dir
+
 ADVICE = ("pass --threads 1 (or start with OMP_WAIT_POLICY=PASSIVE) while other work shares this CPU: torch's "
           "spinning threads then make each step several times slower")
+
+
+def measurement_path(name: str, *facts) -> Path:
+    """Where a one-off timing of this machine is cached: keyed on the processor, torch's thread count
+    and version, and the `facts` the timing depends on (model, dtype, shapes...)."""
+    key = json.dumps([platform.processor(), platform.machine(), torch.get_num_threads(), torch.__version__, *facts],
+                     sort_keys=True, default=str)
+    return cache_dir() / "costs" / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
 
 
 def cpu_busy(window_s: float = 0.3) -> float | None:

@@ -12,9 +12,7 @@ truncated importance sampling (`grpo.grpo_loss`, --tis-cap).
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
-import platform
 import statistics
 import sys
 import time
@@ -22,7 +20,7 @@ import time
 import torch
 
 from sparkrl.model import Transformer
-from sparkrl.weights import cache_dir
+from sparkrl.machine import measurement_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -47,10 +45,7 @@ def _step_seconds(model: Transformer, rows: int = 8, context: int = 128, reps: i
 def bf16_speedup(policy: Transformer) -> float:
     """float32 / bfloat16 seconds of this policy's decode step (8 rows) on this machine, measured once
     and cached."""
-    key = hashlib.sha1(json.dumps([platform.processor(), platform.machine(), torch.get_num_threads(),
-                                   torch.__version__, policy.args.__dict__], sort_keys=True,
-                                  default=str).encode()).hexdigest()[:16]
-    path = cache_dir() / "costs" / f"dtype-{key}.json"
+    path = measurement_path("dtype", str(policy.lm_head.weight.device), policy.args.__dict__)
     if path.exists():
         return json.loads(path.read_text())["speedup"]
     print("sparkrl: timing float32 against bfloat16 decode steps on this machine (once; cached)", file=sys.stderr,

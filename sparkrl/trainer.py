@@ -21,8 +21,8 @@ from tqdm import tqdm
 from sparkrl import __version__
 from sparkrl.analysis import append_round_log
 from sparkrl.build import make_drafting
-from sparkrl.checkpoint import (STATE, list_checkpoints, load_checkpoint, load_latest, remove_stale, save_checkpoint,
-                                set_rng_state)
+from sparkrl.checkpoint import (checkpoints_at, list_checkpoints, load_checkpoint, load_latest, remove_stale,
+                                save_checkpoint, set_rng_state)
 from sparkrl.config import RunConfig, to_dict
 from sparkrl.data import build_prompts, load_problems
 from sparkrl.draft_train import DraftTrainer
@@ -373,8 +373,7 @@ SUMMED = ("gen_s", "train_s", "draft_train_s", "gen_tokens", "rounds", "tree_rou
 def export_run(run_dir: str, out: str) -> tuple[int, Path]:
     """Export a run's latest checkpoint (or the checkpoints/step-N folder given) as a Hugging Face folder;
     returns (its step, the folder)."""
-    p = Path(run_dir)
-    steps = [p] if (p / STATE).exists() else list_checkpoints(p)
+    steps = checkpoints_at(run_dir)
     if not steps:
         raise UserError(f"{run_dir} holds no checkpoint: pass a `sparkrl train --out` folder or one of its "
                         "checkpoints/step-N folders")

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparkrl.checkpoint import STATE, list_checkpoints
+from sparkrl.checkpoint import STATE, checkpoints_at
 from sparkrl.errors import UserError
 from sparkrl.model import KVCache, ModelArgs
 
@@ -115,7 +115,7 @@ def read_checkpoint(path: str | Path | dict) -> dict:
         if not p.exists():
             raise UserError(f"--draft-checkpoint {p} does not exist")
         if p.is_dir():
-            steps = [p] if (p / STATE).exists() else list_checkpoints(p)
+            steps = checkpoints_at(p)
             if not steps:
                 raise UserError(f"--draft-checkpoint {p} is a folder with no checkpoint; pass a drafter.pt, a run's "
                                 "checkpoints/step-N folder, or a run folder")
