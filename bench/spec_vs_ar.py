@@ -1,13 +1,14 @@
-"""Speculative rollouts (EAGLE3-style trees) vs our autoregressive sampler, side by side.
+"""Speculative rollouts (EAGLE3-style trees or DFlash-style blocks) vs our autoregressive sampler.
 
-Same policy (the embedded default), same prompts (held-out GSM8K questions in the GRPO prompt
-format), same per-response seeds, temperature 1, top-p 0.95. Batches of 1, 8 and 64 responses
-(1 prompt x 1, 1 prompt x 8, 8 prompts x 8). The two systems alternate within each repeat; medians.
-Optionally (--grpo-step) one GRPO step each way, to split its time into generation, draft training
-and policy training.
+Same policy (the embedded default), same prompts (GSM8K questions in the GRPO prompt format; with
+--heldout, only those held out of draft pretraining), same per-response seeds, temperature 1, top-p
+0.95. Batches of 1, 8 and 64 responses (1 prompt x 1, 1 prompt x 8, 8 prompts x 8). Three systems
+alternate within each repeat (autoregressive, the drafter's full proposal every round, and with the
+budget); medians. Optionally (--grpo-step) one GRPO step each way, to split its time into
+generation, draft training and policy training.
 
-    .venv/bin/python bench/spec_vs_ar.py --draft-checkpoint runs/draft/drafter.pt \
-        --data ../shared/data/gsm8k/train.jsonl --out bench/results
+    .venv/bin/python bench/spec_vs_ar.py --draft eagle3 --draft-checkpoint default --heldout 0.05 \
+        --data ../shared/data/gsm8k/train.jsonl --dtype bfloat16 --out bench/results
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
-from sparkrl.data import build_prompts, load_problems
+from sparkrl.data import build_prompts, held_out, load_problems
 from sparkrl.build import make_budget, make_drafter
 from sparkrl.rollout import generate, response_generators
 from sparkrl.speculative import generate_speculative
@@ -31,7 +32,11 @@ from sparkrl.weights import load_model
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--draft-checkpoint", required=True)
+    ap.add_argument("--draft", default="eagle3", choices=("eagle3", "dflash"))
+    ap.add_argument("--draft-checkpoint", default="default", help="default: the drafter shipped for the default model")
+    ap.add_argument("--block-size", type=int, default=16, help="dflash: the block size")
+    ap.add_argument("--heldout", type=float, default=0.0,
+                    help="use only problems held out of draft pretraining (the share it held out, e.g. 0.05)")
     ap.add_argument("--data", default="default")
     ap.add_argument("--batches", default="1x1,1x8,8x8", help="PROMPTSxGROUP per setting")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -39,19 +44,20 @@ def main():
     ap.add_argument("--tree", default="5,4,16", help="depth,branch,nodes")
     ap.add_argument("--skip", type=int, default=0, help="problems to skip (e.g. those used for pretraining)")
     ap.add_argument("--grpo-step", action="store_true")
-    ap.add_argument("--budget", default="auto", choices=("auto", "adaptive"), help="the eagle3+budget system's budget")
+    ap.add_argument("--budget", default="auto", choices=("auto", "adaptive"), help="the DRAFT+budget system's budget")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="the rollout dtype of every compared system (policy and drafter)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     depth, branch, nodes = map(int, args.tree.split(","))
-    dcfg = DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, tree_depth=depth, tree_branch=branch,
-                       tree_nodes=nodes, budget=args.budget)
+    dcfg = DraftConfig(draft=args.draft, draft_checkpoint=args.draft_checkpoint, tree_depth=depth, tree_branch=branch,
+                       tree_nodes=nodes, budget=args.budget, block_size=args.block_size)
     lm = load_model("default", dtype=args.dtype)
     drafter = make_drafter(dcfg, lm.model)  # in the policy's dtype
     budget = make_budget(dcfg, lm.model, drafter)
-    ds = load_problems(args.data)
-    prompts = build_prompts(lm.tokenizer, ds.problems[args.skip:args.skip + 64], 512, "skip").prompt_ids
+    problems = load_problems(args.data).problems
+    problems = [p for p in problems if held_out(p, args.heldout)] if args.heldout else problems[args.skip:]
+    prompts = build_prompts(lm.tokenizer, problems[:64], 512, "skip").prompt_ids
     sc = SamplingConfig(1.0, 0.95, args.max_new_tokens)
     rows = []
     for spec in args.batches.split(","):
@@ -59,9 +65,9 @@ def main():
         ps = prompts[:P]
         runs = {
             "autoregressive": lambda: generate(lm.model, ps, sc, lm.eos_ids, response_generators(0, P, G), G),
-            "eagle3": lambda: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids, response_generators(0, P, G),
+            args.draft: lambda: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids, response_generators(0, P, G),
                                                    dcfg.shape(), G),
-            "eagle3+budget": lambda: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
+            f"{args.draft}+budget": lambda: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
                                                           response_generators(0, P, G), dcfg.shape(), G, budget=budget),
         }
         times = {k: [] for k in runs}
@@ -72,19 +78,20 @@ def main():
                 times[name].append(res[name].gen_s)
         med = {k: statistics.median(v) for k, v in times.items()}
         tps = {k: res[k].num_tokens / med[k] for k in runs}
-        st, sb = res["eagle3"].stats, res["eagle3+budget"].stats
+        spec, budgeted = args.draft, f"{args.draft}+budget"
+        st, sb = res[spec].stats, res[budgeted].stats
         row = {"prompts": P, "group": G, "responses": P * G, "tokens": {k: res[k].num_tokens for k in runs},
                "median_s": med, "times_s": times, "tok_per_s": tps,
                "ratio": {k: tps[k] / tps["autoregressive"] for k in runs if k != "autoregressive"},
-               "aal": st.aal, "rounds": st.rounds, "budget_tree_rounds": [sb.tree_rounds, sb.rounds],
+               "aal": st.aal, "budget_aal": sb.aal, "rounds": st.rounds, "budget_tree_rounds": [sb.tree_rounds, sb.rounds],
                "split_s": {k: getattr(st, k) for k in ("draft_s", "verify_s", "accept_s")},
                "accept_at_depth": st.accept_at_depth}
         rows.append(row)
-        print(f"{P}x{G}: AR {tps['autoregressive']:.1f} tok/s, EAGLE3 {tps['eagle3']:.1f} tok/s "
-              f"({row['ratio']['eagle3']:.2f}x, AAL {st.aal:.2f}), with budget {tps['eagle3+budget']:.1f} tok/s "
-              f"({row['ratio']['eagle3+budget']:.2f}x, {sb.tree_rounds}/{sb.rounds} tree rounds), "
+        print(f"{P}x{G}: AR {tps['autoregressive']:.1f} tok/s, {spec} {tps[spec]:.1f} tok/s "
+              f"({row['ratio'][spec]:.2f}x, AAL {st.aal:.2f}), with budget {tps[budgeted]:.1f} tok/s "
+              f"({row['ratio'][budgeted]:.2f}x, {sb.tree_rounds}/{sb.rounds} tree rounds, AAL {sb.aal:.2f}), "
               f"split {row['split_s']}", flush=True)
-    result = {"meta": {"tree": [depth, branch, nodes], "max_new_tokens": args.max_new_tokens, "data": args.data,
+    result = {"meta": {"draft": args.draft, "block_size": args.block_size, "heldout": args.heldout, "tree": [depth, branch, nodes], "max_new_tokens": args.max_new_tokens, "data": args.data,
                        "dtype": args.dtype, "budget": args.budget,
                        "draft_checkpoint": args.draft_checkpoint, "repeats": args.repeats,
                        "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": rows}
@@ -92,7 +99,7 @@ def main():
         result["grpo_step"] = grpo_steps(args, depth, branch, nodes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "spec_vs_ar" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    name = "spec_vs_ar" + ("" if args.draft == "eagle3" else f"_{args.draft}") + ("" if args.dtype == "float32" else f"_{args.dtype}")
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     plot(result, out / f"{name}.png")
 
@@ -118,7 +125,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks(range(len(rows)), [f"{r['prompts']}x{r['group']} (AAL {r['aal']:.2f})" for r in rows])
     ax.set_ylim(0, max(max(r["tok_per_s"].values()) for r in rows) * 1.15)
     ax.set_ylabel("generated tokens / s")
-    ax.set_title("Speculative (EAGLE3-style) vs autoregressive rollouts, default model, CPU")
+    ax.set_title(f"Speculative ({result['meta']['draft']}) vs autoregressive rollouts, default model, CPU")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -129,9 +136,9 @@ def grpo_steps(args, depth, branch, nodes) -> dict:
     from sparkrl.trainer import train
 
     out = {}
-    for name, draft in (("autoregressive", {}), ("eagle3", {"draft": "eagle3", "draft_checkpoint": args.draft_checkpoint,
-                                                            "tree_depth": depth, "tree_branch": branch,
-                                                            "tree_nodes": nodes})):
+    drafting = {"draft": args.draft, "draft_checkpoint": args.draft_checkpoint, "tree_depth": depth,
+                "tree_branch": branch, "tree_nodes": nodes, "block_size": args.block_size}
+    for name, draft in (("autoregressive", {}), (args.draft, drafting)):
         with tempfile.TemporaryDirectory() as d:
             cfg = build(RunConfig, {"out": d, "steps": 1, "data": args.data, "prompts_per_step": 2, "group_size": 8,
                                     "max_new_tokens": args.max_new_tokens, "rollout_dtype": args.dtype, **draft})

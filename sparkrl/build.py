@@ -15,7 +15,7 @@ import torch
 from sparkrl.budget import Budget, CostModel
 from sparkrl.config import DraftConfig
 from sparkrl.draft_train import DraftTrainer
-from sparkrl.drafters import KINDS, load_drafter
+from sparkrl.drafters import KINDS, find_checkpoint, load_drafter
 from sparkrl.drafters.base import read_checkpoint
 from sparkrl.model import Transformer
 from sparkrl.precision import RolloutCopy
@@ -24,14 +24,17 @@ from sparkrl.spark import Projection, Spark
 
 def make_drafter(cfg: DraftConfig, policy: Transformer, seed: int = 0, checkpoint: dict | None = None):
     """The drafter, on the policy's device, bound to it (None for --draft none). checkpoint: the
-    already read `cfg.draft_checkpoint` (read here when not given)."""
+    already read draft checkpoint (`find_checkpoint`; read here when not given)."""
     if cfg.draft == "none":
         return None
-    if cfg.draft_checkpoint:
-        d = load_drafter(checkpoint or read_checkpoint(cfg.draft_checkpoint), policy.args, cfg.draft, cfg.draft_checkpoint)
+    source = find_checkpoint(cfg.draft_checkpoint, cfg.draft, policy)
+    if source:
+        d = load_drafter(checkpoint or read_checkpoint(source), policy.args, cfg.draft, source)
     else:
-        print(f"sparkrl: warning: --draft {cfg.draft} without --draft-checkpoint starts from a freshly initialised "
-              "drafter (low acceptance until it has trained); make one with `sparkrl pretrain-draft`", file=sys.stderr)
+        if cfg.draft_checkpoint != "fresh":
+            print(f"sparkrl: warning: --draft {cfg.draft} without --draft-checkpoint starts from a freshly initialised "
+                  "drafter (low acceptance until it has trained; no drafter is shipped for this model); make one with "
+                  "`sparkrl pretrain-draft`", file=sys.stderr)
         torch.manual_seed(seed)
         d = KINDS[cfg.draft](policy.args, **({"block_size": cfg.block_size} if cfg.draft == "dflash" else {}))
     if cfg.draft == "dflash":
@@ -49,10 +52,11 @@ def make_spark(cfg: DraftConfig, policy: Transformer, drafter, temperature: floa
     if drafter is None or not sc.spark:
         return None, None
     proj = Projection.for_policy(policy, sc.spark_rank)
-    if cfg.draft_checkpoint:
-        ck = checkpoint or read_checkpoint(cfg.draft_checkpoint)
+    source = find_checkpoint(cfg.draft_checkpoint, cfg.draft, policy)
+    if source:
+        ck = checkpoint or read_checkpoint(source)
         if "spark" in ck:
-            proj.load(ck["spark"], cfg.draft_checkpoint)
+            proj.load(ck["spark"], source)
     proj.to(policy.lm_head.weight.device)
     return proj, Spark.from_config(sc, proj.A, drafter.vocab_ids.numel(), temperature)
 
@@ -90,7 +94,8 @@ def make_drafting(cfg: DraftConfig, policy: Transformer, rollout_policy: Transfo
     """The drafter, SPARK and the budget, with the draft checkpoint read once. policy: the master
     weights (what the drafter trains against); rollout_policy: what samples (the same module, or its
     copy in the rollout dtype), which the rollout drafter, the cost model and the budget follow."""
-    ck = read_checkpoint(cfg.draft_checkpoint) if cfg.draft != "none" and cfg.draft_checkpoint else None
+    source = find_checkpoint(cfg.draft_checkpoint, cfg.draft, policy) if cfg.draft != "none" else None
+    ck = read_checkpoint(source) if source else None
     drafter = make_drafter(cfg, policy, seed, ck)
     if drafter is None:
         return Drafting()

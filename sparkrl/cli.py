@@ -143,8 +143,12 @@ def run_train(cfg: RunConfig) -> None:
 
 def run_pretrain(cfg: PretrainConfig) -> None:
     s = pretrain(cfg)
-    print(f"sparkrl: drafter trained on {s['sequences']} sequences ({s['tokens']} tokens), draft vocabulary "
-          f"{s['draft_vocab']}, last top-1 agreement {s['last_top1']:.2f} -> {s['out']}/drafter.pt", file=sys.stderr)
+    print(f"sparkrl: trained on {s['sequences']} sequences ({s['tokens']} tokens, {s['steps']} steps), draft vocabulary "
+          f"{s['draft_vocab']}", file=sys.stderr)
+    for kind, d in s["drafters"].items():
+        score = "" if d["heldout_expected_length"] is None else \
+            f"held-out expected length {d['heldout_expected_length']:.2f}, top-1 {d['heldout_top1']:.2f}; "
+        print(f"sparkrl: {kind}: {score}use it with --draft {kind} --draft-checkpoint {d['path']}", file=sys.stderr)
 
 
 def run_analyze(cfg: AnalyzeConfig) -> None:

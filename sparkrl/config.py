@@ -229,7 +229,8 @@ class SparkConfig(Checked):
 
 
 def _existing_checkpoint(flag_: str, path: str) -> None:
-    _check(not path or os.path.exists(path), f"{flag_} {path} does not exist; make one with `sparkrl pretrain-draft`")
+    _check(path in ("", "default", "fresh") or os.path.exists(path),
+           f"{flag_} {path} does not exist; make one with `sparkrl pretrain-draft`")
 
 
 @dataclass(frozen=True)
@@ -238,7 +239,9 @@ class DraftConfig(Checked):
     """Speculative rollouts: none (autoregressive), eagle3 (one-layer drafter, dynamic trees) or dflash
     (three-layer block drafter, greedy blocks drafted in one forward)."""
     draft_checkpoint: str = ""
-    """Drafter checkpoint from `sparkrl pretrain-draft` (empty: a freshly initialised drafter)."""
+    """Drafter checkpoint: a `sparkrl pretrain-draft` output (drafter.pt, drafter.safetensors), a GRPO
+    run or its checkpoints/step-N; 'default': the drafter shipped for the default model; 'fresh': a
+    freshly initialised one; empty: the shipped one when it serves this policy, else fresh."""
     tree_depth: int = 5
     """Draft tree depth (levels below the root)."""
     tree_branch: int = 4
@@ -328,20 +331,37 @@ class GenerateConfig(Checked):
 @dataclass(frozen=True)
 class PretrainConfig(Checked):
     out: str = option("", required=True)
-    """Output directory: drafter.pt (the checkpoint), config.json, pretrain.jsonl."""
-    draft: Literal["eagle3", "dflash"] = "eagle3"
-    """Drafter kind."""
+    """Output directory: KIND/drafter.pt and KIND/drafter.safetensors (the drafters), state.pt (resume),
+    corpus/, pretrain.jsonl (training and held-out records), pretrain.png, config.json."""
+    draft: str = "eagle3"
+    """Drafter kinds, comma-separated (eagle3, dflash): several train together on one policy pass per batch."""
     block_size: int = at_least(2, 16, "an anchor and at least one drafted token")
     """dflash: the block size the drafter is trained for (generation may use smaller blocks)."""
     corpus: str = ""
     """Optional local text corpus (.txt: one document per line; .jsonl: a 'text' field) used in
     addition to responses the policy generates."""
-    prompts: int = at_least(1, 64)
+    prompts: int = at_least(0, 64)
     """Prompts (math problems from --data, and built-in chat prompts) the policy answers to make the corpus."""
-    epochs: int = at_least(1, 4)
-    """Passes over the corpus."""
+    solutions: bool = True
+    """Also train on the worked solutions of the --data problems that have one (GSM8K; MATH with a
+    'solution' field) as the assistant turn after the GRPO prompt, with the policy's distributions as targets."""
+    holdout: float = at_least(0.0, 0.05)
+    """Share of the problems held out by a hash of their question (`data.held_out`): never in the corpus;
+    the held-out score and the drafter benchmarks use them."""
+    eval_sequences: int = at_least(0, 64)
+    """Held-out sequences scored every --eval-every steps (half solutions, half policy responses)."""
+    eval_every: int = at_least(1, 200)
+    """Steps between held-out scores (per-depth top-1 agreement, acceptance, expected acceptance length)."""
+    checkpoint_every: int = at_least(1, 100)
+    """Steps between resumable checkpoints (state.pt, written atomically)."""
+    resume: bool = False
+    """Continue the run in --out from its state.pt (same settings; the corpus is reused)."""
+    epochs: int = at_least(1, 1)
+    """Passes over the corpus (each pass recomputes the policy's features and targets)."""
     lr: float = above(0, 5e-4)
-    """Pretraining learning rate (AdamW)."""
+    """Peak learning rate (AdamW), reached after --warmup steps, then cosine decay to a tenth."""
+    warmup: int = at_least(0, 50)
+    """Linear warm-up steps."""
     draft_vocab: int = at_least(0, 8192)
     """Draft vocabulary: the most frequent corpus tokens (0: the policy's whole vocabulary)."""
     micro_batch: int = at_least(1, 8)
@@ -354,6 +374,13 @@ class PretrainConfig(Checked):
 
     def validate(self):
         _check(bool(self.out), "--out is required: the directory for the drafter checkpoint")
+        _check(self.holdout < 1, f"--holdout {self.holdout} must be below 1 (the share of problems held out)")
+        kinds = self.kinds()
+        _check(bool(kinds) and all(k in ("eagle3", "dflash") for k in kinds) and len(set(kinds)) == len(kinds),
+               f"--draft {self.draft!r}: give drafter kinds from eagle3, dflash, comma-separated, each once")
+
+    def kinds(self) -> list[str]:
+        return [k.strip() for k in self.draft.split(",") if k.strip()]
 
 
 @dataclass(frozen=True)
@@ -397,9 +424,10 @@ class BenchConfig(Checked):
     methods: str = "ar,eagle3,eagle3+spark"
     """Methods, comma-separated, from: ar, eagle3, eagle3+spark, dflash, dflash+spark."""
     draft_checkpoint: str = ""
-    """The pretrained EAGLE3-style drafter the eagle3 methods start from (empty: a freshly initialised one)."""
+    """The pretrained EAGLE3-style drafter the eagle3 methods start from (as --draft-checkpoint: empty is the
+    shipped one for the default model, else a freshly initialised one)."""
     dflash_checkpoint: str = ""
-    """The pretrained DFlash-style drafter the dflash methods start from (empty: a freshly initialised one)."""
+    """The pretrained DFlash-style drafter the dflash methods start from (as --draft-checkpoint)."""
     block_size: int = at_least(2, 16, "an anchor and at least one drafted token")
     """Block size of the dflash methods."""
     budget: Literal["auto", "adaptive", "fixed"] = "fixed"

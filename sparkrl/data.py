@@ -13,8 +13,10 @@ difficulty levels, seeded, each with an exact integer answer.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +40,7 @@ HUB_DATASETS = {
 class Problem:
     question: str
     answer: str  # ground truth, as text (e.g. "72", "\\frac{3}{4}")
+    solution: str = ""  # a worked solution ending in the boxed answer, where the dataset has one (GSM8K, MATH)
 
 
 @dataclass
@@ -59,6 +62,15 @@ def _gsm8k_answer(text: str) -> str:
     return text.rsplit("####", 1)[1].strip().replace(",", "").rstrip(".")
 
 
+def _gsm8k_solution(text: str) -> str:
+    """GSM8K's worked solution as a model would write it: calculator annotations `<<48/2=24>>` removed,
+    the final `#### N` line as a boxed answer (the format the prompt asks for)."""
+    if "####" not in text:
+        return ""
+    steps = re.sub(r"<<[^>]*>>", "", text.rsplit("####", 1)[0]).strip()
+    return f"{steps}\nThe final answer is \\boxed{{{_gsm8k_answer(text)}}}."
+
+
 def _chat_last_user(prompt) -> str:
     if isinstance(prompt, str):
         return prompt
@@ -70,6 +82,7 @@ def parse_row(row: dict) -> tuple[Problem | None, str]:
     """One raw row -> (Problem, "") or (None, reason it was skipped)."""
     if not isinstance(row, dict):
         return None, "rows that are not objects"
+    sol = ""
     if "gt_answer" in row:  # SimpleLR
         q, a = row.get("question"), row.get("gt_answer")
     elif "reward_model" in row and "prompt" in row:  # DAPO
@@ -81,12 +94,13 @@ def parse_row(row: dict) -> tuple[Problem | None, str]:
                 rm = {}
         q, a = _chat_last_user(row["prompt"]), (rm or {}).get("ground_truth")
     elif "problem" in row:  # MATH
-        q = row["problem"]
+        q, sol = row["problem"], str(row.get("solution") or "")
         a = row.get("answer")
         if not a and row.get("solution"):
             a = last_boxed(row["solution"])
     elif "question" in row and "answer" in row:  # GSM8K
         q, a = row["question"], _gsm8k_answer(str(row["answer"] or ""))
+        sol = _gsm8k_solution(str(row["answer"] or ""))
     else:
         return None, "rows with an unknown format"
     q = str(q).strip() if q is not None else ""
@@ -95,7 +109,7 @@ def parse_row(row: dict) -> tuple[Problem | None, str]:
         return None, "rows with no question"
     if not a:
         return None, "rows with no answer"
-    return Problem(q, a), ""
+    return Problem(q, a, sol.strip()), ""
 
 
 def _read_rows(path: Path) -> list[dict]:
@@ -152,6 +166,14 @@ def load_problems(spec: str, default_size: int = 2000, seed: int = 0) -> Dataset
     if not problems:
         raise UserError(f"dataset {name} has no usable rows ({ds.summary()}); expected GSM8K, MATH, DAPO or SimpleLR fields")
     return ds
+
+
+def held_out(problem: Problem, fraction: float) -> bool:
+    """Whether a problem belongs to the held-out share `fraction` of every dataset: decided by a hash of
+    its question, so the split is the same in every run, file order and subset (draft pretraining never
+    sees these problems; the drafter benchmarks measure on them)."""
+    h = int.from_bytes(hashlib.sha256(problem.question.encode("utf-8")).digest()[:8], "big")
+    return h / 2 ** 64 < fraction
 
 
 # --- the generated default dataset ------------------------------------------------------------

@@ -46,6 +46,14 @@ class DraftTrainer:
         self.seconds += time.perf_counter() - t0
         return st
 
+    def evaluate(self, tokens, taps, hidden, logits, mask, generator=None) -> dict:
+        """The loss statistics of a held-out micro-batch, without a gradient."""
+        dt = self.drafter.fc.weight.dtype
+        with torch.no_grad():
+            loss, st = self.drafter.loss(tokens, {i: t.to(dt) for i, t in taps.items()}, hidden.to(dt), logits, mask,
+                                         generator=generator)
+        return {**st, "loss": float(loss)}
+
     def step(self, grad_A: torch.Tensor | None = None) -> dict:
         """Apply the accumulated gradient (and SPARK's A gradient from the rollout, if any); returns
         averaged stats and the time spent since the last step."""

@@ -1,14 +1,23 @@
-"""`sparkrl pretrain-draft`: a drafter trained before GRPO on text the policy itself writes.
+"""`sparkrl pretrain-draft`: a drafter trained before GRPO on the policy's own distributions.
 
-The policy answers math problems (from --data) and chat prompts at the rollout's sampling settings;
-an optional local corpus is added. The draft vocabulary is the corpus's most frequent tokens (EOS
-always kept). Training runs the policy once per micro-batch (no grad) for its features and target
-distributions and steps the drafter with the same `DraftTrainer` as online training.
+The corpus (made once, in `--out/corpus/`, reused on resume): worked solutions of the --data problems
+as the assistant turn after the GRPO prompt, responses the policy samples (rollout settings, rollout
+dtype) to math problems and chat prompts, and an optional local text corpus. A share of the problems
+is held out by a hash of the question (`data.held_out`) and never enters it; held-out sequences are
+scored every --eval-every steps. The draft vocabulary is the corpus's most frequent tokens.
+
+Training runs the policy once per micro-batch and sequence (no grad, rollout dtype) for its features
+and target distributions and steps the drafter with the same `DraftTrainer` as online training,
+under a warm-up + cosine learning-rate schedule. Micro-batches group sequences of similar length.
+`state.pt` (drafter, optimizer, step) is written atomically every --checkpoint-every steps;
+`--resume` continues exactly where it was written (the batch plan is a function of the seed).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import random
 import sys
 from collections import Counter
@@ -19,12 +28,14 @@ from tqdm import tqdm
 
 from sparkrl.checkpoint import atomic_save
 from sparkrl.config import PretrainConfig, to_dict
-from sparkrl.data import INSTRUCTION, chat_prompt_ids, load_problems
+from sparkrl.data import INSTRUCTION, Problem, chat_prompt_ids, held_out, load_problems
 from sparkrl.draft_train import DraftTrainer
 from sparkrl.drafters import KINDS
+from sparkrl.drafters.base import expected_length, policy_fingerprint, save_safetensors
 from sparkrl.errors import UserError
 from sparkrl.machine import set_threads
 from sparkrl.model import pad_right
+from sparkrl.precision import RolloutCopy, rollout_dtype
 from sparkrl.rollout import generate, response_generators
 from sparkrl.weights import load_model
 
@@ -36,6 +47,8 @@ CHAT_PROMPTS = [
     "Explain what a computer program is to a child.", "What should I pack for a camping trip?",
     "How do vaccines work?", "Tell me a short story about a brave mouse.", "What is the difference between weather and climate?",
 ]
+CHUNK = 64  # prompts per generation call (and per resumable corpus file)
+EVAL_SEED = 1 << 20  # response generators of held-out prompts start here
 
 
 def _corpus_from_file(path: str, tokenizer, max_tokens: int) -> list[list[int]]:
@@ -66,59 +79,272 @@ def draft_vocabulary(counts, size: int, vocab_size: int, always: tuple[int, ...]
     return torch.tensor(sorted(vocab))
 
 
-def pretrain(cfg: PretrainConfig) -> dict:
-    """Make a corpus with the policy, pick the draft vocabulary, train; returns a summary."""
-    out = Path(cfg.out)
-    problems = load_problems(cfg.data.data, cfg.data.default_size, cfg.seed).problems
-    set_threads(cfg.model.threads)
-    lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
-    policy, tok = lm.model, lm.tokenizer
-    extra = _corpus_from_file(cfg.corpus, tok, cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens) if cfg.corpus else []
-    rng = random.Random(cfg.seed)
-    n_math = cfg.prompts - cfg.prompts // 4
-    texts = [f"{p.question}\n\n{INSTRUCTION}" for p in rng.sample(problems, min(n_math, len(problems)))]
-    texts += [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(cfg.prompts - len(texts))]
-    prompts = [chat_prompt_ids(tok, t)[: cfg.data.max_prompt_tokens] for t in texts]
+def prompt_text(p: Problem) -> str:
+    return f"{p.question}\n\n{INSTRUCTION}"
+
+
+def solution_ids(tok, p: Problem, eos: int, max_tokens: int) -> list[int]:
+    """The GRPO prompt of a problem, its worked solution as the answer, EOS (what the policy would write)."""
+    return (chat_prompt_ids(tok, prompt_text(p)) + tok(p.solution, add_special_tokens=False)["input_ids"] + [eos])[:max_tokens]
+
+
+def _generated(policy, tok, prompts: list[list[int]], cfg: PretrainConfig, eos_ids, folder: Path, name: str,
+               offset: int) -> list[list[int]]:
+    """Policy responses to `prompts`, CHUNK prompts per file in `folder`, named by a hash of what made
+    them: a restarted or resumed run reuses the files of the same prompts and settings."""
     seqs = []
-    bar = tqdm(total=len(prompts), desc="corpus", unit="prompt", file=sys.stderr)
-    for i in range(0, len(prompts), 64):
-        chunk = prompts[i:i + 64]
-        r = generate(policy, chunk, cfg.sampling, lm.eos_ids, response_generators(cfg.seed, len(chunk), 1, offset=i))
-        seqs += [p + t for p, t in zip(chunk, r.tokens)]
+    bar = tqdm(total=len(prompts), desc=f"corpus ({name})", unit="prompt", file=sys.stderr)
+    for i in range(0, len(prompts), CHUNK):
+        chunk = prompts[i:i + CHUNK]
+        key = json.dumps([chunk, to_dict(cfg.sampling), cfg.seed, offset + i, cfg.model.model,
+                          str(policy.lm_head.weight.dtype)])  # a file is reused only for the same work
+        path = folder / f"{name}-{i // CHUNK:05d}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
+        if not path.exists():
+            r = generate(policy, chunk, cfg.sampling, eos_ids, response_generators(cfg.seed, len(chunk), 1, offset=offset + i))
+            atomic_save([p + t for p, t in zip(chunk, r.tokens)], path)
+        seqs += torch.load(path)
         bar.update(len(chunk))
     bar.close()
-    seqs += extra
-    counts = Counter(t for s in seqs for t in s)
-    V = policy.args.vocab_size
-    vocab_ids = draft_vocabulary(counts, cfg.draft_vocab, V, lm.eos_ids) if 0 < cfg.draft_vocab < V else None
-    torch.manual_seed(cfg.seed)
+    return seqs
+
+
+def load_corpus_problems(cfg: PretrainConfig) -> tuple[list[Problem], list[Problem]]:
+    """(train, held-out) problems of every --data spec (comma-separated)."""
+    problems = [p for spec in cfg.data.data.split(",") if spec.strip()
+                for p in load_problems(spec.strip(), cfg.data.default_size, cfg.seed).problems]
+    train = [p for p in problems if not held_out(p, cfg.holdout)]
+    test = [p for p in problems if held_out(p, cfg.holdout)]
+    if cfg.prompts == 0 and not cfg.corpus and not (cfg.solutions and any(p.solution for p in train)):
+        raise UserError("the corpus would be empty: pass --prompts N (the policy answers N prompts), --corpus FILE, or "
+                        "--data with worked solutions (GSM8K, MATH with a 'solution' field)")
+    return train, test
+
+
+def build_corpus(cfg: PretrainConfig, policy, tok, eos_ids) -> tuple[list[list[int]], list[list[int]], dict]:
+    """(train sequences, held-out sequences, tokens per source)."""
+    folder = Path(cfg.out) / "corpus"
+    folder.mkdir(parents=True, exist_ok=True)
+    train_p, test_p = load_corpus_problems(cfg)
+    limit = cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens
+    eos = tok.eos_token_id if tok.eos_token_id is not None else eos_ids[0]
+    rng = random.Random(cfg.seed)
+    sources = {}
+    train, test = [], []
+    if cfg.solutions:
+        train += [solution_ids(tok, p, eos, limit) for p in train_p if p.solution]
+        sols = [p for p in test_p if p.solution]
+        test += [solution_ids(tok, p, eos, limit) for p in rng.sample(sols, min(cfg.eval_sequences // 2, len(sols)))]
+        sources["solutions"] = sum(map(len, train))
+    n_chat = min(cfg.prompts // 4, 4 * len(CHAT_PROMPTS))  # a quarter, each chat prompt answered at most 4 times
+    texts = [prompt_text(p) for p in rng.sample(train_p, min(cfg.prompts - n_chat, len(train_p)))]
+    texts += [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(cfg.prompts - len(texts))]
+    prompts = [chat_prompt_ids(tok, t)[: cfg.data.max_prompt_tokens] for t in texts]
+    gen = _generated(policy, tok, prompts, cfg, eos_ids, folder, "train", 0)
+    sources["policy responses"] = sum(map(len, gen))
+    train += gen
+    k = cfg.eval_sequences - len(test)
+    held = [chat_prompt_ids(tok, prompt_text(p))[: cfg.data.max_prompt_tokens] for p in rng.sample(test_p, min(k, len(test_p)))]
+    test += _generated(policy, tok, held, cfg, eos_ids, folder, "heldout", EVAL_SEED)
+    if cfg.corpus:
+        extra = _corpus_from_file(cfg.corpus, tok, limit)
+        sources["--corpus"] = sum(map(len, extra))
+        train += extra
+    return train, test, sources
+
+
+def batch_plan(lengths: list[int], micro_batch: int, seed: int, epoch: int) -> list[list[int]]:
+    """Micro-batches of one epoch: shuffled, grouped by length within windows of 32 micro-batches (less
+    padding), in shuffled order. A function of (seed, epoch), so a resumed run replays it."""
+    rng = random.Random(seed * 1009 + epoch)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    window = 32 * micro_batch
+    batches = []
+    for i in range(0, len(order), window):
+        w = sorted(order[i:i + window], key=lambda j: lengths[j])
+        batches += [w[k:k + micro_batch] for k in range(0, len(w), micro_batch)]
+    rng.shuffle(batches)
+    return batches
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
+    """Linear warm-up to `peak` over `warmup` steps, then cosine decay to floor * peak at `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _policy_pass(policy, seqs: list[list[int]], taps):
+    """Tokens, the policy's taps, final hidden states and logits (no grad), and the trainable mask."""
+    dev = policy.lm_head.weight.device
+    toks, lens = pad_right(seqs, dev)
+    mask = torch.arange(toks.shape[1], device=dev) < (lens - 2)[:, None]  # t needs t+1 and t+2
+    with torch.no_grad():
+        o = policy(toks, taps=taps)
+        return toks, o.taps, o.hidden, policy.logits(o.hidden), mask
+
+
+def evaluate(trainer: DraftTrainer, policy, seqs: list[list[int]], micro_batch: int) -> dict:
+    """Held-out statistics averaged over positions: per-depth top-1 agreement and acceptance, and the
+    expected acceptance length of a drafted chain (`drafters.base.expected_length`)."""
+    taps = tuple(trainer.drafter.feature_layers)
+    g = torch.Generator(device=policy.lm_head.weight.device).manual_seed(0)  # the same blocks every time
+    sums, n = Counter(), 0.0
+    for i in range(0, len(seqs), micro_batch):
+        with _autocast(policy):
+            st = trainer.evaluate(*_policy_pass(policy, seqs[i:i + micro_batch], taps), generator=g)
+        w = st["positions"]
+        sums.update({k: v * w for k, v in st.items() if k != "positions"})
+        n += w
+    out = {k: v / max(n, 1.0) for k, v in sums.items()}
+    return {**out, "positions": n, "expected_length": expected_length(out)}
+
+
+def _autocast(policy):
+    """Drafter training in the policy pass's dtype: bfloat16 autocast over float32 master weights."""
     w = policy.lm_head.weight
-    settings = {"block_size": cfg.block_size} if cfg.draft == "dflash" else {}
-    drafter = KINDS[cfg.draft](policy.args, vocab_ids=vocab_ids, **settings).to(device=w.device, dtype=w.dtype)
-    trainer = DraftTrainer(drafter.bind(policy), lr=cfg.lr)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps({"config": to_dict(cfg), "corpus_sequences": len(seqs),
-                                                 "corpus_tokens": sum(map(len, seqs))}, indent=2))
-    taps = tuple(drafter.feature_layers)
-    steps = cfg.epochs * ((len(seqs) + cfg.micro_batch - 1) // cfg.micro_batch)
-    bar = tqdm(total=steps, desc="pretrain-draft", unit="step", file=sys.stderr)
-    order = list(range(len(seqs)))
-    with open(out / "pretrain.jsonl", "w") as log:
-        for epoch in range(cfg.epochs):
-            rng.shuffle(order)
-            for i in range(0, len(order), cfg.micro_batch):
-                mb = [seqs[j] for j in order[i:i + cfg.micro_batch]]
-                toks, lens = pad_right(mb, w.device)
-                mask = torch.arange(toks.shape[1], device=w.device) < (lens - 2)[:, None]  # t needs t+1 and t+2
-                with torch.no_grad():
-                    o = policy(toks, taps=taps)
-                    logits = policy.logits(o.hidden)
-                st = trainer.observe(toks, o.taps, o.hidden, logits, mask)
-                trainer.step()
-                log.write(json.dumps({"epoch": epoch, **st}) + "\n")
-                bar.update(1)
-                bar.set_postfix(loss=f"{st['loss']:.3f}", top1=f"{st['top1']:.2f}")
+    return torch.autocast(w.device.type, dtype=torch.bfloat16, enabled=w.dtype == torch.bfloat16)
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ev = [r for r in records if r.get("heldout")]
+    if not ev:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for kind in dict.fromkeys(r["kind"] for r in ev):
+        rs = [r for r in ev if r["kind"] == kind]
+        x = [r["tokens"] / 1e6 for r in rs]
+        ax[0].plot(x, [r["expected_length"] for r in rs], marker="o", label=kind)
+        for d in range(1, 4):
+            ax[1].plot(x, [r[f"acc_{d}"] for r in rs], marker="o", ms=3, label=f"{kind}, depth {d}")
+    ax[0].set(xlabel="pretraining tokens (millions)", ylabel="expected acceptance length",
+              title="held-out text: one drafted chain (estimate)")
+    ax[1].set(xlabel="pretraining tokens (millions)", ylabel="acceptance probability", ylim=(0, 1),
+              title="held-out, per depth / block position")
+    ax[0].legend(fontsize=8)
+    ax[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _check_resume(cfg: PretrainConfig, out: Path) -> dict | None:
+    """The state to resume from (None for a fresh run); refuses to overwrite or to resume with other settings."""
+    state = out / "state.pt"
+    if not cfg.resume:
+        if state.exists():
+            raise UserError(f"{out} already holds a pretraining run; pass --resume to continue it, or another --out")
+        return None
+    if not state.exists():
+        raise UserError(f"--resume: {out} has no state.pt to continue from; run without --resume first")
+    saved = json.loads((out / "config.json").read_text())["config"]
+    now = to_dict(cfg)
+    free = {"resume", "eval_every", "checkpoint_every"}
+    diff = [k for k in now if k not in free and k != "model" and now[k] != saved.get(k)]
+    diff += [f"model.{k}" for k in now["model"] if k != "threads" and now["model"][k] != saved["model"].get(k)]
+    if diff:
+        raise UserError(f"--resume with other settings than the run in {out} ({', '.join(diff)}); "
+                        "pass the same settings or another --out")
+    return torch.load(state, map_location="cpu", weights_only=False)
+
+
+def pretrain(cfg: PretrainConfig) -> dict:
+    """Make (or reuse) the corpus, pick the draft vocabulary, train every --draft kind on the same policy
+    passes with held-out scores; returns a summary."""
+    out = Path(cfg.out)
+    resume = _check_resume(cfg, out)
+    load_corpus_problems(cfg)  # bad --data or an empty corpus fails before the model loads
+    set_threads(cfg.model.threads)
+    lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
+    master, tok = lm.model, lm.tokenizer
+    policy = RolloutCopy(master, rollout_dtype(cfg.model.rollout_dtype, master)).model  # features and targets
+    train, test, sources = build_corpus(cfg, policy, tok, lm.eos_ids)
+    counts = Counter(t for s in train for t in s)
+    V = master.args.vocab_size
+    vocab_ids = draft_vocabulary(counts, cfg.draft_vocab, V, lm.eos_ids) if 0 < cfg.draft_vocab < V else None
+    w = master.lm_head.weight
+    fingerprint = policy_fingerprint(master)
+    trainers = {}
+    for kind in cfg.kinds():
+        torch.manual_seed(cfg.seed)
+        settings = {"block_size": cfg.block_size} if kind == "dflash" else {}
+        drafter = KINDS[kind](master.args, vocab_ids=vocab_ids, **settings).to(device=w.device, dtype=w.dtype)
+        trainers[kind] = DraftTrainer(drafter.bind(master), lr=cfg.lr)
+    taps = tuple(sorted({i for t in trainers.values() for i in t.drafter.feature_layers}))
+    plans = [batch_plan([len(s) for s in train], cfg.micro_batch, cfg.seed, e) for e in range(cfg.epochs)]
+    total = sum(map(len, plans))
+    step, tokens = 0, 0
+    if resume is not None:
+        for kind, t in trainers.items():
+            t.load_state_dict(resume["trainers"][kind])
+        step, tokens = resume["step"], resume["tokens"]
+        torch.set_rng_state(resume["rng"])  # the DFlash loss draws its anchors from it
+    else:
+        (out / "config.json").write_text(json.dumps({"config": to_dict(cfg), "corpus_sequences": len(train),
+                                                     "corpus_tokens": sum(map(len, train)), "sources": sources,
+                                                     "heldout_sequences": len(test),
+                                                     "policy_dtype": str(policy.lm_head.weight.dtype)}, indent=2))
+    log_path = out / "pretrain.jsonl"
+    records = [json.loads(l) for l in log_path.read_text().splitlines()] if resume is not None and log_path.exists() else []
+    records = [r for r in records if r["step"] <= step]  # what came after the checkpoint is redone
+
+    def save_state():
+        atomic_save({"trainers": {k: t.state_dict() for k, t in trainers.items()}, "step": step, "tokens": tokens,
+                     "rng": torch.get_rng_state()}, out / "state.pt")
+        log_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def score():
+        for kind, t in trainers.items():
+            if test:
+                r = {"heldout": True, "kind": kind, "step": step, "tokens": tokens, **evaluate(t, policy, test, cfg.micro_batch)}
+                records.append(r)
+                tqdm.write(f"{kind} held-out at step {step} ({tokens / 1e6:.2f}M tokens): expected length "
+                           f"{r['expected_length']:.2f}, top-1 {r['top1_1']:.2f}", file=sys.stderr)
+            save_safetensors(t.drafter.checkpoint(), out / kind / "snapshots" / f"step-{step:06d}.safetensors",
+                             fingerprint=fingerprint)
+        plot(records, out / "pretrain.png")
+
+    if step == 0:
+        score()
+    bar = tqdm(total=total, initial=step, desc=f"pretrain-draft ({cfg.draft})", unit="step", file=sys.stderr)
+    try:
+        for k, mb in enumerate(b for plan in plans for b in plan):
+            if k < step:
+                continue
+            batch = _policy_pass(policy, [train[j] for j in mb], taps)
+            tokens += sum(len(train[j]) for j in mb)
+            for kind, t in trainers.items():
+                for g in t.opt.param_groups:
+                    g["lr"] = lr_at(step, total, cfg.lr, cfg.warmup)
+                with _autocast(policy):
+                    st = t.observe(*batch)
+                t.step()
+                records.append({"kind": kind, "step": step + 1, "tokens": tokens, "lr": t.opt.param_groups[0]["lr"], **st})
+            step += 1
+            bar.update(1)
+            bar.set_postfix(tokens=f"{tokens / 1e6:.2f}M", **{f"top1_{kind}": f"{r['top1']:.2f}"
+                                                              for kind, r in zip(trainers, records[-len(trainers):])})
+            if step % cfg.eval_every == 0 or step == total:
+                score()
+            if step % cfg.checkpoint_every == 0 or step == total:
+                save_state()
+    except KeyboardInterrupt:
+        save_state()
+        bar.close()
+        raise UserError(f"interrupted at step {step}; continue with the same command and --resume") from None
     bar.close()
-    atomic_save(drafter.checkpoint(), out / "drafter.pt")
-    return {"out": str(out), "sequences": len(seqs), "tokens": sum(map(len, seqs)),
-            "draft_vocab": int(drafter.vocab_ids.numel()), "last_top1": st["top1"]}
+    summary = {"out": str(out), "sequences": len(train), "tokens": sum(map(len, train)), "steps": total,
+               "draft_vocab": int(next(iter(trainers.values())).drafter.vocab_ids.numel()), "drafters": {}}
+    for kind, t in trainers.items():
+        atomic_save(t.drafter.checkpoint(), out / kind / "drafter.pt")
+        save_safetensors(t.drafter.checkpoint(), out / kind / "drafter.safetensors", fingerprint=fingerprint)
+        last = next((r for r in reversed(records) if r.get("heldout") and r["kind"] == kind), {})
+        summary["drafters"][kind] = {"path": str(out / kind / "drafter.safetensors"),
+                                     "heldout_expected_length": last.get("expected_length"), "heldout_top1": last.get("top1_1")}
+    return summary

@@ -120,7 +120,7 @@ def test_pretrain_and_train_with_dflash_and_spark(tiny_model_dir, tmp_path):
     assert main(["pretrain-draft", "--model", str(tiny_model_dir), "--out", str(tmp_path / "pre"), "--draft", "dflash",
                  "--block-size", "4", "--prompts", "8", "--epochs", "1", "--max-new-tokens", "12",
                  "--draft-vocab", "64", "--default-size", "20"]) == 0
-    ck = tmp_path / "pre" / "drafter.pt"
+    ck = tmp_path / "pre" / "dflash" / "drafter.pt"
     flat = dict(model=str(tiny_model_dir), out=str(tmp_path / "run"), steps=2, group_size=3, prompts_per_step=2,
                 max_new_tokens=8, default_size=20, lr=1e-3, micro_batch=4, draft="dflash", draft_checkpoint=str(ck),
                 block_size=3, budget="fixed", spark=True, spark_rank=4)

@@ -10,13 +10,37 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparkrl.drafters.base import read_checkpoint
+from sparkrl.drafters.base import policy_fingerprint, read_checkpoint, read_description, same_policy
 from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.errors import UserError
 from sparkrl.model import ModelArgs
 
 KINDS = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter}  # kind -> drafter class
+SHIPPED = Path(__file__).parent / "shipped"  # default drafters for the default model (shipped/README.md)
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def shipped_path(kind: str) -> Path:
+    return SHIPPED / f"{DEFAULT_MODEL.lower()}-{kind}.safetensors"
+
+
+def find_checkpoint(choice: str, kind: str, policy) -> str | None:
+    """The drafter checkpoint --draft-checkpoint `choice` names for a `kind` drafter serving `policy`
+    (None: a freshly initialised drafter). '' picks the shipped drafter when it was made for this
+    policy (same embedding, `same_policy`) and None otherwise; 'default' insists on the shipped one;
+    'fresh' is None; anything else is a path."""
+    if choice == "fresh":
+        return None
+    if choice not in ("", "default"):
+        return choice
+    path = shipped_path(kind)
+    serves = path.is_file() and same_policy(read_description(path).get("fingerprint", []), policy_fingerprint(policy))
+    if choice == "default" and not serves:
+        why = "is not installed" if not path.is_file() else "was made for another policy"
+        raise UserError(f"--draft-checkpoint default: the shipped {kind} drafter {why}; it serves --model default "
+                        f"({DEFAULT_MODEL}); make one for this model with `sparkrl pretrain-draft --draft {kind}`")
+    return str(path) if serves else None
 
 
 def load_drafter(path: str | Path | dict, policy_args: ModelArgs, kind: str | None = None, where: str = ""):

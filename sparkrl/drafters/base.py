@@ -11,10 +11,13 @@ positions), `new_cache(batch, capacity)`, `logits(h)` and `vocab_ids`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 import torch.nn.functional as F
 from torch import nn
 
@@ -105,15 +108,82 @@ class SharedHeadDrafter(nn.Module):
                 "settings": self.settings(), "state": {k: v for k, v in self.state_dict().items()}}
 
 
+def target_probs(target_logits: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """The policy's probabilities (float32) of the draft vocabulary: softmax over the whole vocabulary,
+    only the draft vocabulary's entries materialised."""
+    lse = torch.logsumexp(target_logits.float(), -1, keepdim=True)
+    return torch.exp(target_logits[..., vocab_ids].float() - lse)
+
+
+def expected_length(stats: dict) -> float:
+    """Expected tokens per round of one drafted chain with per-depth acceptance probabilities acc_1,
+    acc_2, ... (independent, as an estimate): 1 + acc_1 + acc_1 acc_2 + ... (the 1: the policy's token)."""
+    total, alive, d = 1.0, 1.0, 1
+    while f"acc_{d}" in stats:
+        alive *= stats[f"acc_{d}"]
+        total += alive
+        d += 1
+    return total
+
+
+def policy_fingerprint(policy) -> list[float]:
+    """Statistics of the policy's embedding (float64): tell two checkpoints of one architecture apart,
+    equal within bfloat16 rounding for the same weights in another dtype (`same_policy`)."""
+    w = policy.model.embed_tokens.weight.detach()[:1024].double()
+    return [float(w.abs().mean()), float(w.mean()), float(w.std()), float(w[:, 0].abs().mean())]
+
+
+def same_policy(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= 1e-2 * max(abs(x), abs(y)) + 1e-6 for x, y in zip(a, b))
+
+
+def save_safetensors(ck: dict, path: Path, dtype: torch.dtype = torch.bfloat16, fingerprint: list[float] | None = None) -> None:
+    """A drafter checkpoint as a weights-only safetensors file (floating tensors in `dtype`; what the
+    policy shares, its embedding and head, is not stored), its description and the policy's
+    `policy_fingerprint` in the metadata. Atomic."""
+    meta = {k: ck[k] for k in ("kind", "policy", "feature_layers", "settings")}
+    if fingerprint is not None:
+        meta["fingerprint"] = fingerprint
+    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in ck["state"].items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    save_file(tensors, str(tmp), metadata={"sparkrl_drafter": json.dumps(meta)})
+    tmp.replace(path)
+
+
+def _read_safetensors(p: Path, tensors: bool = True) -> dict:
+    try:
+        f = safe_open(str(p), framework="pt")
+    except Exception as e:
+        raise UserError(f"--draft-checkpoint {p} is not a readable safetensors file ({str(e).splitlines()[0]}); "
+                        "make one with `sparkrl pretrain-draft`") from None
+    with f:
+        meta = (f.metadata() or {}).get("sparkrl_drafter")
+        if meta is None:
+            raise UserError(f"--draft-checkpoint {p} is a safetensors file without sparkrl's drafter metadata; "
+                            "make one with `sparkrl pretrain-draft`")
+        return {**json.loads(meta), "state": {k: f.get_tensor(k) for k in f.keys()} if tensors else {}}
+
+
+def read_description(path: Path) -> dict:
+    """The metadata of a drafter safetensors file (kind, policy, fingerprint, ...), without its tensors."""
+    return _read_safetensors(path, tensors=False)
+
+
 def read_checkpoint(path: str | Path | dict) -> dict:
-    """The drafter entry of a file (a `pretrain-draft` drafter.pt), of a GRPO run's checkpoint (a
-    `checkpoints/step-N` folder, or the run's folder: its latest checkpoint), or of a dict."""
+    """The drafter entry of a file (a `pretrain-draft` drafter.pt or drafter.safetensors), of a GRPO
+    run's checkpoint (a `checkpoints/step-N` folder, or the run's folder: its latest checkpoint), or
+    of a dict."""
     if isinstance(path, dict):
         ck = path
+    elif Path(path).suffix == ".safetensors" and Path(path).is_file():
+        ck = _read_safetensors(Path(path))
     else:
         p = Path(path)
         if not p.exists():
             raise UserError(f"--draft-checkpoint {p} does not exist")
+        if p.is_dir() and (p / "drafter.pt").is_file():  # a `pretrain-draft` drafter folder (OUT/KIND)
+            p = p / "drafter.pt"
         if p.is_dir():
             steps = checkpoints_at(p)
             if not steps:

@@ -29,7 +29,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from sparkrl.drafters.base import DraftStep, SharedHeadDrafter
+from sparkrl.drafters.base import DraftStep, SharedHeadDrafter, target_probs
 from sparkrl.drafters.tree import Proposal, identity, path_contexts, path_tree
 from sparkrl.errors import UserError
 from sparkrl.model import KVCache, ModelArgs, Stack
@@ -148,15 +148,18 @@ def block_loss(drafter: DFlashDrafter, tokens: torch.Tensor, taps: dict, target_
     z = block_logits(drafter, tokens, drafter.features({i: t.detach() for i, t in taps.items()}), a)
     tgt = (a[:, :, None] + torch.arange(n, device=dev)).clamp(max=T - 1)  # (B, K, n) target positions
     ok = mask.gather(1, tgt.flatten(1)).view(B, anchors, n) & (a[:, :, None] + torch.arange(n, device=dev) < T)
-    p = torch.softmax(target_logits.float(), -1)[..., drafter.vocab_ids]  # (B, T, Vd)
+    p = target_probs(target_logits, drafter.vocab_ids)  # (B, T, Vd)
     p = p.gather(1, tgt.flatten(1)[..., None].expand(-1, -1, p.shape[-1])).view(B, anchors, n, -1)
     ce = -(p * torch.log_softmax(z, -1)).sum(-1)  # (B, K, n)
     w = torch.exp(-torch.arange(n, device=dev, dtype=torch.float32) / gamma) * ok  # (B, K, n)
     loss = (w * ce).sum() / w.sum().clamp(min=1e-9)
     with torch.no_grad():
-        hit = (z.argmax(-1) == p.argmax(-1)) & ok
+        best = z.argmax(-1, keepdim=True)
+        hit = (best[..., 0] == p.argmax(-1)) & ok
+        acc = p.gather(-1, best)[..., 0]  # (B, K, n) the policy's probability of the greedy draft token
         cnt = ok.sum().clamp(min=1)
-        per = [float(hit[..., j].sum() / ok[..., j].sum().clamp(min=1)) for j in range(min(n, 3))]
+        per = lambda x, j: float((x[..., j] * ok[..., j]).sum() / ok[..., j].sum().clamp(min=1))
         stats = {"feat": 0.0, "ce": float((ce * ok).sum() / cnt), "top1": float(hit.sum() / cnt),
-                 "positions": float(cnt), **{f"top1_{j + 1}": v for j, v in enumerate(per)}}
+                 "positions": float(cnt), **{f"top1_{j + 1}": per(hit.float(), j) for j in range(n)},
+                 **{f"acc_{j + 1}": per(acc, j) for j in range(n)}}
     return loss, stats

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparkrl.drafters.base import DraftStep, SharedHeadDrafter
+from sparkrl.drafters.base import DraftStep, SharedHeadDrafter, target_probs
 from sparkrl.drafters.tree import propose
 from sparkrl.model import KVCache, ModelArgs, Stack
 
@@ -48,11 +48,12 @@ class Eagle3Drafter(SharedHeadDrafter):
         self.stack = Stack(dataclasses.replace(policy_args, num_layers=1))
 
     def forward(self, tokens: torch.Tensor, feats: torch.Tensor, cache: KVCache | None = None, *,
-                tree_mask=None, depth=None, mask=None) -> DraftStep:
-        """tokens (B, T) (next tokens, policy ids), feats (B, T, d) -> DraftStep at these positions."""
+                tree_mask=None, depth=None, mask=None, head: bool = True) -> DraftStep:
+        """tokens (B, T) (next tokens, policy ids), feats (B, T, d) -> DraftStep at these positions
+        (head=False: without the logits)."""
         x = self.fuse(torch.cat([self.embed(tokens).to(feats.dtype), feats], dim=-1))
         out = self.stack(x, cache, tree_mask=tree_mask, depth=depth, taps=(0,), mask=mask)
-        return DraftStep(out.hidden, out.taps[0], self.logits(out.hidden))
+        return DraftStep(out.hidden, out.taps[0], self.logits(out.hidden) if head else None)
 
     def prefill(self, prompts: torch.Tensor, lens: torch.Tensor, feats: torch.Tensor, cache: KVCache) -> None:
         """Commit the drafter positions of the prompts: position i pairs token i+1 with feature i.
@@ -66,8 +67,8 @@ class Eagle3Drafter(SharedHeadDrafter):
 
     propose = propose  # trees or sampled chains (drafters/tree.py)
 
-    def loss(self, tokens, taps, hidden, target_logits, mask) -> tuple[torch.Tensor, dict]:
-        """The online/pretraining loss (`draft_loss`)."""
+    def loss(self, tokens, taps, hidden, target_logits, mask, generator=None) -> tuple[torch.Tensor, dict]:
+        """The online/pretraining loss (`draft_loss`; deterministic, `generator` unused)."""
         return draft_loss(self, tokens, taps, hidden, target_logits, mask)
 
 
@@ -98,8 +99,8 @@ def unrolled(drafter, tokens: torch.Tensor, feats: torch.Tensor, steps: int) -> 
         seg_feats.append(feats if s == 1 else outs[-1][0])
         seg_depth.append(j + s - 1)
         step = drafter(torch.cat(seg_tokens, 1), torch.cat(seg_feats, 1),
-                       depth=torch.cat(seg_depth).expand(B, -1), mask=unrolled_mask(n, s, tokens.device))
-        outs.append((step.a[:, -n:], step.z[:, -n:]))
+                       depth=torch.cat(seg_depth).expand(B, -1), mask=unrolled_mask(n, s, tokens.device), head=False)
+        outs.append((step.a[:, -n:], drafter.logits(step.h[:, -n:])))
     return outs
 
 
@@ -112,13 +113,14 @@ def draft_loss(drafter, tokens: torch.Tensor, taps: dict[int, torch.Tensor], hid
     Training-time test (EAGLE-3): besides the teacher-forced step, `steps - 1` unrolled steps feed
     the drafter its own previous output as the feature, as at tree depth >= 2 (segment s, position j:
     token j + s, feature = segment s-1's output at j, targets at j + s, RoPE position j + s - 1).
-    Returns (loss averaged over steps and trained positions, stats; top1_s per segment).
+    Returns (loss averaged over steps and trained positions, stats; per segment s: top1_s, the top-1
+    agreement, and acc_s, the acceptance probability sum_x min(p, q) of a token sampled from the draft).
     """
     B, T = tokens.shape
     n = T - 1
     K = max(1, min(steps, n))
     pad = lambda t: torch.cat([t, t[:, -1:].expand(-1, K, *t.shape[2:])], 1)
-    target = torch.softmax(target_logits.float(), -1)[..., drafter.vocab_ids]  # (B, T, Vd), once
+    target = target_probs(target_logits, drafter.vocab_ids)  # (B, T, Vd), once
     toks_p, hid_p, p_p, m_p = pad(tokens), pad(hidden.detach()), pad(target), pad(mask)
     feats = drafter.features({i: t[:, :-1] for i, t in taps.items()})  # (B, n, d) features at 0..n-1
     j = torch.arange(n, device=tokens.device)
@@ -133,6 +135,8 @@ def draft_loss(drafter, tokens: torch.Tensor, taps: dict[int, torch.Tensor], hid
         with torch.no_grad():
             top1 = float(((z.argmax(-1) == p.argmax(-1)).float() * m).sum() / cnt)
             stats[f"top1_{s}"] = top1
+            # acceptance probability of a token sampled from the draft: sum_x min(p, q) (q: the draft's softmax)
+            stats[f"acc_{s}"] = float((torch.minimum(p, torch.softmax(z, -1)).sum(-1) * m).sum() / cnt)
             if s == 1:
                 stats.update(feat=float((feat.detach() * m).sum() / cnt), ce=float((ce.detach() * m).sum() / cnt),
                              top1=top1, positions=float(cnt))

@@ -1,0 +1,195 @@
+"""Draft pretraining at scale: solutions as chat turns, the held-out split, the schedule, held-out
+scores, resume after a crash, several drafters on one policy pass, and the safetensors drafter files."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from sparkrl.config import PretrainConfig, build
+from sparkrl.data import Problem, held_out, load_problems, parse_row
+from sparkrl.drafters.base import expected_length, read_checkpoint, save_safetensors, target_probs
+from sparkrl.errors import UserError
+from sparkrl.pretrain import batch_plan, build_corpus, lr_at, pretrain
+
+GSM_ROW = {"question": "Tom has {n} apples and buys 3 more. How many apples does he have?",
+           "answer": "He buys 3 so he has {n}+3=<<{n}+3={m}>>{m} apples.\n#### {m}"}
+
+
+def gsm8k_file(tmp_path, n: int = 60):
+    path = tmp_path / "gsm.jsonl"
+    rows = [{k: v.format(n=i, m=i + 3) for k, v in GSM_ROW.items()} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_gsm8k_solution_is_a_boxed_answer_without_calculator_notes():
+    p, _ = parse_row({k: v.format(n=4, m=7) for k, v in GSM_ROW.items()})
+    assert p.answer == "7"
+    assert p.solution == "He buys 3 so he has 4+3=7 apples.\nThe final answer is \\boxed{7}."
+    m, _ = parse_row({"problem": "1+1?", "solution": "It is $\\boxed{2}$."})
+    assert m.answer == "2" and m.solution == "It is $\\boxed{2}$."
+    assert parse_row({"question": "q", "gt_answer": "3"})[0].solution == ""
+
+
+def test_held_out_split_is_stable_and_about_the_asked_share():
+    probs = [Problem(f"question {i}", "1") for i in range(4000)]
+    share = sum(held_out(p, 0.05) for p in probs) / len(probs)
+    assert 0.04 < share < 0.06
+    assert [held_out(p, 0.05) for p in probs] == [held_out(Problem(p.question, "other"), 0.05) for p in probs]
+    assert not any(held_out(p, 0.0) for p in probs)
+
+
+def test_lr_schedule_warms_up_then_decays_to_a_tenth():
+    assert lr_at(0, 100, 1.0, 10) == pytest.approx(0.1)
+    assert lr_at(9, 100, 1.0, 10) == pytest.approx(1.0)
+    assert lr_at(10, 100, 1.0, 10) == pytest.approx(1.0)
+    assert lr_at(55, 100, 1.0, 10) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_at(100, 100, 1.0, 10) == pytest.approx(0.1)
+
+
+def test_batch_plan_covers_every_sequence_once_grouped_by_length():
+    lengths = [(i * 37) % 101 + 1 for i in range(500)]
+    plan = batch_plan(lengths, 4, seed=3, epoch=0)
+    assert sorted(j for b in plan for j in b) == list(range(500))
+    assert plan == batch_plan(lengths, 4, seed=3, epoch=0) and plan != batch_plan(lengths, 4, seed=3, epoch=1)
+    spread = sum(max(lengths[j] for j in b) - min(lengths[j] for j in b) for b in plan) / len(plan)
+    assert spread < 10  # random batches of 4 would spread ~50
+
+
+def test_target_probs_match_a_float64_softmax():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 300, generator=g) * 4
+    ids = torch.tensor([0, 7, 8, 150, 299])
+    ref = torch.softmax(logits.double(), -1)[..., ids]
+    assert torch.allclose(target_probs(logits, ids).double(), ref, atol=1e-7)
+
+
+def test_expected_length_by_hand():
+    assert expected_length({}) == 1.0
+    assert expected_length({"acc_1": 0.5, "acc_2": 0.4, "acc_3": 0.2}) == pytest.approx(1 + 0.5 + 0.2 + 0.04)
+
+
+def _cfg(tmp_path, tiny_model_dir, data, **kw):
+    flat = dict(model=str(tiny_model_dir), out=str(tmp_path / "pre"), data=str(data), prompts=4, max_new_tokens=8,
+                draft_vocab=64, micro_batch=4, eval_sequences=6, eval_every=3, checkpoint_every=2, warmup=2,
+                holdout=0.2, lr=1e-3, draft="eagle3,dflash", block_size=4)
+    return build(PretrainConfig, {**flat, **kw})
+
+
+def test_held_out_problems_never_enter_the_corpus(tiny_model_dir, tmp_path):
+    from sparkrl.weights import load_model
+
+    data = gsm8k_file(tmp_path)
+    cfg = _cfg(tmp_path, tiny_model_dir, data, prompts=8)
+    lm = load_model(str(tiny_model_dir))
+    train, test, sources = build_corpus(cfg, lm.model, lm.tokenizer, lm.eos_ids)
+    problems = load_problems(str(data)).problems
+    held = [p for p in problems if held_out(p, 0.2)]
+    assert held and sources["solutions"] > 0 and sources["policy responses"] > 0
+    texts = [lm.tokenizer.decode(s) for s in train]
+    assert not any(p.question in t for p in held for t in texts)
+    assert sum("\\boxed{" in t for t in texts) >= len(problems) - len(held)  # every training solution is in
+    assert any(p.question in lm.tokenizer.decode(s) for p in held for s in test)
+
+
+def test_pretrain_two_kinds_scores_held_out_and_resumes_exactly_after_a_crash(tiny_model_dir, tmp_path, monkeypatch):
+    from sparkrl.draft_train import DraftTrainer
+
+    data = gsm8k_file(tmp_path)
+    full = pretrain(_cfg(tmp_path / "a", tiny_model_dir, data))
+    out = tmp_path / "a" / "pre"
+    recs = [json.loads(l) for l in (out / "pretrain.jsonl").read_text().splitlines()]
+    held = [r for r in recs if r.get("heldout")]
+    assert {r["kind"] for r in held} == {"eagle3", "dflash"} and held[0]["step"] == 0 and held[-1]["step"] == full["steps"]
+    for r in held:
+        assert 1.0 <= r["expected_length"] and all(0 <= r[f"acc_{d}"] <= 1 for d in (1, 2, 3))
+    assert (out / "pretrain.png").stat().st_size > 0 and (out / "eagle3" / "snapshots" / "step-000003.safetensors").exists()
+    lrs = [r["lr"] for r in recs if not r.get("heldout") and r["kind"] == "eagle3"]
+    assert lrs[0] == pytest.approx(5e-4) and lrs[-1] == pytest.approx(1e-4, rel=0.2)
+
+    # the same run, killed after its 5th step (the last checkpoint is step 4), then resumed
+    crash = {"n": 0}
+    real_step = DraftTrainer.step
+
+    def dying_step(self, *a, **k):
+        crash["n"] += 1
+        if crash["n"] == 10:  # two drafters step per batch: the 5th batch's second drafter
+            raise RuntimeError("killed")
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(DraftTrainer, "step", dying_step)
+    with pytest.raises(RuntimeError, match="killed"):
+        pretrain(_cfg(tmp_path / "b", tiny_model_dir, data))
+    monkeypatch.setattr(DraftTrainer, "step", real_step)
+    with pytest.raises(UserError, match="--resume"):
+        pretrain(_cfg(tmp_path / "b", tiny_model_dir, data))
+    with pytest.raises(UserError, match="other settings.*lr"):
+        pretrain(_cfg(tmp_path / "b", tiny_model_dir, data, resume=True, lr=2e-3))
+    pretrain(_cfg(tmp_path / "b", tiny_model_dir, data, resume=True))
+    for kind in ("eagle3", "dflash"):
+        a = read_checkpoint(out / kind / "drafter.pt")["state"]
+        b = read_checkpoint(tmp_path / "b" / "pre" / kind / "drafter.pt")["state"]
+        for k in a:
+            assert torch.equal(a[k], b[k]), (kind, k)
+    rb = [json.loads(l) for l in (tmp_path / "b" / "pre" / "pretrain.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rb] == [r["step"] for r in recs]
+
+
+def test_safetensors_drafter_round_trip_and_checks(tiny_model_dir, tmp_path):
+    from sparkrl.drafters import load_drafter
+    from sparkrl.drafters.eagle3 import Eagle3Drafter
+    from sparkrl.weights import load_model
+
+    policy = load_model(str(tiny_model_dir), with_tokenizer=False).model
+    torch.manual_seed(0)
+    d = Eagle3Drafter(policy.args, vocab_ids=torch.arange(0, 128, 2))
+    save_safetensors(d.checkpoint(), tmp_path / "d.safetensors")
+    assert (tmp_path / "d.safetensors").stat().st_size < 0.6 * 4 * sum(p.numel() for p in d.parameters())  # bf16
+    e = load_drafter(tmp_path / "d.safetensors", policy.args, "eagle3")
+    assert torch.equal(e.vocab_ids, d.vocab_ids)
+    for (k, v), w in zip(d.state_dict().items(), e.state_dict().values()):
+        assert torch.equal(v.to(torch.bfloat16).to(v.dtype), w) if v.is_floating_point() else torch.equal(v, w), k
+    with pytest.raises(UserError, match="kind 'eagle3', not 'dflash'"):
+        load_drafter(tmp_path / "d.safetensors", policy.args, "dflash")
+    (tmp_path / "x.safetensors").write_bytes((tmp_path / "d.safetensors").read_bytes()[:40])
+    with pytest.raises(UserError):
+        read_checkpoint(tmp_path / "x.safetensors")
+
+
+def test_draft_checkpoint_choices(tiny_model_dir, tmp_path):
+    from sparkrl.build import make_drafter
+    from sparkrl.config import DraftConfig
+    from sparkrl.drafters import find_checkpoint
+    from sparkrl.weights import load_model
+
+    policy = load_model(str(tiny_model_dir), with_tokenizer=False).model
+    assert find_checkpoint("", "eagle3", policy) is None  # no drafter is shipped for this policy: fresh
+    assert find_checkpoint("fresh", "eagle3", policy) is None
+    assert find_checkpoint("some/file.pt", "eagle3", policy) == "some/file.pt"
+    with pytest.raises(UserError, match="--draft-checkpoint default: the shipped eagle3 drafter .* serves --model default"):
+        find_checkpoint("default", "eagle3", policy)
+    with pytest.raises(UserError, match="--draft-checkpoint default"):
+        make_drafter(DraftConfig(draft="eagle3", draft_checkpoint="default"), policy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_shipped_drafters_serve_the_default_model(kind):
+    from sparkrl.build import make_drafter
+    from sparkrl.config import DraftConfig
+    from sparkrl.drafters import find_checkpoint, shipped_path
+    from sparkrl.weights import load_model
+
+    path = shipped_path(kind)
+    assert path.is_file() and path.stat().st_size < 40e6, path
+    policy = load_model("default", with_tokenizer=False).model
+    assert find_checkpoint("", kind, policy) == find_checkpoint("default", kind, policy) == str(path)
+    d = make_drafter(DraftConfig(draft=kind), policy)  # --draft KIND alone: the shipped drafter
+    ship = read_checkpoint(path)["state"]
+    for k, v in d.state_dict().items():
+        assert torch.equal(v, ship[k].to(v.dtype)), k
+    assert not math.isnan(float(sum(p.float().sum() for p in d.parameters())))
