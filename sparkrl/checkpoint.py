@@ -3,10 +3,11 @@
 `checkpoints/step-000003/` holds `policy.safetensors` (the policy's weights, loadable by anything
 that reads safetensors) and `state.pt` (everything else a run needs to continue exactly: the step,
 the optimizer states, RNG states, the drafter and its optimizer, SPARK's carried corrections, the
-budget's estimates, the run config). A step is written into a `.tmp-*` folder, fsynced, then renamed;
-a kill during the write leaves only that temporary, which the next start removes
-(`remove_stale`). The data position and every response's sampling generator are derived from
-(seed, step), so they need no state of their own.
+budget's estimates (every rank's, in a data-parallel run), the run config). A step is written into a
+`.tmp-*` folder, fsynced, then renamed; a kill during the write leaves only that temporary, which the
+next start removes (`remove_stale`). The data position, every response's sampling generator and the
+drafter loss's generators are derived from (seed, step), so they need no state of their own. In a
+data-parallel run rank 0 writes the checkpoint and every rank resumes from it.
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ import time
 
 import torch
 
+from sparkrl.distributed import SINGLE, World
+
+STATS = ("feat", "ce", "top1")  # loss statistics averaged over the drafter's trained positions
+
 
 class DraftTrainer:
     """The drafter's optimizer and its online updates (one AdamW step per rollout)."""
@@ -32,14 +36,15 @@ class DraftTrainer:
         self.seconds = 0.0
         self._stats: list[dict] = []
 
-    def observe(self, tokens, taps, hidden, logits, mask, weight: float = 1.0) -> dict:
+    def observe(self, tokens, taps, hidden, logits, mask, weight: float = 1.0, generator=None) -> dict:
         """Accumulate the gradient of one micro-batch (weight: its share of the batch's positions);
-        returns its loss statistics."""
+        returns its loss statistics. generator: the loss's randomness (DFlash's anchors): one
+        generator, one per row (`row_generators`), or None for the global RNG."""
         t0 = time.perf_counter()
         with torch.enable_grad():
             dt = self.drafter.fc.weight.dtype  # features of an autocast update come in bfloat16
             loss, st = self.drafter.loss(tokens, {i: t.detach().to(dt) for i, t in taps.items()},
-                                         hidden.detach().to(dt), logits.detach(), mask)
+                                         hidden.detach().to(dt), logits.detach(), mask, generator=generator)
             (loss * weight).backward()
         st["loss"] = float(loss.detach())
         self._stats.append(st)
@@ -54,18 +59,24 @@ class DraftTrainer:
                                          generator=generator)
         return {**st, "loss": float(loss)}
 
-    def step(self, grad_A: torch.Tensor | None = None) -> dict:
+    def step(self, grad_A: torch.Tensor | None = None, world: World = SINGLE) -> dict:
         """Apply the accumulated gradient (and SPARK's A gradient from the rollout, if any); returns
-        averaged stats and the time spent since the last step."""
+        averaged stats and the time spent since the last step.
+
+        world: the data-parallel ranks. Their gradients (each weighted by its share of the whole
+        batch) and statistics are summed first, so every rank makes the same update."""
         t0 = time.perf_counter()
+        world.sum_grads(self.drafter.parameters())
         if grad_A is not None and self.projection is not None:
             self.projection.A.grad = grad_A.to(self.projection.A)
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.max_grad_norm)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        local = [sum(s[k] * s["positions"] for s in self._stats) for k in STATS]
+        local.append(sum(s["positions"] for s in self._stats))
+        *sums, n = world.sum(torch.tensor(local, dtype=torch.float64)).tolist()
         self.seconds += time.perf_counter() - t0
-        n = sum(s["positions"] for s in self._stats) or 1.0
-        out = {f"draft_{k}": sum(s[k] * s["positions"] for s in self._stats) / n for k in ("feat", "ce", "top1")}
+        out = {f"draft_{k}": v / (n or 1.0) for k, v in zip(STATS, sums)}
         out["draft_train_s"] = self.seconds
         self._stats, self.seconds = [], 0.0
         return out
@@ -81,3 +92,10 @@ class DraftTrainer:
         if self.projection is not None:
             self.projection.load(state["drafter"]["spark"], "the checkpoint")
         self.opt.load_state_dict(state["optimizer"])
+
+
+def row_generators(seed: int, step: int, rows: range) -> list[torch.Generator]:
+    """One generator per response of GRPO step `step` for the drafter loss's random choices (DFlash's
+    anchors), seeded from (seed, step, the response's index in the step's whole batch): a response's
+    choices do not depend on the rank or the micro-batch it lands in."""
+    return [torch.Generator().manual_seed(hash((seed, step, r)) & 0x7FFF_FFFF_FFFF_FFFF) for r in rows]

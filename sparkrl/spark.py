@@ -33,6 +33,7 @@ import time
 import torch
 from torch import nn
 
+from sparkrl.distributed import SINGLE, World
 from sparkrl.errors import UserError
 
 
@@ -268,11 +269,14 @@ class Spark:
         self.store = SparseRows(self.V, self.A.shape[1], self.A.device)
         self.store.keys, self.store.rows = state["keys"].to(self.A.device), state["rows"].to(self.A.device)
 
-    def take_grad(self) -> torch.Tensor | None:
-        """The rollout's mean A gradient (None when nothing was accumulated); resets the accumulator."""
-        if not self.updates:
+    def take_grad(self, world: World = SINGLE) -> torch.Tensor | None:
+        """The rollout's mean A gradient (None when nothing was accumulated); resets the accumulator.
+        world: the data-parallel ranks; the mean is over all their owner-round updates (the same on
+        every rank, as one process would compute it on the whole batch)."""
+        updates = int(world.sum(torch.tensor(self.updates)))
+        if not updates:
             return None
-        g = (self.grad_A / self.updates).float()
+        g = (world.sum(self.grad_A) / updates).float()
         self.grad_A.zero_()
         self.updates = 0
         return g

@@ -3,11 +3,16 @@
 One step samples G responses for each of P prompts, scores them, and makes one policy update (the
 rollout policy is the current policy, so pi_old = pi detached and the clipped ratio is 1 at the
 start of the update; clipping matters once more updates per rollout are added).
+
+Under torchrun the step is data-parallel: each rank rolls out whole prompt groups of the step's batch
+(`distributed.World.shard`), and the ranks sum their gradients, each already divided by the whole
+batch's token count, so every rank makes the update one process would make on the whole batch.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import signal
 import sys
@@ -25,7 +30,8 @@ from sparkrl.checkpoint import (checkpoints_at, list_checkpoints, load_checkpoin
                                 save_checkpoint, set_rng_state)
 from sparkrl.config import RunConfig, to_dict
 from sparkrl.data import build_prompts, load_problems
-from sparkrl.draft_train import DraftTrainer
+from sparkrl.distributed import SINGLE, World
+from sparkrl.draft_train import DraftTrainer, row_generators
 from sparkrl.errors import UserError
 from sparkrl.export import export_model
 from sparkrl.grpo import grpo_loss, group_advantages, mismatch, token_logprobs
@@ -33,7 +39,7 @@ from sparkrl.machine import RateWatch, set_threads
 from sparkrl.model import Transformer, pad_right
 from sparkrl.precision import RolloutCopy, rollout_dtype
 from sparkrl.rewards import Grader
-from sparkrl.rollout import Rollout, generate, response_generators
+from sparkrl.rollout import Rollout, RoundStats, generate, response_generators
 from sparkrl.speculative import generate_speculative
 from sparkrl.weights import load_model, resolve_model_path
 
@@ -116,17 +122,23 @@ def deferred_sigint():
 
 
 def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Rollout, adv: torch.Tensor,
-                  cfg: RunConfig, draft_trainer: DraftTrainer | None = None) -> dict:
+                  cfg: RunConfig, draft_trainer: DraftTrainer | None = None, total: int | None = None,
+                  draft_generators: list[torch.Generator] | None = None) -> dict:
     """Gradients of one GRPO update on a rollout, accumulated over micro-batches; `apply_update`
     then steps the optimizer (the policy does not change here).
 
     With a draft trainer, each micro-batch's policy features (taps of this same forward, taken
     before the policy changes) also feed the drafter's online loss: no extra policy forward.
+
+    total: the response tokens of the whole step's batch, the divisor of the token-level mean (default:
+    this rollout's; a data-parallel rank passes the sum over all ranks, so its gradient and figures
+    are its share of the whole batch's). draft_generators: one per response, for the drafter loss's
+    randomness (`draft_train.row_generators`).
     """
     g = cfg.grpo
     device = policy.lm_head.weight.device
     rows = [r for r in range(len(rollout.tokens)) if rollout.tokens[r]]
-    total = sum(len(rollout.tokens[r]) for r in rows)
+    total = sum(len(rollout.tokens[r]) for r in rows) if total is None else total
     opt.zero_grad(set_to_none=True)
     kl = clipped = 0.0
     loss_sum = 0.0
@@ -163,7 +175,8 @@ def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Ro
         logp, h, logits, tapped = forward(policy, taps)
         mask_r = mask[:, :R]
         if draft_trainer is not None:
-            draft_trainer.observe(toks.gather(1, pos), tapped, h, logits, mask, float(mask_r.sum()) / total)
+            draft_trainer.observe(toks.gather(1, pos), tapped, h, logits, mask, float(mask_r.sum()) / total,
+                                  [draft_generators[r] for r in mb] if draft_generators else None)
         parts = grpo_loss(logp, logp.detach(), ref_logp, adv[mb].to(device), mask_r, g.clip_eps, g.kl_beta, total,
                           rollout_logp, g.tis_cap)
         parts.loss.backward()
@@ -187,12 +200,17 @@ def apply_update(policy: Transformer, opt, max_grad_norm: float) -> dict:
 
 class GRPORun:
     """One GRPO run's state (policy, reference, optimizers, drafter, SPARK, data order); `step`
-    makes one policy update. `train` drives it; `sparkrl bench` interleaves several."""
+    makes one policy update. `train` drives it; `sparkrl bench` interleaves several.
 
-    def __init__(self, cfg: RunConfig, grader: Grader | None = None):
-        resolved = prepare_out_dir(cfg)
+    world: the data-parallel ranks (`distributed.World`); each rolls out its share of every step's
+    prompts and all make the same update. Rank 0 alone writes the out dir."""
+
+    def __init__(self, cfg: RunConfig, grader: Grader | None = None, world: World = SINGLE):
+        if world.size > 1:
+            check_data_parallel(cfg)
+        resolved = world.broadcast(prepare_out_dir(cfg) if world.is_main else None)
         resolve_model_path(cfg.model.model)  # a bad model path fails here, before data work
-        self.cfg = cfg
+        self.cfg, self.world = cfg, world
         problems = load_problems(cfg.data.data, cfg.data.default_size, cfg.seed)
         set_threads(cfg.model.threads)  # after the inputs are checked: a bad one fails with one line
         self.lm = lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
@@ -203,15 +221,21 @@ class GRPORun:
         if not self.prompts.problems:
             raise UserError(f"no prompt fits --max-prompt-tokens {cfg.data.max_prompt_tokens} ({problems.summary()}"
                             f"{note}); raise it or use --prompt-overflow truncate")
-        print(f"sparkrl: {problems.summary()}{note}", file=sys.stderr)
+        if world.is_main:
+            print(f"sparkrl: {problems.summary()}{note}", file=sys.stderr)
         self.policy = policy = lm.model
         self.ref = copy.deepcopy(policy).requires_grad_(False) if cfg.grpo.kl_beta > 0 else None
         self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
         # what samples; a resumed run keeps the dtype its start measured (another machine may measure otherwise)
-        dt = resolved.get("rollout_dtype") or str(rollout_dtype(cfg.model.rollout_dtype, policy)).removeprefix("torch.")
-        write_run_config(cfg, {**resolved, "rollout_dtype": dt})
+        dt = resolved.get("rollout_dtype")
+        if not dt and world.is_main:
+            dt = str(rollout_dtype(cfg.model.rollout_dtype, policy)).removeprefix("torch.")
+        dt = world.broadcast(dt)  # every rank samples in rank 0's choice
+        if world.is_main:
+            write_run_config(cfg, {**resolved, "rollout_dtype": dt})
         self.rollout = RolloutCopy(policy, getattr(torch, dt))
-        d = make_drafting(cfg.draft, policy, self.rollout.model, cfg.sampling.temperature, cfg.seed)
+        with world.main_first():  # rank 0 times the machine for the budget (cached), the others read its timing
+            d = make_drafting(cfg.draft, policy, self.rollout.model, cfg.sampling.temperature, cfg.seed)
         self.drafter, self.draft_rollout, self.spark, self.budget = d.drafter, d.rollout, d.spark, d.budget
         self.drafting = d.trainer(cfg.draft)
         self.order = DataOrder(len(self.prompts.problems), cfg.grpo.prompts_per_step, cfg.seed)
@@ -230,27 +254,36 @@ class GRPORun:
                 self.drafting.load_state_dict(ck["draft"])
             if self.spark is not None and "spark_carry" in ck:
                 self.spark.load_state_dict(ck["spark_carry"])
-            if self.budget is not None and "budget" in ck:
-                self.budget.load_state_dict(ck["budget"])
+            if self.budget is not None and "budget" in ck:  # each rank's own, when the run had as many ranks
+                ranks = ck.get("budget_of_ranks", [])
+                self.budget.load_state_dict(ranks[self.world.rank] if len(ranks) == self.world.size else ck["budget"])
             set_rng_state(ck["rng"])
             start = ck["step"]
             self.rollout.refresh()
             if self.draft_rollout is not None:
                 self.draft_rollout.refresh()
-        _truncate_metrics(self.cfg.out, start)
+        if self.world.is_main:
+            _truncate_metrics(self.cfg.out, start)
         return start
 
-    def state(self) -> dict:
+    def state(self, budgets: list[dict] | None = None) -> dict:
+        """What a checkpoint holds. budgets: every rank's budget state (data-parallel: each rank's
+        budget learns from its own rollouts); rank 0's alone when not given."""
         return {"policy": self.policy.weights(), "optimizer": self.opt.state_dict(), "config": to_dict(self.cfg),
                 **({"draft": self.drafting.state_dict()} if self.drafting is not None else {}),
                 **({"spark_carry": self.spark.state_dict()} if self.spark is not None and self.spark.carry else {}),
-                **({"budget": self.budget.state_dict()} if self.budget is not None else {})}
+                **({"budget": self.budget.state_dict()} if self.budget is not None else {}),
+                **({"budget_of_ranks": budgets} if budgets and len(budgets) > 1 else {})}
 
     def checkpoint_if_due(self, m: dict) -> bool:
-        """Write a checkpoint after the step whose metrics are m when the run's rule says so."""
+        """Write a checkpoint after the step whose metrics are m when the run's rule says so (rank 0
+        writes it; every rank waits for it, and every rank resumes from it)."""
         if not self.cfg.checkpoint_due(m["step"]):
             return False
-        save_checkpoint(self.cfg.out, m["step"], self.state(), self.cfg.keep_checkpoints)
+        budgets = self.world.gather(self.budget.state_dict()) if self.budget is not None else None
+        if self.world.is_main:
+            save_checkpoint(self.cfg.out, m["step"], self.state(budgets), self.cfg.keep_checkpoints)
+        self.world.barrier()
         return True
 
     def step(self, step: int, progress=None, on_commit=None) -> dict:
@@ -258,9 +291,10 @@ class GRPORun:
 
         The optimizer steps, the metrics line and `on_commit(metrics)` (e.g. a checkpoint) land in
         one block that Ctrl-C waits for, so an interrupted run's last checkpoint matches its metrics."""
-        cfg, G = self.cfg, self.cfg.grpo.group_size
-        idx = self.order.batch(step)
-        gens = response_generators(cfg.seed, len(idx), G, offset=step * cfg.grpo.prompts_per_step)
+        cfg, G, world = self.cfg, self.cfg.grpo.group_size, self.world
+        mine = world.shard(cfg.grpo.prompts_per_step)  # this rank's prompts of the step (all of them in one process)
+        idx = self.order.batch(step)[mine.start:mine.stop]
+        gens = response_generators(cfg.seed, len(idx), G, offset=step * cfg.grpo.prompts_per_step + mine.start)
         batch_prompts = [self.prompts.prompt_ids[i] for i in idx]
         policy = self.rollout.model
         if self.drafter is None:
@@ -275,14 +309,23 @@ class GRPORun:
         scores = [self.grader.score(t, self.prompts.problems[idx[r // G]].answer) for r, t in enumerate(texts)]
         rewards = torch.tensor([s.reward for s in scores])
         t0 = time.perf_counter()
-        upd = policy_update(self.policy, self.ref, self.opt, rollout, group_advantages(rewards, G), cfg, self.drafting)
+        total = int(world.sum(torch.tensor(rollout.num_tokens)))  # the loss is a token mean over the whole step's batch
+        draft_gens = row_generators(cfg.seed, step, range(mine.start * G, mine.stop * G)) if self.drafting else None
+        upd = policy_update(self.policy, self.ref, self.opt, rollout, group_advantages(rewards, G), cfg, self.drafting,
+                            total, draft_gens)
         with deferred_sigint():
+            world.sum_grads(self.policy.parameters())  # every rank's share of the batch: the whole batch's gradient
             upd.update(apply_update(self.policy, self.opt, cfg.grpo.max_grad_norm))
             self.rollout.refresh()  # the rollout copy follows the master weights
             if self.drafting is not None:
-                upd.update(self.drafting.step(self.spark.take_grad() if self.spark is not None else None))
+                upd.update(self.drafting.step(self.spark.take_grad(world) if self.spark is not None else None, world))
                 self.draft_rollout.refresh()
-            train_s = time.perf_counter() - t0 - upd.get("draft_train_s", 0.0)
+            upd["train_s"] = time.perf_counter() - t0 - upd.get("draft_train_s", 0.0)
+            if self.budget is not None:
+                upd["gen_ar_estimate_s"] = self.budget.autoregressive_estimate(rollout.stats)
+            rollout, scores, upd = gather_step(world, rollout, scores, upd)  # the whole batch's, on every rank
+            rewards = torch.tensor([s.reward for s in scores])
+            ar_estimate = upd.pop("gen_ar_estimate_s", None)
             m = {
                 "step": step + 1,
                 "reward_mean": float(rewards.mean()),
@@ -290,7 +333,7 @@ class GRPORun:
                 "accuracy": sum(s.accuracy for s in scores) / len(scores),
                 "format": sum(s.format for s in scores) / len(scores),
                 "gen_s": rollout.gen_s,
-                "train_s": train_s,
+                "train_s": upd.pop("train_s"),
                 "draft_train_s": upd.pop("draft_train_s", 0.0),
                 "gen_tokens": rollout.num_tokens,
                 "gen_tok_per_s": rollout.num_tokens / max(rollout.gen_s, 1e-9),
@@ -298,12 +341,12 @@ class GRPORun:
                 "truncated_frac": rollout.finish_reason.count("length") / len(rollout.tokens),
                 **upd,
                 **rollout.stats.to_metrics(),
-                **({"gen_ar_estimate_s": self.budget.autoregressive_estimate(rollout.stats)}
-                   if self.budget is not None else {}),
+                **({"gen_ar_estimate_s": ar_estimate} if ar_estimate is not None else {}),
             }
-            _append_metrics(cfg.out, m)
-            if cfg.draft.round_log:
-                append_round_log(cfg.draft.round_log, rollout, step=step + 1, spark=self.spark is not None)
+            if world.is_main:
+                _append_metrics(cfg.out, m)
+                if cfg.draft.round_log:
+                    append_round_log(cfg.draft.round_log, rollout, step=step + 1, spark=self.spark is not None)
             if on_commit is not None:
                 on_commit(m)
         self.last_rollout = rollout
@@ -315,16 +358,27 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
     policy is exported as a Hugging Face folder, DIR/model.
 
     grader: scores responses (default: `Grader()`, the paper's R_acc + 0.2 R_fmt).
+
+    Started by torchrun, the run is data-parallel over its ranks (`distributed`); rank 0 writes.
     """
-    run = GRPORun(cfg, grader)
+    world = World.from_env(cfg.model.device, cfg.grpo.prompts_per_step)  # SINGLE outside torchrun
+    try:
+        return _train(GRPORun(cfg, grader, world))
+    finally:
+        world.close()
+
+
+def _train(run: GRPORun) -> dict:
+    cfg, main = run.cfg, run.world.is_main
     start = saved_step = run.resume()
-    if cfg.resume:
+    if cfg.resume and main:
         print(f"sparkrl: resuming {cfg.out} from step {start}" if start else
               f"sparkrl: --resume: no checkpoint in {cfg.out}/checkpoints yet; starting from step 0", file=sys.stderr)
     totals = {"steps": 0, **{k: 0.0 for k in SUMMED}}
     first = last = None
     watch = RateWatch()
-    bar = tqdm(total=cfg.steps, initial=start, unit="step", desc="grpo", dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(total=cfg.steps, initial=start, unit="step", desc="grpo", dynamic_ncols=True, file=sys.stderr,
+               disable=not main)
 
     def checkpoint(m):
         nonlocal saved_step
@@ -354,20 +408,74 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
     except KeyboardInterrupt:
         bar.close()
         done = last["step"] if last else start
-        if done > saved_step:
-            save_checkpoint(cfg.out, done, run.state(), cfg.keep_checkpoints)
-        print(f"sparkrl: interrupted; checkpoint at step {done} in {cfg.out}/checkpoints; continue with --resume",
-              file=sys.stderr)
+        if main:  # other ranks may be gone: no collective here, rank 0's budget estimates only
+            if done > saved_step:
+                save_checkpoint(cfg.out, done, run.state(), cfg.keep_checkpoints)
+            print(f"sparkrl: interrupted; checkpoint at step {done} in {cfg.out}/checkpoints; continue with --resume",
+                  file=sys.stderr)
         raise SystemExit(130)
     finally:
         run.grader.close()
     bar.close()
-    export_model(run.policy, run.lm.path, Path(cfg.out) / "model")
+    if main:
+        export_model(run.policy, run.lm.path, Path(cfg.out) / "model")
     return _summary(cfg, totals, first, last)
 
 
 SUMMED = ("gen_s", "train_s", "draft_train_s", "gen_tokens", "rounds", "tree_rounds", "committed",
           "row_rounds", "gen_ar_estimate_s")
+
+
+def check_data_parallel(cfg: RunConfig) -> None:
+    """Settings whose maths the ranks cannot share: a data-parallel run must make one process's update."""
+    sc = cfg.draft.spark_config
+    if sc.spark and sc.spark_scope == "batch":
+        raise UserError("--spark-scope batch shares one correction across the whole batch, which the data-parallel "
+                        "ranks split; use --spark-scope group or response, or one process")
+    if sc.spark and sc.spark_carry:
+        raise UserError("--spark-carry carries each rank's corrections by batch position, which differs from one "
+                        "process's; run that ablation in one process")
+
+
+# How the ranks' update figures combine: each rank's share of a whole-batch token mean (policy_update
+# divides by the whole batch's tokens) is summed; maxima and times take the largest; the rest (the
+# gradient norm, the drafter's statistics) are the same on every rank.
+_SHARES = {"loss", "kl", "clip_frac", "rollout_logp_abs_mean", "rollout_kl"}
+_LARGEST = {"rollout_logp_abs_max", "train_s", "draft_train_s", "gen_ar_estimate_s"}
+_ROUND_COUNTS = ("rounds", "row_rounds", "committed", "policy_forwards", "tree_rounds", "tree_row_rounds")
+_ROUND_TIMES = ("draft_s", "verify_s", "accept_s", "ar_s")
+
+
+def gather_step(world: World, rollout: Rollout, scores: list, upd: dict) -> tuple[Rollout, list, dict]:
+    """A step's rollout, scores and update figures over all ranks, in the whole batch's response order,
+    on every rank: what one process would have had, but for the rounds (each rank's engine ran its own,
+    so they add up) and the times (the slowest rank's). In one process, the arguments themselves."""
+    if world.size == 1:
+        return rollout, scores, upd
+    parts = world.gather((dataclasses.replace(rollout, logp=[]), scores, upd))  # no figure needs the log-probs
+    rollouts, scores, upds = zip(*parts)
+    upd = {k: _combine(k, [u[k] for u in upds]) for k in upds[0]}
+    return merge_rollouts(rollouts), [s for part in scores for s in part], upd
+
+
+def _combine(key: str, values: list[float]) -> float:
+    return sum(values) if key in _SHARES else max(values) if key in _LARGEST else values[0]
+
+
+def merge_rollouts(parts: list[Rollout]) -> Rollout:
+    """The ranks' rollouts of a step as one (rank order is the batch's order); see `gather_step`."""
+    cat = lambda name: [x for p in parts for x in getattr(p, name)]
+    stats = RoundStats(depth=parts[0].stats.depth)
+    for name in _ROUND_COUNTS:
+        setattr(stats, name, sum(getattr(p.stats, name) for p in parts))
+    for name in _ROUND_TIMES:
+        setattr(stats, name, max(getattr(p.stats, name) for p in parts))
+    stats.accepted_at_depth = [sum(n) for n in zip(*(p.stats.accepted_at_depth for p in parts))]
+    stats.active_aal = [x for p in parts for x in p.stats.active_aal]
+    stats.adapter = {k: (max if k.endswith("_s") else sum)(p.stats.adapter[k] for p in parts)
+                     for k in parts[0].stats.adapter}
+    return Rollout(cat("prompt_ids"), parts[0].group_size, cat("tokens"), cat("finish_reason"),
+                   max(p.gen_s for p in parts), stats, cat("outcome"), cat("round_of"), cat("logp"))
 
 
 def export_run(run_dir: str, out: str) -> tuple[int, Path]:

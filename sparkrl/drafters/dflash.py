@@ -131,6 +131,17 @@ def block_logits(drafter: DFlashDrafter, tokens: torch.Tensor, feats: torch.Tens
     return drafter.logits(out.hidden[:, T:].view(B, K, bs, -1)[:, :, 1:])
 
 
+def sample_anchors(w: torch.Tensor, k: int, generator=None) -> torch.Tensor:
+    """k positions per row (B, k), drawn with replacement by the weights w (B, T), from one generator
+    (None: the global RNG) or from a list of one CPU generator per row: a row's anchors then do not
+    depend on the other rows of its micro-batch (data-parallel GRPO splits a batch across ranks)."""
+    if not isinstance(generator, (list, tuple)):
+        return torch.multinomial(w, k, replacement=True, generator=generator)
+    rows = w.cpu()  # host sync: the per-row generators are CPU generators
+    return torch.stack([torch.multinomial(r, k, replacement=True, generator=g)
+                        for r, g in zip(rows, generator)]).to(w.device)
+
+
 def block_loss(drafter: DFlashDrafter, tokens: torch.Tensor, taps: dict, target_logits: torch.Tensor,
                mask: torch.Tensor, anchors: int = ANCHORS, gamma: float = GAMMA, generator=None):
     """Position-weighted soft cross-entropy of K random blocks per sequence.
@@ -139,12 +150,13 @@ def block_loss(drafter: DFlashDrafter, tokens: torch.Tensor, taps: dict, target_
     the policy's logits there (position t: the distribution of token t + 1); mask (B, T): position t's
     target may be trained. A block anchored at a (mask[a] true) predicts tokens a + j, j = 1..bs-1,
     against the policy's distribution at a + j - 1, weight exp(-(j - 1) / gamma) where mask allows.
+    generator: the anchors' randomness (see `sample_anchors`).
     """
     B, T = tokens.shape
     dev = tokens.device
     n = drafter.block_size - 1
     w_pos = mask.float() + 1e-9 * (mask.sum(-1, keepdim=True) == 0)  # rows without targets: any anchor
-    a = torch.multinomial(w_pos, anchors, replacement=True, generator=generator)  # (B, K)
+    a = sample_anchors(w_pos, anchors, generator)  # (B, K)
     z = block_logits(drafter, tokens, drafter.features({i: t.detach() for i, t in taps.items()}), a)
     tgt = (a[:, :, None] + torch.arange(n, device=dev)).clamp(max=T - 1)  # (B, K, n) target positions
     ok = mask.gather(1, tgt.flatten(1)).view(B, anchors, n) & (a[:, :, None] + torch.arange(n, device=dev) < T)

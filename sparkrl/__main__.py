@@ -1,0 +1,7 @@
+"""`python -m sparkrl ...`: the command line, also as torchrun starts it (`torchrun --nproc-per-node N -m sparkrl train ...`)."""
+
+import sys
+
+from sparkrl.cli import main
+
+sys.exit(main())
