@@ -345,6 +345,8 @@ class PretrainConfig(Checked):
     solutions: bool = True
     """Also train on the worked solutions of the --data problems that have one (GSM8K; MATH with a
     'solution' field) as the assistant turn after the GRPO prompt, with the policy's distributions as targets."""
+    max_solutions: int = at_least(0, 0, "0: all")
+    """At most this many worked solutions (a seeded sample; 0: all)."""
     holdout: float = at_least(0.0, 0.05)
     """Share of the problems held out by a hash of their question (`data.held_out`): never in the corpus;
     the held-out score and the drafter benchmarks use them."""

@@ -131,7 +131,10 @@ def build_corpus(cfg: PretrainConfig, policy, tok, eos_ids) -> tuple[list[list[i
     sources = {}
     train, test = [], []
     if cfg.solutions:
-        train += [solution_ids(tok, p, eos, limit) for p in train_p if p.solution]
+        sols = [p for p in train_p if p.solution]
+        if 0 < cfg.max_solutions < len(sols):
+            sols = random.Random(cfg.seed + 1).sample(sols, cfg.max_solutions)
+        train += [solution_ids(tok, p, eos, limit) for p in sols]
         sols = [p for p in test_p if p.solution]
         test += [solution_ids(tok, p, eos, limit) for p in rng.sample(sols, min(cfg.eval_sequences // 2, len(sols)))]
         sources["solutions"] = sum(map(len, train))

@@ -193,3 +193,15 @@ def test_shipped_drafters_serve_the_default_model(kind):
     for k, v in d.state_dict().items():
         assert torch.equal(v, ship[k].to(v.dtype)), k
     assert not math.isnan(float(sum(p.float().sum() for p in d.parameters())))
+
+
+@pytest.mark.slow
+def test_train_with_draft_eagle3_alone_uses_the_shipped_drafter(tmp_path, capsys):
+    from sparkrl.cli import main
+
+    assert main(["train", "--model", "default", "--data", "default", "--out", str(tmp_path / "run"), "--steps", "1",
+                 "--prompts-per-step", "1", "--group-size", "2", "--max-new-tokens", "24", "--draft", "eagle3",
+                 "--budget", "fixed"]) == 0
+    assert "freshly initialised" not in capsys.readouterr().err
+    m = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert m["aal"] > 1.0 and m["tree_rounds"] == m["rounds"]
