@@ -41,6 +41,8 @@ def main():
     ap.add_argument("--batches", default="1x1,1x8,8x8", help="PROMPTSxGROUP per setting")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--fixed-upto", type=int, default=1 << 30,
+                    help="run the full-proposal-every-round system only up to this many responses")
     ap.add_argument("--tree", default="5,4,16", help="depth,branch,nodes")
     ap.add_argument("--skip", type=int, default=0, help="problems to skip (e.g. those used for pretraining)")
     ap.add_argument("--grpo-step", action="store_true")
@@ -63,13 +65,16 @@ def main():
     for spec in args.batches.split(","):
         P, G = map(int, spec.split("x"))
         ps = prompts[:P]
+        spec, budgeted = args.draft, f"{args.draft}+budget"
         runs = {
             "autoregressive": lambda: generate(lm.model, ps, sc, lm.eos_ids, response_generators(0, P, G), G),
-            args.draft: lambda: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids, response_generators(0, P, G),
-                                                   dcfg.shape(), G),
-            f"{args.draft}+budget": lambda: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
-                                                          response_generators(0, P, G), dcfg.shape(), G, budget=budget),
+            spec: lambda: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids, response_generators(0, P, G),
+                                               dcfg.shape(), G),
+            budgeted: lambda: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids, response_generators(0, P, G),
+                                                   dcfg.shape(), G, budget=budget),
         }
+        if P * G > args.fixed_upto:  # the full proposal every round is known to lose there; save the time
+            del runs[spec]
         times = {k: [] for k in runs}
         res = {}
         for rep in range(args.repeats):
@@ -78,18 +83,19 @@ def main():
                 times[name].append(res[name].gen_s)
         med = {k: statistics.median(v) for k, v in times.items()}
         tps = {k: res[k].num_tokens / med[k] for k in runs}
-        spec, budgeted = args.draft, f"{args.draft}+budget"
-        st, sb = res[spec].stats, res[budgeted].stats
+        sb = res[budgeted].stats
+        st = res[spec].stats if spec in res else None
         row = {"prompts": P, "group": G, "responses": P * G, "tokens": {k: res[k].num_tokens for k in runs},
                "median_s": med, "times_s": times, "tok_per_s": tps,
                "ratio": {k: tps[k] / tps["autoregressive"] for k in runs if k != "autoregressive"},
-               "aal": st.aal, "budget_aal": sb.aal, "rounds": st.rounds, "budget_tree_rounds": [sb.tree_rounds, sb.rounds],
-               "split_s": {k: getattr(st, k) for k in ("draft_s", "verify_s", "accept_s")},
-               "accept_at_depth": st.accept_at_depth}
+               "aal": st.aal if st else None, "budget_aal": sb.aal, "rounds": sb.rounds,
+               "budget_tree_rounds": [sb.tree_rounds, sb.rounds],
+               "split_s": {k: getattr(st or sb, k) for k in ("draft_s", "verify_s", "accept_s")},
+               "accept_at_depth": (st or sb).accept_at_depth}
         rows.append(row)
-        print(f"{P}x{G}: AR {tps['autoregressive']:.1f} tok/s, {spec} {tps[spec]:.1f} tok/s "
-              f"({row['ratio'][spec]:.2f}x, AAL {st.aal:.2f}), with budget {tps[budgeted]:.1f} tok/s "
-              f"({row['ratio'][budgeted]:.2f}x, {sb.tree_rounds}/{sb.rounds} tree rounds, AAL {sb.aal:.2f}), "
+        fixed = f"{spec} {tps[spec]:.1f} tok/s ({row['ratio'][spec]:.2f}x, AAL {st.aal:.2f}), " if st else ""
+        print(f"{P}x{G}: AR {tps['autoregressive']:.1f} tok/s, {fixed}with budget {tps[budgeted]:.1f} tok/s "
+              f"({row['ratio'][budgeted]:.2f}x, {sb.tree_rounds}/{sb.rounds} drafted rounds, AAL {sb.aal:.2f}), "
               f"split {row['split_s']}", flush=True)
     result = {"meta": {"draft": args.draft, "block_size": args.block_size, "heldout": args.heldout, "tree": [depth, branch, nodes], "max_new_tokens": args.max_new_tokens, "data": args.data,
                        "dtype": args.dtype, "budget": args.budget,
@@ -117,12 +123,12 @@ def plot(result: dict, path: Path) -> None:
     w = 0.8 / len(names)
     for i, name in enumerate(names):
         xs = [x + (i - (len(names) - 1) / 2) * w for x in range(len(rows))]
-        ys = [r["tok_per_s"][name] for r in rows]
+        ys = [r["tok_per_s"].get(name, 0.0) for r in rows]
         ax.bar(xs, ys, w, label=name)
         for x, y, r in zip(xs, ys, rows):
-            if name != "autoregressive":
+            if name != "autoregressive" and name in r["ratio"]:
                 ax.text(x, y * 1.02, f"{r['ratio'][name]:.2f}x", ha="center", fontsize=8)
-    ax.set_xticks(range(len(rows)), [f"{r['prompts']}x{r['group']} (AAL {r['aal']:.2f})" for r in rows])
+    ax.set_xticks(range(len(rows)), [f"{r['prompts']}x{r['group']} (AAL {r['aal'] or r['budget_aal']:.2f})" for r in rows])
     ax.set_ylim(0, max(max(r["tok_per_s"].values()) for r in rows) * 1.15)
     ax.set_ylabel("generated tokens / s")
     ax.set_title(f"Speculative ({result['meta']['draft']}) vs autoregressive rollouts, default model, CPU")

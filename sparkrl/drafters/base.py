@@ -148,6 +148,7 @@ def save_safetensors(ck: dict, path: Path, dtype: torch.dtype = torch.bfloat16, 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{path.name}")
     save_file(tensors, str(tmp), metadata={"sparkrl_drafter": json.dumps(meta)})
+    tmp.chmod(0o644)  # readable like any other file of a package
     tmp.replace(path)
 
 
