@@ -229,8 +229,8 @@ def _change(x: float) -> str:
 
 def markdown(results: dict, cfg: BenchConfig) -> str:
     f = lambda x: "-" if x is None else f"{x:.2f}"
-    lines = [f"sizes: {results['sizes']}, budget {cfg.budget}, drafters: {cfg.draft_checkpoint or '(fresh)'} (EAGLE3-style), "
-             f"{cfg.dflash_checkpoint or '(fresh)'} (DFlash-style, block {cfg.block_size})", ""]
+    lines = [f"sizes: {results['sizes']}, budget {cfg.budget}, drafters: {cfg.draft_checkpoint or '(shipped or fresh)'} (EAGLE3-style), "
+             f"{cfg.dflash_checkpoint or '(shipped or fresh)'} (DFlash-style, block {cfg.block_size})", ""]
     if cfg.ablations:
         lines += ["| dataset | configuration | AAL | E2E (x) | paper AAL | paper E2E |", "| --- | --- | --- | --- | --- | --- |"]
         for name, d in results["datasets"].items():

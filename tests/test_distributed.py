@@ -64,7 +64,7 @@ def model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 def _flat(model_dir, out, **kw) -> dict:
     return {"model": str(model_dir), "out": str(out), "steps": 2, "group_size": 2, "prompts_per_step": 4,
             "max_new_tokens": 8, "default_size": 20, "lr": 1e-3, "micro_batch": 2, "rollout_dtype": "float32",
-            "budget": "fixed", **kw}
+            "budget": "fixed", "threads": 1, **kw}  # one thread in every process: the same float reductions
 
 
 def _rank(rank: int, size: int, port: int, flat: dict) -> None:
