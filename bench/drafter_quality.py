@@ -73,7 +73,7 @@ def snapshots_curve(lm, args, sampling) -> dict:
             step = int(re.search(r"step-(\d+)", f.name).group(1))
             c = cfg(f)
             m = measure(lm, make_drafter(c, lm.model), c.shape(), prompts, args.group, sampling)
-            out[kind].append({"step": step, "tokens": steps_tokens.get(step), **m})
+            out[kind].append({"step": step, **m, "pretrain_tokens": steps_tokens.get(step)})
             print(f"{kind} step {step} ({steps_tokens.get(step, 0) / 1e6:.2f}M tokens): AAL {m['aal']:.2f}", flush=True)
     return out
 
@@ -86,7 +86,7 @@ def plot_curve(curve: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for kind, rows in curve.items():
-        ax.plot([r["tokens"] / 1e6 for r in rows], [r["aal"] for r in rows], marker="o", label=kind)
+        ax.plot([r["pretrain_tokens"] / 1e6 for r in rows], [r["aal"] for r in rows], marker="o", label=kind)
     ax.set(xlabel="pretraining tokens (millions)", ylabel="held-out AAL (generation)",
            title="Held-out AAL against draft pretraining tokens")
     ax.legend()
