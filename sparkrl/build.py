@@ -22,14 +22,21 @@ from sparkrl.precision import RolloutCopy
 from sparkrl.spark import Projection, Spark
 
 
-def make_drafter(cfg: DraftConfig, policy: Transformer, seed: int = 0, checkpoint: dict | None = None):
-    """The drafter, on the policy's device, bound to it (None for --draft none). checkpoint: the
-    already read draft checkpoint (`find_checkpoint`; read here when not given)."""
+def resolve_checkpoint(cfg: DraftConfig, policy: Transformer) -> tuple[str | None, dict | None]:
+    """The draft checkpoint --draft-checkpoint names for this policy (`find_checkpoint`) and its
+    contents, read once ((None, None): a freshly initialised drafter)."""
+    source = find_checkpoint(cfg.draft_checkpoint, cfg.draft, policy) if cfg.draft != "none" else None
+    return source, read_checkpoint(source) if source else None
+
+
+def make_drafter(cfg: DraftConfig, policy: Transformer, seed: int = 0, resolved: tuple | None = None):
+    """The drafter, on the policy's device, bound to it (None for --draft none). resolved: the
+    already resolved draft checkpoint (`resolve_checkpoint`; resolved here when not given)."""
     if cfg.draft == "none":
         return None
-    source = find_checkpoint(cfg.draft_checkpoint, cfg.draft, policy)
+    source, ck = resolved or resolve_checkpoint(cfg, policy)
     if source:
-        d = load_drafter(checkpoint or read_checkpoint(source), policy.args, cfg.draft, source)
+        d = load_drafter(ck, policy.args, cfg.draft, source)
     else:
         if cfg.draft_checkpoint != "fresh":
             print(f"sparkrl: warning: --draft {cfg.draft} without --draft-checkpoint starts from a freshly initialised "
@@ -44,7 +51,7 @@ def make_drafter(cfg: DraftConfig, policy: Transformer, seed: int = 0, checkpoin
 
 
 def make_spark(cfg: DraftConfig, policy: Transformer, drafter, temperature: float,
-               checkpoint: dict | None = None) -> tuple[Projection | None, Spark | None]:
+               resolved: tuple | None = None) -> tuple[Projection | None, Spark | None]:
     """SPARK's projection and rollout state ((None, None) without --spark). A comes from the drafter
     checkpoint when it holds one (a GRPO run's checkpoint does), else from the policy's output
     projection (QR)."""
@@ -52,11 +59,9 @@ def make_spark(cfg: DraftConfig, policy: Transformer, drafter, temperature: floa
     if drafter is None or not sc.spark:
         return None, None
     proj = Projection.for_policy(policy, sc.spark_rank)
-    source = find_checkpoint(cfg.draft_checkpoint, cfg.draft, policy)
-    if source:
-        ck = checkpoint or read_checkpoint(source)
-        if "spark" in ck:
-            proj.load(ck["spark"], source)
+    source, ck = resolved or resolve_checkpoint(cfg, policy)
+    if ck is not None and "spark" in ck:
+        proj.load(ck["spark"], source)
     proj.to(policy.lm_head.weight.device)
     return proj, Spark.from_config(sc, proj.A, drafter.vocab_ids.numel(), temperature)
 
@@ -94,12 +99,11 @@ def make_drafting(cfg: DraftConfig, policy: Transformer, rollout_policy: Transfo
     """The drafter, SPARK and the budget, with the draft checkpoint read once. policy: the master
     weights (what the drafter trains against); rollout_policy: what samples (the same module, or its
     copy in the rollout dtype), which the rollout drafter, the cost model and the budget follow."""
-    source = find_checkpoint(cfg.draft_checkpoint, cfg.draft, policy) if cfg.draft != "none" else None
-    ck = read_checkpoint(source) if source else None
-    drafter = make_drafter(cfg, policy, seed, ck)
+    resolved = resolve_checkpoint(cfg, policy)  # once: the shipped-drafter lookup reads a file and the policy
+    drafter = make_drafter(cfg, policy, seed, resolved)
     if drafter is None:
         return Drafting()
     rollout = RolloutCopy(drafter, rollout_policy.lm_head.weight.dtype)
     rollout.model.bind(rollout_policy)
-    projection, spark = make_spark(cfg, policy, drafter, temperature, ck)
+    projection, spark = make_spark(cfg, policy, drafter, temperature, resolved)
     return Drafting(drafter, rollout, projection, spark, make_budget(cfg, rollout_policy, rollout.model))

@@ -121,11 +121,13 @@ def load_corpus_problems(cfg: PretrainConfig) -> tuple[list[Problem], list[Probl
     return train, test
 
 
-def build_corpus(cfg: PretrainConfig, policy, tok, eos_ids) -> tuple[list[list[int]], list[list[int]], dict]:
-    """(train sequences, held-out sequences, tokens per source)."""
+def build_corpus(cfg: PretrainConfig, policy, tok, eos_ids, problems: tuple[list[Problem], list[Problem]]
+                 ) -> tuple[list[list[int]], list[list[int]], dict]:
+    """(train sequences, held-out sequences, tokens per source) from (train, held-out) problems
+    (`load_corpus_problems`)."""
     folder = Path(cfg.out) / "corpus"
     folder.mkdir(parents=True, exist_ok=True)
-    train_p, test_p = load_corpus_problems(cfg)
+    train_p, test_p = problems
     limit = cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens
     eos = tok.eos_token_id if tok.eos_token_id is not None else eos_ids[0]
     rng = random.Random(cfg.seed)
@@ -267,12 +269,12 @@ def pretrain(cfg: PretrainConfig) -> dict:
     passes with held-out scores; returns a summary."""
     out = Path(cfg.out)
     resume = _check_resume(cfg, out)
-    load_corpus_problems(cfg)  # bad --data or an empty corpus fails before the model loads
+    problems = load_corpus_problems(cfg)  # bad --data or an empty corpus fails before the model loads
     set_threads(cfg.model.threads)
     lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
     master, tok = lm.model, lm.tokenizer
     policy = RolloutCopy(master, rollout_dtype(cfg.model.rollout_dtype, master)).model  # features and targets
-    train, test, sources = build_corpus(cfg, policy, tok, lm.eos_ids)
+    train, test, sources = build_corpus(cfg, policy, tok, lm.eos_ids, problems)
     counts = Counter(t for s in train for t in s)
     V = master.args.vocab_size
     vocab_ids = draft_vocabulary(counts, cfg.draft_vocab, V, lm.eos_ids) if 0 < cfg.draft_vocab < V else None

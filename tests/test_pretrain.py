@@ -12,7 +12,7 @@ from sparkrl.config import PretrainConfig, build
 from sparkrl.data import Problem, held_out, load_problems, parse_row
 from sparkrl.drafters.base import expected_length, read_checkpoint, save_safetensors, target_probs
 from sparkrl.errors import UserError
-from sparkrl.pretrain import batch_plan, build_corpus, lr_at, pretrain
+from sparkrl.pretrain import batch_plan, build_corpus, load_corpus_problems, lr_at, pretrain
 
 GSM_ROW = {"question": "Tom has {n} apples and buys 3 more. How many apples does he have?",
            "answer": "He buys 3 so he has {n}+3=<<{n}+3={m}>>{m} apples.\n#### {m}"}
@@ -85,7 +85,7 @@ def test_held_out_problems_never_enter_the_corpus(tiny_model_dir, tmp_path):
     data = gsm8k_file(tmp_path)
     cfg = _cfg(tmp_path, tiny_model_dir, data, prompts=8)
     lm = load_model(str(tiny_model_dir))
-    train, test, sources = build_corpus(cfg, lm.model, lm.tokenizer, lm.eos_ids)
+    train, test, sources = build_corpus(cfg, lm.model, lm.tokenizer, lm.eos_ids, load_corpus_problems(cfg))
     problems = load_problems(str(data)).problems
     held = [p for p in problems if held_out(p, 0.2)]
     assert held and sources["solutions"] > 0 and sources["policy responses"] > 0
