@@ -307,6 +307,22 @@ class RunConfig(Checked):
 
 
 @dataclass(frozen=True)
+class TRLConfig(Checked):
+    """sparkrl's rollouts inside TRL's GRPOTrainer (`trl_rollout.SparkRollout`); temperature, top-p and the
+    completion length come from TRL's GRPOConfig."""
+
+    draft: DraftConfig = DraftConfig(draft="eagle3", spark_config=SparkConfig(spark=True))
+    """Drafter, tree or block shape, budget and SPARK settings, as for `sparkrl train` (default: the
+    EAGLE3-style drafter with SPARK; draft 'none': sparkrl's autoregressive engine)."""
+    rollout_dtype: Literal["model", "auto", "float32", "bfloat16"] = "model"
+    """Dtype of the engine's copy of the policy: model (the trained model's own dtype), or as --rollout-dtype."""
+    micro_batch: int = at_least(1, 4)
+    """Sequences per no-grad policy forward that gives the drafter's online training its features."""
+    seed: int = 0
+    """Seed of the per-response sampling generators (combined with the process index and the call number)."""
+
+
+@dataclass(frozen=True)
 class GenerateConfig(Checked):
     prompt: str = ""
     """One prompt text."""
@@ -366,6 +382,9 @@ class PretrainConfig(Checked):
     """Linear warm-up steps."""
     draft_vocab: int = at_least(0, 8192)
     """Draft vocabulary: the most frequent corpus tokens (0: the policy's whole vocabulary)."""
+    draft_init: Literal["fresh", "policy"] = "fresh"
+    """Drafter weights at step 0: random ("fresh"), or the policy's last decoder layers and final norm
+    with the fused feature starting as the policy's high feature layer ("policy")."""
     micro_batch: int = at_least(1, 8)
     """Sequences per training step."""
     seed: int = 0

@@ -121,6 +121,25 @@ def deferred_sigint():
             raise KeyboardInterrupt
 
 
+def response_batch(rollout: Rollout, rows: list[int], device) -> tuple[torch.Tensor, ...]:
+    """Responses `rows` of a rollout as one right-padded forward: tokens (b, L) prompt + response;
+    pos (b, R+1) the positions whose hidden states predict the R response tokens, plus one (the
+    drafter's last target); mask (b, R+1) which of them are real; targets (b, R) the response tokens."""
+    toks, _ = pad_right([rollout.prompt_of(r) + rollout.tokens[r] for r in rows])
+    L = toks.shape[1]
+    R = max(len(rollout.tokens[r]) for r in rows)
+    start = torch.tensor([len(rollout.prompt_of(r)) - 1 for r in rows])  # predicts the first response token
+    pos = (start[:, None] + torch.arange(R + 1)).clamp(max=L - 1)  # (b, R+1)
+    mask = torch.arange(R + 1)[None, :] < torch.tensor([len(rollout.tokens[r]) for r in rows])[:, None]
+    targets = toks.gather(1, (pos[:, :R] + 1).clamp(max=L - 1))
+    return toks.to(device), pos.to(device), mask.to(device), targets.to(device)
+
+
+def at_positions(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """t (b, L, d) at positions pos (b, K) -> (b, K, d)."""
+    return t.gather(1, pos[..., None].expand(-1, -1, t.shape[-1]))
+
+
 def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Rollout, adv: torch.Tensor,
                   cfg: RunConfig, draft_trainer: DraftTrainer | None = None, total: int | None = None,
                   draft_generators: list[torch.Generator] | None = None) -> dict:
@@ -146,27 +165,19 @@ def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Ro
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=g.train_dtype == "bfloat16")
     for i in range(0, len(rows), g.micro_batch):
         mb = rows[i:i + g.micro_batch]
-        toks, _ = pad_right([rollout.prompt_of(r) + rollout.tokens[r] for r in mb])
-        L = toks.shape[1]
-        R = max(len(rollout.tokens[r]) for r in mb)
-        start = torch.tensor([len(rollout.prompt_of(r)) - 1 for r in mb])  # predicts the first response token
-        # hidden positions: R that predict the response tokens, plus one (the drafter's last target)
-        pos = (start[:, None] + torch.arange(R + 1)).clamp(max=L - 1)  # (b, R+1)
-        mask = torch.arange(R + 1)[None, :] < torch.tensor([len(rollout.tokens[r]) for r in mb])[:, None]
-        targets = toks.gather(1, (pos[:, :R] + 1).clamp(max=L - 1))
+        toks, pos, mask, targets = response_batch(rollout, mb, device)
+        R = targets.shape[1]
         rollout_logp = torch.tensor([rollout.logp[r] + [0.0] * (R - len(rollout.logp[r])) for r in mb])  # (b, R)
-        toks, pos, mask, targets = toks.to(device), pos.to(device), mask.to(device), targets.to(device)
         rollout_logp = rollout_logp.to(device)
         taps = tuple(draft_trainer.drafter.feature_layers) if draft_trainer else ()
 
         def forward(model, taps=()):
             with autocast:
                 out = model(toks, taps=taps)
-            pick = lambda t: t.gather(1, pos[..., None].expand(-1, -1, t.shape[-1]))  # (b, R+1, d)
-            h = pick(out.hidden)
+            h = at_positions(out.hidden, pos)
             logits = model.logits(h)  # (b, R+1, V)
             logp = token_logprobs(logits[:, :R], targets, cfg.sampling.temperature)  # (b, R)
-            return logp, h, logits, {i: pick(t) for i, t in out.taps.items()}
+            return logp, h, logits, {i: at_positions(t, pos) for i, t in out.taps.items()}
 
         ref_logp = None
         if ref is not None:

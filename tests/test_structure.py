@@ -21,7 +21,7 @@ LAYERS = [
     {"rollout", "budget"},
     {"speculative", "analysis"},
     {"build", "pretrain", "trainer"},
-    {"bench"},
+    {"bench", "trl_rollout"},
     {"cli", "__main__"},
 ]
 
