@@ -173,7 +173,7 @@ class SparkRollout:
         self.drafting = self.draft_trainer = None
         self.world = SINGLE
         self.calls = self.prompts_seen = 0
-        self.synced: tuple | None = None  # (global step, parameter versions) last copied
+        self.synced: tuple | None = None  # (model, global step, parameter versions) last copied
 
     def build(self, trainer) -> None:
         """The engine for the model `trainer` trains (first call; `check_trainer` has passed)."""
@@ -201,10 +201,12 @@ class SparkRollout:
     @torch.no_grad()
     def sync(self, trainer) -> bool:
         """Copy the trained model's weights into the engine in place when they changed since the last
-        copy (TRL's global step, or any parameter's in-place version counter); True when copied."""
-        hf = dict(trainer.accelerator.unwrap_model(trainer.model).named_parameters())
+        copy (another model, TRL's global step, or any parameter's in-place version counter); True when
+        copied."""
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        hf = dict(model.named_parameters())
         mine = list(self.policy.named_parameters())
-        key = (trainer.state.global_step, tuple(hf[n]._version for n, _ in mine))
+        key = (id(model), trainer.state.global_step, tuple(hf[n]._version for n, _ in mine))
         if key == self.synced:
             return False
         for n, p in mine:
