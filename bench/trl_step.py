@@ -32,13 +32,12 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 import trl  # noqa: E402
-from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from sparkrl.config import DraftConfig, SparkConfig, TRLConfig  # noqa: E402
-from sparkrl.data import INSTRUCTION, load_problems  # noqa: E402
+from sparkrl.data import load_problems  # noqa: E402
 from sparkrl.rewards import Grader  # noqa: E402
-from sparkrl.trl_rollout import SparkRollout  # noqa: E402
+from sparkrl.trl_rollout import SparkRollout, math_reward, problem_dataset  # noqa: E402
 from sparkrl.weights import resolve_model_path  # noqa: E402
 
 
@@ -73,12 +72,8 @@ def main():
     tok = AutoTokenizer.from_pretrained(str(folder))
     base = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     problems = load_problems("default", 200, a.seed).problems
-    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{p.question}\n\n{INSTRUCTION}"}] for p in problems],
-                              "answer": [p.answer for p in problems]})
+    data = problem_dataset(problems)
     grader = Grader()
-
-    def reward(completions, answer, **_):
-        return [grader.score(c[-1]["content"], ans).reward for c, ans in zip(completions, answer)]
 
     tmp = Path(tempfile.mkdtemp())
 
@@ -98,8 +93,8 @@ def main():
     raw = {name: [] for name in methods}
     for rep in range(a.repeats + 1):
         for name in (list(methods) if rep % 2 == 0 else list(methods)[::-1]):
-            trainer = TimedTrainer(model=models[name], args=grpo_args(rep), reward_funcs=reward, train_dataset=data,
-                                   processing_class=tok, rollout_func=methods[name])
+            trainer = TimedTrainer(model=models[name], args=grpo_args(rep), reward_funcs=math_reward(grader),
+                                   train_dataset=data, processing_class=tok, rollout_func=methods[name])
             trainer.gen_s = []
             t = time.perf_counter()
             trainer.train()
@@ -127,12 +122,13 @@ def main():
         s["gen_speedup_vs_trl"] = s["gen_tok_per_s"] / ref["gen_tok_per_s"]
     print("\nmethod                     step s   gen s   gen tok/s   step x   gen x   AAL")
     for name, s in summary.items():
-        print(f"{name:26s} {s['step_s']:7.1f} {s['gen_s']:7.1f} {s['gen_tok_per_s']:11.1f} {s['step_speedup_vs_trl']:8.2f} "
-              f"{s['gen_speedup_vs_trl']:7.2f}   {s.get('aal', float('nan')):.2f}")
+        print(f"{name:26s} {s['step_s']:7.1f} {s['gen_s']:7.1f} {s['gen_tok_per_s']:11.1f} "
+              f"{s['step_speedup_vs_trl']:8.2f} {s['gen_speedup_vs_trl']:7.2f}   {s.get('aal', float('nan')):.2f}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "settings": vars(a),
-              "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
+              "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                           "trl": trl.__version__},
               "threads": torch.get_num_threads(), "summary": summary, "raw": raw}
     (out / "trl_step.json").write_text(json.dumps(result, indent=2))
     print(f"wrote {out / 'trl_step.json'}")

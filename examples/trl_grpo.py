@@ -20,14 +20,13 @@ import os
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
 
 import torch  # noqa: E402
-from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from sparkrl.config import DraftConfig, SparkConfig, TRLConfig  # noqa: E402
-from sparkrl.data import INSTRUCTION, load_problems  # noqa: E402
+from sparkrl.data import load_problems  # noqa: E402
 from sparkrl.rewards import Grader  # noqa: E402
-from sparkrl.trl_rollout import SparkRollout  # noqa: E402
+from sparkrl.trl_rollout import SparkRollout, math_reward, problem_dataset  # noqa: E402
 from sparkrl.weights import resolve_model_path  # noqa: E402
 
 
@@ -58,15 +57,11 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(folder))
     problems = load_problems("default", 200, args.seed).problems
-    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{p.question}\n\n{INSTRUCTION}"}] for p in problems],
-                              "answer": [p.answer for p in problems]})
+    data = problem_dataset(problems)
     grader = Grader()
 
-    def reward(completions, answer, **_):
-        return [grader.score(c[-1]["content"], a).reward for c, a in zip(completions, answer)]
-
-    trainer = GRPOTrainer(model=model, args=grpo, reward_funcs=reward, train_dataset=data, processing_class=tok,
-                          rollout_func=rollout)
+    trainer = GRPOTrainer(model=model, args=grpo, reward_funcs=math_reward(grader), train_dataset=data,
+                          processing_class=tok, rollout_func=rollout)
     try:
         trainer.train()
     finally:

@@ -45,11 +45,14 @@ import torch
 
 from sparkrl.build import make_drafting
 from sparkrl.config import SamplingConfig, TRLConfig
+from sparkrl.data import Problem
 from sparkrl.distributed import SINGLE, World
 from sparkrl.draft_train import row_generators
 from sparkrl.errors import UserError
 from sparkrl.model import ModelArgs, Transformer
 from sparkrl.precision import RolloutCopy, rollout_dtype
+from sparkrl.pretrain import prompt_text
+from sparkrl.rewards import Grader
 from sparkrl.rollout import Rollout, generate, response_generators
 from sparkrl.speculative import generate_speculative
 from sparkrl.trainer import at_positions, response_batch
@@ -65,9 +68,11 @@ def sampling_config(args) -> SamplingConfig:
     if getattr(args, "use_vllm", False):
         raise UserError("use_vllm=True: sparkrl's rollout function generates in-process; set use_vllm=False")
     if args.top_k not in (None, 0):
-        raise UserError(f"top_k={args.top_k} is not supported by sparkrl's sampler (temperature and top-p only); set top_k=0")
+        raise UserError(f"top_k={args.top_k} is not supported by sparkrl's sampler (temperature and top-p only); "
+                        "set top_k=0")
     if args.min_p is not None:
-        raise UserError(f"min_p={args.min_p} is not supported by sparkrl's sampler (temperature and top-p only); set min_p=None")
+        raise UserError(f"min_p={args.min_p} is not supported by sparkrl's sampler (temperature and top-p only); "
+                        "set min_p=None")
     if args.repetition_penalty != 1.0:
         raise UserError(f"repetition_penalty={args.repetition_penalty} would make the sampled distribution differ from "
                         "the policy's; set repetition_penalty=1.0")
@@ -140,7 +145,7 @@ def _conversational(prompt) -> bool:
 def tokenize(trainer, prompts: list) -> list[list[int]]:
     """Prompt token ids as TRL's own generation makes them: strings tokenized as they are (the
     tokenizer's special tokens), conversations through the trainer's chat template."""
-    tok = trainer.processing_class
+    tok, prompts = trainer.processing_class, list(prompts)
     if all(isinstance(p, str) for p in prompts):
         return [list(ids) for ids in tok(text=prompts)["input_ids"]]
     if not all(_conversational(p) for p in prompts):
@@ -303,3 +308,25 @@ class SparkRollout:
                      spark_s=sum(r.stats.adapter.get("spark_s", 0.0) for r in parts))
         for k, v in m.items():
             trainer._log_metric(f"sparkrl/{k}", float(v))
+
+
+# --- sparkrl's problems and reward for TRL ---------------------------------------------------------
+
+
+def problem_dataset(problems: list[Problem]):
+    """A TRL dataset of sparkrl's problems: `prompt` (sparkrl's GRPO prompt as one user message) and
+    `answer` (what the reward checks)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": prompt_text(p)}] for p in problems],
+                              "answer": [p.answer for p in problems]})
+
+
+def math_reward(grader: Grader):
+    """sparkrl's reward (accuracy + 0.2 format, `rewards.Grader`) as a TRL reward function of
+    conversational completions and the dataset's `answer` column."""
+
+    def reward(completions, answer, **_):
+        return [grader.score(c[-1]["content"], a).reward for c, a in zip(completions, answer)]
+
+    return reward

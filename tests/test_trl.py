@@ -15,7 +15,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 
 from sparkrl.config import DraftConfig, SparkConfig, TRLConfig  # noqa: E402
 from sparkrl.errors import UserError  # noqa: E402
-from sparkrl.trl_rollout import SparkRollout, consecutive_groups, tokenize  # noqa: E402
+from sparkrl.data import build_prompts, load_problems  # noqa: E402
+from sparkrl.rewards import Grader  # noqa: E402
+from sparkrl.trl_rollout import SparkRollout, consecutive_groups, math_reward, problem_dataset, tokenize  # noqa: E402
 from conftest import default_tokenizer_dir, hf_model  # noqa: E402
 
 PROMPTS = ["What is 2+2?", "Name a colour.", "Count to three.", "Say hi.", "Add 5 and 7.", "Spell cat."]
@@ -198,3 +200,15 @@ def test_unsupported_trainers_and_prompts_are_refused_before_generating(tmp_path
     assert "\n" not in str(e.value)
     if case not in ("prompt type", "image"):
         assert rollout.policy is None  # refused before the engine was built
+
+
+def test_sparkrl_problems_and_reward_for_trl(tmp_path, tok):
+    """The dataset gives TRL the prompts `sparkrl train` uses; the reward is sparkrl's."""
+    problems = load_problems("default", 4, 0).problems
+    data = problem_dataset(problems).to_dict()
+    trainer = make_trainer(tmp_path, tok, SparkRollout(draft_cfg("none")))
+    assert tokenize(trainer, data["prompt"]) == build_prompts(tok, problems, 512, "skip").prompt_ids
+    with Grader() as grader:
+        got = math_reward(grader)([[{"role": "assistant", "content": f"So \\boxed{{{a}}}"}] for a in data["answer"]]
+                                  + [[{"role": "assistant", "content": "no answer"}]], data["answer"] + ["1"])
+    assert all(r >= 1.0 for r in got[:4]) and got[4] == 0.0  # correct answers (format aside), and none
