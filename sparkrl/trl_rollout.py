@@ -39,6 +39,7 @@ every process keeps the same drafter.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -233,11 +234,11 @@ class SparkRollout:
         ids = tokenize(trainer, [p for p, _ in groups])
         eos = tuple(trainer.eos_token_ids)
         rows: list[tuple[list[int], list[int], list[float]] | None] = [None] * len(prompts)
-        first = [sum(n for _, n in groups[:g]) for g in range(len(groups))]  # each group's first row
+        first = list(itertools.accumulate((n for _, n in groups[:-1]), initial=0))  # each group's first row
         parts = []
         for size in sorted({n for _, n in groups}):  # the engine takes one group size per call
             members = [g for g, (_, n) in enumerate(groups) if n == size]
-            r = self.generate([ids[g] for g in members], size, sampling, eos)
+            r = self.generate([ids[g] for g in members], members, size, sampling, eos)
             for k, g in enumerate(members):
                 for j in range(size):
                     i = k * size + j
@@ -250,10 +251,12 @@ class SparkRollout:
         return {"prompt_ids": [r[0] for r in rows], "completion_ids": [r[1] for r in rows],
                 "logprobs": [r[2] for r in rows]}
 
-    def generate(self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingConfig, eos) -> Rollout:
-        """One engine call: `group_size` responses to each prompt, each with its own generator."""
+    def generate(self, prompt_ids: list[list[int]], groups: list[int], group_size: int, sampling: SamplingConfig,
+                 eos) -> Rollout:
+        """One engine call: `group_size` responses to each prompt; response j of the call's group g
+        samples with its own generator, from (seed, process, call, g, j)."""
         seed = hash((self.cfg.seed, self.world.rank, self.calls)) & 0x7FFF_FFFF_FFFF_FFFF
-        gens = response_generators(seed, len(prompt_ids), group_size, offset=self.prompts_seen)
+        gens = [x for g in groups for x in response_generators(seed, 1, group_size, offset=self.prompts_seen + g)]
         d = self.drafting
         if d.drafter is None:
             return generate(self.rollout.model, prompt_ids, sampling, eos, gens, group_size)

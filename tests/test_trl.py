@@ -212,3 +212,13 @@ def test_sparkrl_problems_and_reward_for_trl(tmp_path, tok):
         got = math_reward(grader)([[{"role": "assistant", "content": f"So \\boxed{{{a}}}"}] for a in data["answer"]]
                                   + [[{"role": "assistant", "content": "no answer"}]], data["answer"] + ["1"])
     assert all(r >= 1.0 for r in got[:4]) and got[4] == 0.0  # correct answers (format aside), and none
+
+
+def test_every_response_of_a_call_has_its_own_randomness(tmp_path, tok):
+    """Groups of one call that run in different engine calls (their sizes differ) draw from different
+    generators: the same prompt twice gives different responses."""
+    rollout = SparkRollout(draft_cfg("none"))
+    trainer = make_trainer(tmp_path, tok, rollout)
+    out = rollout([PROMPTS[0]] * 2 + [PROMPTS[1]] + [PROMPTS[0]] * 3, trainer)
+    c = out["completion_ids"]
+    assert c[0] != c[3] and c[1] != c[4] and len({tuple(x) for x in c}) == 6
