@@ -194,6 +194,10 @@ class GRPOConfig(Checked):
     """Autocast of the policy and reference forward/backward in the update (the master weights stay as they are)."""
     tis_cap: float = at_least(0, 2.0, "0: off")
     """Truncated importance sampling: each token's policy-gradient term weighted by min(pi / pi_rollout, C)."""
+    shard_policy: Literal["none", "fsdp"] = "none"
+    """Under torchrun: none (every rank holds the whole policy; gradients all-reduced) or fsdp (FSDP2 shards
+    the policy's weights, gradients and optimizer state, and the reference, over the ranks: for a policy
+    whose training state does not fit one device; its rollout copy still must)."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@
 environment (`World.from_env`), rolls out its contiguous share of every step's prompts with its own
 engine, and takes part in the sums that make the update the one a single process would make on the
 whole batch (the gradients are summed with `all_reduce`, not wrapped in DDP, because an update
-accumulates over micro-batches). Outside torchrun `SINGLE` stands in: every collective is the
+accumulates over micro-batches; with --shard-policy fsdp, `sharding.FullyShard` shards the policy
+and FSDP2 sums its gradients instead). Outside torchrun `SINGLE` stands in: every collective is the
 identity and no process group exists, so the single-process path runs unchanged.
 
 What equals one process on the same batch: the rollouts (a response's sampling generator and

@@ -21,6 +21,7 @@ import torch
 
 from sparkrl.model import Transformer
 from sparkrl.machine import measurement_path
+from sparkrl.sharding import full
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -74,13 +75,15 @@ def rollout_dtype(choice: str, policy: Transformer) -> torch.dtype:
 
 
 class RolloutCopy:
-    """`module` (a policy or a drafter) as the rollout runs it: the module itself when the dtypes agree,
-    else a copy in `dtype` that `refresh()` overwrites in place from the master weights."""
+    """`module` (a policy or a drafter) as the rollout runs it: the module itself when the dtypes agree
+    (unless `separate`), else a copy in `dtype` that `refresh()` overwrites in place from the master
+    weights. separate: always a copy, made before the master is sharded (`sharding.FullyShard`), whose
+    refresh gathers each sharded parameter in turn (every rank calls it)."""
 
-    def __init__(self, module: torch.nn.Module, dtype: torch.dtype):
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, separate: bool = False):
         self.master = module
         w = next(module.parameters())
-        if w.dtype == dtype:
+        if w.dtype == dtype and not separate:
             self.model = module
             return
         shared = getattr(module, "_shared", ())  # a drafter's borrowed policy embedding: not copied
@@ -98,6 +101,6 @@ class RolloutCopy:
         if not self.copied:
             return
         for dst, src in zip(self.model.parameters(), self.master.parameters()):
-            dst.copy_(src)
+            dst.copy_(full(src))  # one whole parameter at a time beside the copy
         for dst, src in zip(self.model.buffers(), self.master.buffers()):
             dst.copy_(src)

@@ -40,11 +40,13 @@ from sparkrl.model import Transformer, pad_right
 from sparkrl.precision import RolloutCopy, rollout_dtype
 from sparkrl.rewards import Grader
 from sparkrl.rollout import Rollout, RoundStats, generate, response_generators
+from sparkrl.sharding import sharding
 from sparkrl.speculative import generate_speculative
 from sparkrl.weights import load_model, resolve_model_path
 
 # Settings that may change between a run and its resumption (they do not change the maths).
-_RESUMABLE = {"steps", "resume", "checkpoint_every", "keep_checkpoints", "threads", "out"}
+# A checkpoint holds whole tensors whatever --shard-policy wrote it.
+_RESUMABLE = {"steps", "resume", "checkpoint_every", "keep_checkpoints", "threads", "out", "shard_policy"}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -214,9 +216,11 @@ class GRPORun:
     makes one policy update. `train` drives it; `sparkrl bench` interleaves several.
 
     world: the data-parallel ranks (`distributed.World`); each rolls out its share of every step's
-    prompts and all make the same update. Rank 0 alone writes the out dir."""
+    prompts and all make the same update. Rank 0 alone writes the out dir. `shards` (`sharding`):
+    how the policy and the reference live on the ranks (whole on each, or FSDP2 shards)."""
 
     def __init__(self, cfg: RunConfig, grader: Grader | None = None, world: World = SINGLE):
+        self.shards = shards = sharding(cfg.grpo.shard_policy, world)
         if world.size > 1:
             check_data_parallel(cfg)
         resolved = world.broadcast(prepare_out_dir(cfg) if world.is_main else None)
@@ -235,8 +239,8 @@ class GRPORun:
         if world.is_main:
             print(f"sparkrl: {problems.summary()}{note}", file=sys.stderr)
         self.policy = policy = lm.model
-        self.ref = copy.deepcopy(policy).requires_grad_(False) if cfg.grpo.kl_beta > 0 else None
-        self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
+        self.ref = None if cfg.grpo.kl_beta == 0 else shards.wrap(copy.deepcopy(policy).requires_grad_(False),
+                                                                  frozen=True)
         # what samples; a resumed run keeps the dtype its start measured (another machine may measure otherwise)
         dt = resolved.get("rollout_dtype")
         if not dt and world.is_main:
@@ -244,9 +248,11 @@ class GRPORun:
         dt = world.broadcast(dt)  # every rank samples in rank 0's choice
         if world.is_main:
             write_run_config(cfg, {**resolved, "rollout_dtype": dt})
-        self.rollout = RolloutCopy(policy, getattr(torch, dt))
+        self.rollout = RolloutCopy(policy, getattr(torch, dt), separate=shards.sharded)  # whole, unsharded
         with world.main_first():  # rank 0 times the machine for the budget (cached), the others read its timing
             d = make_drafting(cfg.draft, policy, self.rollout.model, cfg.sampling.temperature, cfg.seed)
+        shards.wrap(policy)  # after the rollout copy and the drafter were made from the whole policy
+        self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
         self.drafter, self.draft_rollout, self.spark, self.budget = d.drafter, d.rollout, d.spark, d.budget
         self.drafting = d.trainer(cfg.draft)
         self.order = DataOrder(len(self.prompts.problems), cfg.grpo.prompts_per_step, cfg.seed)
@@ -256,11 +262,11 @@ class GRPORun:
         """Load the latest checkpoint when resuming; returns the number of steps already done."""
         start = 0
         if self.cfg.resume and (ck := load_latest(self.cfg.out)) is not None:
-            missing, unexpected = self.policy.load_weights(ck["policy"])
+            missing, unexpected = self.shards.load_weights(self.policy, ck["policy"])
             if missing or unexpected:
                 raise UserError(f"the checkpoint in {self.cfg.out} does not fit this model (missing {missing[:3]}, "
                                 f"unexpected {unexpected[:3]}); resume with the run's --model")
-            self.opt.load_state_dict(ck["optimizer"])
+            self.shards.load_optimizer_state(self.opt, ck["optimizer"])
             if self.drafting is not None:
                 self.drafting.load_state_dict(ck["draft"])
             if self.spark is not None and "spark_carry" in ck:
@@ -278,9 +284,11 @@ class GRPORun:
         return start
 
     def state(self, budgets: list[dict] | None = None) -> dict:
-        """What a checkpoint holds. budgets: every rank's budget state (data-parallel: each rank's
-        budget learns from its own rollouts); rank 0's alone when not given."""
-        return {"policy": self.policy.weights(), "optimizer": self.opt.state_dict(), "config": to_dict(self.cfg),
+        """What a checkpoint holds (whole tensors; called on every rank, complete on rank 0). budgets:
+        every rank's budget state (data-parallel: each rank's budget learns from its own rollouts);
+        rank 0's alone when not given."""
+        return {"policy": self.shards.weights(self.policy), "optimizer": self.shards.optimizer_state(self.opt),
+                "config": to_dict(self.cfg),
                 **({"draft": self.drafting.state_dict()} if self.drafting is not None else {}),
                 **({"spark_carry": self.spark.state_dict()} if self.spark is not None and self.spark.carry else {}),
                 **({"budget": self.budget.state_dict()} if self.budget is not None else {}),
@@ -292,8 +300,9 @@ class GRPORun:
         if not self.cfg.checkpoint_due(m["step"]):
             return False
         budgets = self.world.gather(self.budget.state_dict()) if self.budget is not None else None
+        state = self.state(budgets)  # a sharded policy's tensors are gathered from every rank
         if self.world.is_main:
-            save_checkpoint(self.cfg.out, m["step"], self.state(budgets), self.cfg.keep_checkpoints)
+            save_checkpoint(self.cfg.out, m["step"], state, self.cfg.keep_checkpoints)
         self.world.barrier()
         return True
 
@@ -315,7 +324,7 @@ class GRPORun:
                                            self.lm.eos_ids, gens, cfg.draft.shape(), G, progress, self.budget,
                                            self.spark)
         if self.drafter is not None:  # the trained drafter's head follows the policy it learns from (before the update)
-            self.drafter.bind(self.policy)
+            self.drafter.bind(self.rollout.model if self.shards.sharded else self.policy)  # whole, not sharded
         texts = self.lm.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
         scores = [self.grader.score(t, self.prompts.problems[idx[r // G]].answer) for r, t in enumerate(texts)]
         rewards = torch.tensor([s.reward for s in scores])
@@ -325,7 +334,7 @@ class GRPORun:
         upd = policy_update(self.policy, self.ref, self.opt, rollout, group_advantages(rewards, G), cfg, self.drafting,
                             total, draft_gens)
         with deferred_sigint():
-            world.sum_grads(self.policy.parameters())  # every rank's share of the batch: the whole batch's gradient
+            self.shards.reduce_grads(self.policy)  # every rank's share of the batch: the whole batch's gradient
             upd.update(apply_update(self.policy, self.opt, cfg.grpo.max_grad_norm))
             self.rollout.refresh()  # the rollout copy follows the master weights
             if self.drafting is not None:
@@ -420,15 +429,18 @@ def _train(run: GRPORun) -> dict:
         bar.close()
         done = last["step"] if last else start
         if main:  # other ranks may be gone: no collective here, rank 0's budget estimates only
-            if done > saved_step:
+            if done > saved_step and not run.shards.sharded:  # a sharded policy needs every rank: its last one stands
                 save_checkpoint(cfg.out, done, run.state(), cfg.keep_checkpoints)
-            print(f"sparkrl: interrupted; checkpoint at step {done} in {cfg.out}/checkpoints; continue with --resume",
-                  file=sys.stderr)
+                saved_step = done
+            print(f"sparkrl: interrupted; checkpoint at step {saved_step} in {cfg.out}/checkpoints; continue with "
+                  "--resume", file=sys.stderr)
         raise SystemExit(130)
     finally:
         run.grader.close()
     bar.close()
-    if main:
+    if main and run.shards.sharded:  # the last step's checkpoint holds the whole policy
+        export_run(cfg.out, str(Path(cfg.out) / "model"))
+    elif main:
         export_model(run.policy, run.lm.path, Path(cfg.out) / "model")
     return _summary(cfg, totals, first, last)
 
