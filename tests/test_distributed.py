@@ -1,6 +1,6 @@
 """Data-parallel GRPO (gloo, two CPU processes, the tiny model): two ranks make the update one process
 makes on the same global batch, resume exactly, and a world size that does not split a step's prompts
-is one clear line."""
+is one clear line; so do two ranks that shard the policy with FSDP2 (`--shard-policy fsdp`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from safetensors.torch import load_file, save_file
 
@@ -68,8 +69,9 @@ def _flat(model_dir, out, **kw) -> dict:
 
 
 def _rank(rank: int, size: int, port: int, flat: dict) -> None:
-    """One torchrun-like rank: the environment torchrun sets, then `train`; writes the texts it scored
-    and a digest of the weights it ended with (every rank must hold the same)."""
+    """One torchrun-like rank: the environment torchrun sets, then `train`; writes the texts it scored,
+    a digest of the weights it ended with (every rank must hold the same; a sharded policy's differ
+    by rank and are left out) and whether its policy was sharded."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(size), RANK=str(rank),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -78,10 +80,11 @@ def _rank(rank: int, size: int, port: int, flat: dict) -> None:
     grader = RecordingGrader()
     train(build(RunConfig, flat), grader=grader)
     out, run = Path(flat["out"]), runs[0]
-    modules = [run.policy] + ([run.drafting.drafter] + ([run.drafting.projection] if run.spark else [])
-                              if run.drafting else [])
+    sharded = isinstance(next(run.policy.parameters()), DTensor)
+    modules = ([] if sharded else [run.policy]) + ([run.drafting.drafter] + ([run.drafting.projection] if run.spark
+                                                                             else []) if run.drafting else [])
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for m in modules for p in m.parameters()))
-    (out / f"rank-{rank}-{flat['steps']}.json").write_text(json.dumps([grader.texts, digest.hexdigest()]))
+    (out / f"rank-{rank}-{flat['steps']}.json").write_text(json.dumps([grader.texts, digest.hexdigest(), sharded]))
 
 
 def _free_port() -> int:
@@ -93,9 +96,10 @@ def _free_port() -> int:
 def run_ranks(flat: dict, size: int = 2) -> list[list[str]]:
     """Run `train` on `size` ranks; returns the texts scored at each step, in the whole batch's order."""
     mp.spawn(_rank, args=(size, _free_port(), flat), nprocs=size, join=True)
-    texts, digests = zip(*(json.loads((Path(flat["out"]) / f"rank-{r}-{flat['steps']}.json").read_text())
-                           for r in range(size)))
+    texts, digests, sharded = zip(*(json.loads((Path(flat["out"]) / f"rank-{r}-{flat['steps']}.json").read_text())
+                                    for r in range(size)))
     assert len(set(digests)) == 1, "the ranks ended with different weights"
+    assert set(sharded) == {flat.get("shard_policy") == "fsdp"}
     per = flat["prompts_per_step"] // size * flat["group_size"]  # a rank's responses per step
     return [sum((t[i:i + per] for t in texts), []) for i in range(0, len(texts[0]), per)]
 
@@ -194,14 +198,67 @@ def test_world_size_that_does_not_split_the_prompts_is_one_line(tiny_model_dir, 
 
 
 @pytest.mark.slow
-def test_torchrun_starts_data_parallel_training(model_dir, tmp_path):
+@pytest.mark.parametrize("shard", ["none", "fsdp"])
+def test_torchrun_starts_data_parallel_training(shard, model_dir, tmp_path):
     out = tmp_path / "run"
     torchrun = Path(sys.executable).with_name("torchrun")
     r = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "sparkrl",
                         "train", "--model", str(model_dir), "--out", str(out), "--steps", "1", "--group-size", "2",
-                        "--prompts-per-step", "2", "--max-new-tokens", "4", "--default-size", "20"],
+                        "--prompts-per-step", "2", "--max-new-tokens", "4", "--default-size", "20",
+                        "--shard-policy", shard],
                        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("trained 1 step ->") == 2  # every rank finishes; rank 0 alone wrote the files
     assert len(_metrics(out)) == 1 and _metrics(out)[0]["gen_tokens"] > 0
     assert (out / "checkpoints" / "step-000001" / "policy.safetensors").exists() and (out / "model").is_dir()
+
+
+EAGLE3_SPARK = dict(draft="eagle3", draft_checkpoint="fresh", spark=True, spark_rank=4, tree_depth=2, tree_branch=2,
+                    tree_nodes=3)
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(model_dir, tmp_path_factory):
+    """A 2-step run with the EAGLE3-style drafter and SPARK in one process, and with the policy and the
+    reference sharded by FSDP2 over two ranks."""
+    d = tmp_path_factory.mktemp("fsdp")
+    mp_ = pytest.MonkeyPatch()
+    try:
+        single = run_single(_flat(model_dir, d / "one", **EAGLE3_SPARK), mp_)
+    finally:
+        mp_.undo()
+    return d, single, run_ranks(_flat(model_dir, d / "fsdp", shard_policy="fsdp", **EAGLE3_SPARK))
+
+
+def test_fsdp_ranks_make_the_update_of_one_process(fsdp_runs):
+    d, single, ranks = fsdp_runs
+    assert single == ranks and len(single) == 2  # the same responses: the rollout copy was refreshed from the shards
+    m = _metrics(d / "fsdp")
+    assert all(x["grad_norm"] > 0 and x["kl"] >= 0 and x["draft_ce"] > 0 for x in m)
+    assert m[1]["kl"] > 0  # the sharded reference took part
+    assert_same_run(d / "one", d / "fsdp")  # loss, grad norm, policy, drafter and A (float tolerance)
+    exported = load_file(str(d / "fsdp" / "model" / "model.safetensors"))
+    policy = load_latest(d / "fsdp")["policy"]
+    assert exported.keys() == policy.keys() and all(torch.equal(exported[k], policy[k]) for k in policy)
+
+
+def test_fsdp_ranks_resume_exactly(fsdp_runs, model_dir):
+    """Stopped after step 1 and resumed: exactly the straight run; the same checkpoint resumed with the
+    policy whole on every rank (it holds whole tensors): the same run within float tolerance."""
+    d, _, ranks = fsdp_runs
+    flat = lambda out, **kw: _flat(model_dir, d / out, **EAGLE3_SPARK, **{"shard_policy": "fsdp", **kw})
+    first = run_ranks(flat("resumed", steps=1))
+    shutil.copytree(d / "resumed", d / "unsharded")
+    assert first + run_ranks(flat("resumed", steps=2, resume=True)) == ranks
+    assert_same_run(d / "fsdp", d / "resumed", exact=True)
+    assert first + run_ranks(flat("unsharded", steps=2, resume=True, shard_policy="none")) == ranks
+    assert_same_run(d / "fsdp", d / "unsharded")
+
+
+def test_fsdp_in_one_process_is_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "r"
+    assert main(["train", "--model", str(tiny_model_dir), "--out", str(out), "--shard-policy", "fsdp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--shard-policy fsdp shards the policy over the ranks torchrun starts" in err and len(err.splitlines()) == 1
+    assert not out.exists()  # before anything was loaded or written
