@@ -386,9 +386,6 @@ class PretrainConfig(Checked):
     """Linear warm-up steps."""
     draft_vocab: int = at_least(0, 8192)
     """Draft vocabulary: the most frequent corpus tokens (0: the policy's whole vocabulary)."""
-    draft_init: Literal["fresh", "policy"] = "fresh"
-    """Drafter weights at step 0: random ("fresh"), or the policy's last decoder layers and final norm
-    with the fused feature starting as the policy's high feature layer ("policy")."""
     micro_batch: int = at_least(1, 8)
     """Sequences per training step."""
     seed: int = 0

@@ -285,8 +285,6 @@ def pretrain(cfg: PretrainConfig) -> dict:
         torch.manual_seed(cfg.seed)
         settings = {"block_size": cfg.block_size} if kind == "dflash" else {}
         drafter = KINDS[kind](master.args, vocab_ids=vocab_ids, **settings).to(device=w.device, dtype=w.dtype)
-        if cfg.draft_init == "policy":
-            drafter.init_from_policy(master)
         trainers[kind] = DraftTrainer(drafter.bind(master), lr=cfg.lr)
     taps = tuple(sorted({i for t in trainers.values() for i in t.drafter.feature_layers}))
     plans = [batch_plan([len(s) for s in train], cfg.micro_batch, cfg.seed, e) for e in range(cfg.epochs)]

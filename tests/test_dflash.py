@@ -133,21 +133,3 @@ def test_pretrain_and_train_with_dflash_and_spark(tiny_model_dir, tmp_path):
     # generate, with the measured per-round budget (the default) and without SPARK
     assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--n", "3", "--max-new-tokens", "6",
                  "--draft", "dflash", "--draft-checkpoint", str(ck), "--block-size", "3", "--json"]) == 0
-
-
-def test_drafter_started_from_the_policy_continues_the_policy(tiny_llama):
-    """--draft-init policy: a DFlash drafter whose high feature layer sits just below the copied layers
-    reproduces the policy's final hidden states over its context (the copy is the policy's own top)."""
-    torch.manual_seed(0)
-    L = tiny_llama.args.num_layers
-    d = DFlashDrafter(tiny_llama.args, feature_layers=(0, L - 3), num_layers=2).bind(tiny_llama)
-    d.init_from_policy(tiny_llama)
-    toks = torch.randint(0, tiny_llama.args.vocab_size, (2, 9))
-    with torch.no_grad():
-        o = tiny_llama(toks, taps=d.feature_layers)
-        mine = d(None, d.features(o.taps)).h  # causal over the context
-    assert torch.allclose(mine, o.hidden, atol=1e-5)
-    e = Eagle3Drafter(tiny_llama.args).init_from_policy(tiny_llama)
-    D = tiny_llama.args.hidden_size
-    assert torch.equal(e.fuse.weight[:, D:], torch.eye(D))
-    assert torch.equal(e.stack.layers[0].mlp.down_proj.weight, tiny_llama.model.layers[L - 1].mlp.down_proj.weight)

@@ -78,19 +78,6 @@ class SharedHeadDrafter(nn.Module):
         self._head = policy.lm_head.weight.detach()[self.vocab_ids].contiguous()  # (Vd, d)
         return self
 
-    @torch.no_grad()
-    def init_from_policy(self, policy) -> "SharedHeadDrafter":
-        """Start from the policy: the drafter's n layers and final norm are copies of the policy's last
-        n layers and final norm, and the fused feature is the high feature layer (`fc` selects it)."""
-        n, L = len(self.stack.layers), policy.args.num_layers
-        for mine, theirs in zip(self.stack.layers, policy.model.layers[L - n:]):
-            mine.load_state_dict(theirs.state_dict())
-        self.stack.norm.load_state_dict(policy.model.norm.state_dict())
-        d = self.policy_args.hidden_size
-        self.fc.weight.zero_()
-        self.fc.weight[:, -d:] = torch.eye(d)  # (d, k d): the last (highest) feature layer
-        return self
-
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return self._shared[0](tokens)

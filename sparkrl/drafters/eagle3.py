@@ -47,15 +47,6 @@ class Eagle3Drafter(SharedHeadDrafter):
         self.fuse = nn.Linear(2 * d, d, bias=False)
         self.stack = Stack(dataclasses.replace(policy_args, num_layers=1))
 
-    @torch.no_grad()
-    def init_from_policy(self, policy) -> "Eagle3Drafter":
-        """`SharedHeadDrafter.init_from_policy`, and the fusion passes the feature through (the token's
-        embedding enters with its random weights)."""
-        super().init_from_policy(policy)
-        d = self.policy_args.hidden_size
-        self.fuse.weight[:, d:] = torch.eye(d)  # (d, 2d): [embedding | feature]
-        return self
-
     def forward(self, tokens: torch.Tensor, feats: torch.Tensor, cache: KVCache | None = None, *,
                 tree_mask=None, depth=None, mask=None, head: bool = True) -> DraftStep:
         """tokens (B, T) (next tokens, policy ids), feats (B, T, d) -> DraftStep at these positions
