@@ -1,8 +1,9 @@
 """Writing new K/V into the cache: `scatter_` along the position dimension against `index_copy_` on
 the buffer viewed as rows (what `model.KVCache.write` does), per dtype and batch shape, in one script.
 
-The shapes are the default model's (3 KV heads, head dim 64); capacity 420 positions; T new tokens
-per sequence at random positions (1: a decode step, 17: a 16-node tree). Median of 5 x 200 calls.
+The shapes are the default model's (3 KV heads, head dim 64); cache capacity 160 or 2,300 positions
+(a 128- or a 2,048-token response after its prompt); T new tokens per sequence at random positions
+(1: a decode step, 17: a 16-node tree). Median of 3 x 50 calls.
 
     .venv/bin/python bench/kv_write.py --out bench/results
 """
@@ -10,6 +11,7 @@ per sequence at random positions (1: a decode step, 17: a 16-node tree). Median 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -18,8 +20,8 @@ from pathlib import Path
 import torch
 
 
-def timed(fn, calls: int = 200, repeats: int = 5) -> float:
-    for _ in range(5):
+def timed(fn, calls: int = 50, repeats: int = 3) -> float:
+    for _ in range(3):
         fn()
     out = []
     for _ in range(repeats):
@@ -35,9 +37,9 @@ def main():
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     torch.manual_seed(0)
-    H, cap, D = 3, 420, 64
+    H, D = 3, 64
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, cap in itertools.product((torch.float32, torch.bfloat16), (160, 2300)):
         for B, T in ((1, 1), (1, 17), (8, 1), (8, 17), (64, 1), (64, 17)):
             buf = torch.zeros(B, H, cap, D, dtype=dtype)
             slots = torch.randint(0, cap - T, (B, 1)) + torch.arange(T)  # (B, T)
@@ -47,9 +49,9 @@ def main():
             flat = buf.view(-1, D)
             scatter = timed(lambda: buf.scatter_(2, idx, k))
             copy = timed(lambda: flat.index_copy_(0, flat_rows, k.reshape(-1, D)))
-            rows.append({"dtype": str(dtype).split(".")[1], "sequences": B, "tokens": T,
+            rows.append({"dtype": str(dtype).split(".")[1], "capacity": cap, "sequences": B, "tokens": T,
                          "scatter_us": scatter * 1e6, "index_copy_us": copy * 1e6, "ratio": scatter / copy})
-            print(f"{rows[-1]['dtype']:>8} B={B:<3} T={T:<3} scatter_ {scatter * 1e6:8.1f} us   index_copy_ "
+            print(f"{rows[-1]['dtype']:>8} cap={cap:<5} B={B:<3} T={T:<3} scatter_ {scatter * 1e6:8.1f} us   index_copy_ "
                   f"{copy * 1e6:6.1f} us   {scatter / copy:6.1f}x", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
