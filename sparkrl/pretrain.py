@@ -22,6 +22,7 @@ import random
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -52,7 +53,16 @@ EVAL_SEED = 1 << 20  # response generators of held-out prompts start here
 SHAPE_STEP = 64
 
 
-def _corpus_from_file(path: str, tokenizer, max_tokens: int) -> list[list[int]]:
+class Seq(NamedTuple):
+    """A corpus sequence: token ids, and where its answer starts. The drafter trains on (and is scored
+    at) the positions from the last prompt token on, the ones it drafts from in a rollout, as online
+    training does (`trainer.response_batch`); 0 for plain text, trained everywhere."""
+
+    ids: list[int]
+    start: int
+
+
+def _corpus_from_file(path: str, tokenizer, max_tokens: int) -> list[Seq]:
     p = Path(path)
     if not p.exists():
         raise UserError(f"--corpus {p} does not exist")
@@ -63,7 +73,7 @@ def _corpus_from_file(path: str, tokenizer, max_tokens: int) -> list[list[int]]:
         text = json.loads(line).get("text", "") if p.suffix == ".jsonl" else line
         ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
         if len(ids) >= 4:
-            docs.append(ids)
+            docs.append(Seq(ids, 0))
     if not docs:
         raise UserError(f"--corpus {p} has no usable text (.txt: one document per line; .jsonl: a 'text' field)")
     return docs
@@ -84,13 +94,14 @@ def prompt_text(p: Problem) -> str:
     return f"{p.question}\n\n{INSTRUCTION}"
 
 
-def solution_ids(tok, p: Problem, eos: int, max_tokens: int) -> list[int]:
+def solution_ids(tok, p: Problem, eos: int, max_tokens: int) -> Seq:
     """The GRPO prompt of a problem, its worked solution as the answer, EOS (what the policy would write)."""
-    return (chat_prompt_ids(tok, prompt_text(p)) + tok(p.solution, add_special_tokens=False)["input_ids"] + [eos])[:max_tokens]
+    prompt = chat_prompt_ids(tok, prompt_text(p))
+    return Seq((prompt + tok(p.solution, add_special_tokens=False)["input_ids"] + [eos])[:max_tokens], len(prompt))
 
 
 def _generated(policy, tok, prompts: list[list[int]], cfg: PretrainConfig, eos_ids, folder: Path, name: str,
-               offset: int) -> list[list[int]]:
+               offset: int) -> list[Seq]:
     """Policy responses to `prompts`, CHUNK prompts per file in `folder`, named by a hash of what made
     them: a restarted or resumed run reuses the files of the same prompts and settings."""
     seqs = []
@@ -103,7 +114,7 @@ def _generated(policy, tok, prompts: list[list[int]], cfg: PretrainConfig, eos_i
         if not path.exists():
             r = generate(policy, chunk, cfg.sampling, eos_ids, response_generators(cfg.seed, len(chunk), 1, offset=offset + i))
             atomic_save([p + t for p, t in zip(chunk, r.tokens)], path)
-        seqs += torch.load(path)
+        seqs += [Seq(ids, len(p)) for ids, p in zip(torch.load(path), chunk)]
         bar.update(len(chunk))
     bar.close()
     return seqs
@@ -122,7 +133,7 @@ def load_corpus_problems(cfg: PretrainConfig) -> tuple[list[Problem], list[Probl
 
 
 def build_corpus(cfg: PretrainConfig, policy, tok, eos_ids, problems: tuple[list[Problem], list[Problem]]
-                 ) -> tuple[list[list[int]], list[list[int]], dict]:
+                 ) -> tuple[list[Seq], list[Seq], dict]:
     """(train sequences, held-out sequences, tokens per source) from (train, held-out) problems
     (`load_corpus_problems`)."""
     folder = Path(cfg.out) / "corpus"
@@ -140,20 +151,20 @@ def build_corpus(cfg: PretrainConfig, policy, tok, eos_ids, problems: tuple[list
         train += [solution_ids(tok, p, eos, limit) for p in sols]
         sols = [p for p in test_p if p.solution]
         test += [solution_ids(tok, p, eos, limit) for p in rng.sample(sols, min(cfg.eval_sequences // 2, len(sols)))]
-        sources["solutions"] = sum(map(len, train))
+        sources["solutions"] = sum(len(s.ids) for s in train)
     n_chat = min(cfg.prompts // 4, 4 * len(CHAT_PROMPTS))  # a quarter, each chat prompt answered at most 4 times
     texts = [prompt_text(p) for p in rng.sample(train_p, min(cfg.prompts - n_chat, len(train_p)))]
     texts += [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(cfg.prompts - len(texts))]
     prompts = [chat_prompt_ids(tok, t)[: cfg.data.max_prompt_tokens] for t in texts]
     gen = _generated(policy, tok, prompts, cfg, eos_ids, folder, "train", 0)
-    sources["policy responses"] = sum(map(len, gen))
+    sources["policy responses"] = sum(len(s.ids) for s in gen)
     train += gen
     k = cfg.eval_sequences - len(test)
     held = [chat_prompt_ids(tok, prompt_text(p))[: cfg.data.max_prompt_tokens] for p in rng.sample(test_p, min(k, len(test_p)))]
     test += _generated(policy, tok, held, cfg, eos_ids, folder, "heldout", EVAL_SEED)
     if cfg.corpus:
         extra = _corpus_from_file(cfg.corpus, tok, limit)
-        sources["--corpus"] = sum(map(len, extra))
+        sources["--corpus"] = sum(len(s.ids) for s in extra)
         train += extra
     return train, test, sources
 
@@ -181,21 +192,23 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _policy_pass(policy, seqs: list[list[int]], taps):
-    """Tokens, the policy's taps, final hidden states and logits (no grad), and the trainable mask
-    (padding is never trained on)."""
+def _policy_pass(policy, seqs: list[Seq], taps):
+    """Tokens, the policy's taps, final hidden states and logits (no grad), and the trainable mask:
+    from the last prompt position on (`Seq`), never padding."""
     dev = policy.lm_head.weight.device
-    toks, lens = pad_right(seqs, dev)
+    toks, lens = pad_right([s.ids for s in seqs], dev)
     # lengths padded to a multiple of SHAPE_STEP: a few shapes recur, so oneDNN's kernels for them are
     # made once (a new shape every batch made steps ~2x slower)
     toks = torch.nn.functional.pad(toks, (0, -toks.shape[1] % SHAPE_STEP))
-    mask = torch.arange(toks.shape[1], device=dev) < (lens - 2)[:, None]  # t needs t+1 and t+2
+    t = torch.arange(toks.shape[1], device=dev)
+    first = torch.tensor([max(s.start - 1, 0) for s in seqs], device=dev)  # the last prompt position
+    mask = (t >= first[:, None]) & (t < (lens - 2)[:, None])  # t needs t+1 and t+2
     with torch.no_grad():
         o = policy(toks, taps=taps)
         return toks, o.taps, o.hidden, policy.logits(o.hidden), mask
 
 
-def evaluate(trainer: DraftTrainer, policy, seqs: list[list[int]], micro_batch: int) -> dict:
+def evaluate(trainer: DraftTrainer, policy, seqs: list[Seq], micro_batch: int) -> dict:
     """Held-out statistics averaged over positions: per-depth top-1 agreement and acceptance, and the
     expected acceptance length of a drafted chain (`drafters.base.expected_length`)."""
     taps = tuple(trainer.drafter.feature_layers)
@@ -275,7 +288,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     master, tok = lm.model, lm.tokenizer
     policy = RolloutCopy(master, rollout_dtype(cfg.model.rollout_dtype, master)).model  # features and targets
     train, test, sources = build_corpus(cfg, policy, tok, lm.eos_ids, problems)
-    counts = Counter(t for s in train for t in s)
+    counts = Counter(t for s in train for t in s.ids)
     V = master.args.vocab_size
     vocab_ids = draft_vocabulary(counts, cfg.draft_vocab, V, lm.eos_ids) if 0 < cfg.draft_vocab < V else None
     w = master.lm_head.weight
@@ -287,7 +300,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
         drafter = KINDS[kind](master.args, vocab_ids=vocab_ids, **settings).to(device=w.device, dtype=w.dtype)
         trainers[kind] = DraftTrainer(drafter.bind(master), lr=cfg.lr)
     taps = tuple(sorted({i for t in trainers.values() for i in t.drafter.feature_layers}))
-    plans = [batch_plan([len(s) for s in train], cfg.micro_batch, cfg.seed, e) for e in range(cfg.epochs)]
+    plans = [batch_plan([len(s.ids) for s in train], cfg.micro_batch, cfg.seed, e) for e in range(cfg.epochs)]
     total = sum(map(len, plans))
     step, tokens = 0, 0
     if resume is not None:
@@ -297,7 +310,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
         torch.set_rng_state(resume["rng"])  # the DFlash loss draws its anchors from it
     else:
         (out / "config.json").write_text(json.dumps({"config": to_dict(cfg), "corpus_sequences": len(train),
-                                                     "corpus_tokens": sum(map(len, train)), "sources": sources,
+                                                     "corpus_tokens": sum(len(s.ids) for s in train), "sources": sources,
                                                      "heldout_sequences": len(test),
                                                      "policy_dtype": str(policy.lm_head.weight.dtype)}, indent=2))
     log_path = out / "pretrain.jsonl"
@@ -328,7 +341,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
             if k < step:
                 continue
             batch = _policy_pass(policy, [train[j] for j in mb], taps)
-            tokens += sum(len(train[j]) for j in mb)
+            tokens += sum(len(train[j].ids) for j in mb)
             for kind, t in trainers.items():
                 for g in t.opt.param_groups:
                     g["lr"] = lr_at(step, total, cfg.lr, cfg.warmup)
@@ -349,7 +362,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
         bar.close()
         raise UserError(f"interrupted at step {step}; continue with the same command and --resume") from None
     bar.close()
-    summary = {"out": str(out), "sequences": len(train), "tokens": sum(map(len, train)), "steps": total,
+    summary = {"out": str(out), "sequences": len(train), "tokens": sum(len(s.ids) for s in train), "steps": total,
                "draft_vocab": int(next(iter(trainers.values())).drafter.vocab_ids.numel()), "drafters": {}}
     for kind, t in trainers.items():
         atomic_save(t.drafter.checkpoint(), out / kind / "drafter.pt")

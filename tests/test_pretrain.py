@@ -12,7 +12,7 @@ from sparkrl.config import PretrainConfig, build
 from sparkrl.data import Problem, held_out, load_problems, parse_row
 from sparkrl.drafters.base import expected_length, read_checkpoint, save_safetensors, target_probs
 from sparkrl.errors import UserError
-from sparkrl.pretrain import batch_plan, build_corpus, load_corpus_problems, lr_at, pretrain
+from sparkrl.pretrain import _policy_pass, batch_plan, build_corpus, load_corpus_problems, lr_at, pretrain
 
 GSM_ROW = {"question": "Tom has {n} apples and buys 3 more. How many apples does he have?",
            "answer": "He buys 3 so he has {n}+3=<<{n}+3={m}>>{m} apples.\n#### {m}"}
@@ -89,10 +89,17 @@ def test_held_out_problems_never_enter_the_corpus(tiny_model_dir, tmp_path):
     problems = load_problems(str(data)).problems
     held = [p for p in problems if held_out(p, 0.2)]
     assert held and sources["solutions"] > 0 and sources["policy responses"] > 0
-    texts = [lm.tokenizer.decode(s) for s in train]
+    texts = [lm.tokenizer.decode(s.ids) for s in train]
     assert not any(p.question in t for p in held for t in texts)
     assert sum("\\boxed{" in t for t in texts) >= len(problems) - len(held)  # every training solution is in
-    assert any(p.question in lm.tokenizer.decode(s) for p in held for s in test)
+    assert any(p.question in lm.tokenizer.decode(s.ids) for p in held for s in test)
+    # the drafter trains from the last prompt position on: every sequence's answer start is its prompt
+    for s in train + test:
+        head = lm.tokenizer.decode(s.ids[:s.start])
+        assert s.start > 0 and head.rstrip().endswith("assistant") and lm.tokenizer.decode(s.ids[s.start:]).strip()
+    _, _, _, _, mask = _policy_pass(lm.model, train[:2], ())
+    for row, s in zip(mask, train[:2]):
+        assert row.nonzero()[0, 0] == s.start - 1 and row.nonzero()[-1, 0] == len(s.ids) - 3
 
 
 def test_pretrain_two_kinds_scores_held_out_and_resumes_exactly_after_a_crash(tiny_model_dir, tmp_path, monkeypatch):
