@@ -386,6 +386,10 @@ class PretrainConfig(Checked):
     """Linear warm-up steps."""
     draft_vocab: int = at_least(0, 8192)
     """Draft vocabulary: the most frequent corpus tokens (0: the policy's whole vocabulary)."""
+    train_positions: Literal["all", "response"] = "all"
+    """Positions the drafter trains on: every position of a sequence, or only those from the last prompt
+    token on (where rollouts draft). Measured on the default model (BENCHMARKS.md): response helps the
+    DFlash-style drafter a little and costs the EAGLE3-style one at the end of the shipped run."""
     micro_batch: int = at_least(1, 8)
     """Sequences per training step."""
     seed: int = 0

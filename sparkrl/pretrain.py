@@ -54,9 +54,9 @@ SHAPE_STEP = 64
 
 
 class Seq(NamedTuple):
-    """A corpus sequence: token ids, and where its answer starts. The drafter trains on (and is scored
-    at) the positions from the last prompt token on, the ones it drafts from in a rollout, as online
-    training does (`trainer.response_batch`); 0 for plain text, trained everywhere."""
+    """A corpus sequence: token ids, and where its answer starts (0 for plain text). Held-out scores
+    count the positions from the last prompt token on, the ones a rollout drafts from (as online
+    training's `trainer.response_batch`); training uses them too with --train-positions response."""
 
     ids: list[int]
     start: int
@@ -192,16 +192,16 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _policy_pass(policy, seqs: list[Seq], taps):
+def _policy_pass(policy, seqs: list[Seq], taps, answers_only: bool = True):
     """Tokens, the policy's taps, final hidden states and logits (no grad), and the trainable mask:
-    from the last prompt position on (`Seq`), never padding."""
+    from the last prompt position on (`Seq`; every position with answers_only False), never padding."""
     dev = policy.lm_head.weight.device
     toks, lens = pad_right([s.ids for s in seqs], dev)
     # lengths padded to a multiple of SHAPE_STEP: a few shapes recur, so oneDNN's kernels for them are
     # made once (a new shape every batch made steps ~2x slower)
     toks = torch.nn.functional.pad(toks, (0, -toks.shape[1] % SHAPE_STEP))
     t = torch.arange(toks.shape[1], device=dev)
-    first = torch.tensor([max(s.start - 1, 0) for s in seqs], device=dev)  # the last prompt position
+    first = torch.tensor([max(s.start - 1, 0) if answers_only else 0 for s in seqs], device=dev)  # last prompt position
     mask = (t >= first[:, None]) & (t < (lens - 2)[:, None])  # t needs t+1 and t+2
     with torch.no_grad():
         o = policy(toks, taps=taps)
@@ -340,7 +340,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
         for k, mb in enumerate(b for plan in plans for b in plan):
             if k < step:
                 continue
-            batch = _policy_pass(policy, [train[j] for j in mb], taps)
+            batch = _policy_pass(policy, [train[j] for j in mb], taps, cfg.train_positions == "response")
             tokens += sum(len(train[j].ids) for j in mb)
             for kind, t in trainers.items():
                 for g in t.opt.param_groups:

@@ -100,6 +100,8 @@ def test_held_out_problems_never_enter_the_corpus(tiny_model_dir, tmp_path):
     _, _, _, _, mask = _policy_pass(lm.model, train[:2], ())
     for row, s in zip(mask, train[:2]):
         assert row.nonzero()[0, 0] == s.start - 1 and row.nonzero()[-1, 0] == len(s.ids) - 3
+    _, _, _, _, every = _policy_pass(lm.model, train[:2], (), answers_only=False)  # --train-positions all
+    assert every[:, 0].all() and (every.sum(1) == torch.tensor([len(s.ids) - 2 for s in train[:2]])).all()
 
 
 def test_pretrain_two_kinds_scores_held_out_and_resumes_exactly_after_a_crash(tiny_model_dir, tmp_path, monkeypatch):
