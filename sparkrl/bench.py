@@ -95,7 +95,7 @@ def run_config(cfg: BenchConfig, data: str, method: str, folder: str, spark: dic
                      checkpoint_every=1 if cfg.preset == "paper" else sz["steps"], keep_checkpoints=1,
                      model=cfg.model, sampling=SamplingConfig(max_new_tokens=sz["max_new_tokens"]),
                      data=DataConfig(data=data), grpo=GRPOConfig(group_size=sz["group_size"],
-                                                                 prompts_per_step=sz["prompts_per_step"]),
+                                                                 prompts_per_step=sz["prompts_per_step"], lr=cfg.lr),
                      draft=draft)
 
 

@@ -470,6 +470,9 @@ class BenchConfig(Checked):
     """Longest response (0: the preset's)."""
     seed: int = 0
     """Seed of every method's run (same prompts and per-response seeds for all)."""
+    lr: float = above(0, 1e-6)
+    """Policy learning rate of every method's run (the paper's 1e-6 barely moves a 135M model in a few
+    steps; a larger one makes the policy drift away from the drafter, the regime SPARK targets)."""
     resume: bool = False
     """Continue an interrupted bench in --out (every method resumes from its last checkpoint)."""
     model: ModelConfig = ModelConfig()

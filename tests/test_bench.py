@@ -83,3 +83,11 @@ def test_bench_bad_input(argv, msg, capsys, tmp_path, monkeypatch):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert msg in err and len(err.splitlines()) == 1
+
+
+def test_bench_policy_lr_reaches_every_method():
+    """--lr (the drift stress test of issue 16) is every method's GRPO learning rate; the default is the paper's."""
+    cfg = BenchConfig(out="x", lr=5e-5)
+    runs = [bench_mod.run_config(cfg, "default", m, f"x/{m}") for m in ("ar", "eagle3", "eagle3+spark")]
+    assert all(r.grpo.lr == 5e-5 for r in runs)
+    assert bench_mod.run_config(BenchConfig(out="x"), "default", "ar", "x/ar").grpo.lr == 1e-6
