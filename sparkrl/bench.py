@@ -92,7 +92,7 @@ def run_config(cfg: BenchConfig, data: str, method: str, folder: str, spark: dic
                             block_size=cfg.block_size, budget=cfg.budget,
                             spark_config=SparkConfig(spark=True, **(spark or {})) if "spark" in method else SparkConfig())
     return RunConfig(out=folder, steps=sz["steps"], seed=cfg.seed, resume=cfg.resume,
-                     checkpoint_every=1 if cfg.preset == "paper" else sz["steps"], keep_checkpoints=1,
+                     checkpoint_every=1, keep_checkpoints=1,
                      model=cfg.model, sampling=SamplingConfig(max_new_tokens=sz["max_new_tokens"]),
                      data=DataConfig(data=data), grpo=GRPOConfig(group_size=sz["group_size"],
                                                                  prompts_per_step=sz["prompts_per_step"], lr=cfg.lr),
