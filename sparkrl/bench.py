@@ -3,7 +3,8 @@
 Every method is a full GRPO run (`trainer.GRPORun`) from the same policy and drafter checkpoint, with
 the same prompts, per-response seeds and number of policy updates. The runs are interleaved step by
 step (the order alternating), so machine drift hits every method alike. Each run keeps its own
-folder (config.json, metrics.jsonl, checkpoints/, rounds.jsonl of per-round AAL), which is also what
+folder (config.json, metrics.jsonl, checkpoints/, rounds.jsonl of per-round AAL, round_log.jsonl of
+every drafted token's outcome for `sparkrl analyze`), which is also what
 --resume continues from. Reported, per dataset (paper section 4.1):
 
 * Gen.: autoregressive generation time per generated token / the method's;
@@ -90,7 +91,8 @@ def run_config(cfg: BenchConfig, data: str, method: str, folder: str, spark: dic
         kind = method.split("+")[0]
         draft = DraftConfig(draft=kind, draft_checkpoint=cfg.dflash_checkpoint if kind == "dflash" else cfg.draft_checkpoint,
                             block_size=cfg.block_size, budget=cfg.budget,
-                            spark_config=SparkConfig(spark=True, **(spark or {})) if "spark" in method else SparkConfig())
+                            spark_config=SparkConfig(spark=True, **(spark or {})) if "spark" in method else SparkConfig(),
+                            round_log=str(Path(folder) / "round_log.jsonl"))  # for `sparkrl analyze` at any stage
     return RunConfig(out=folder, steps=sz["steps"], seed=cfg.seed, resume=cfg.resume,
                      checkpoint_every=1, keep_checkpoints=1,
                      model=cfg.model, sampling=SamplingConfig(max_new_tokens=sz["max_new_tokens"]),

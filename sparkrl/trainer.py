@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import signal
 import sys
 import time
@@ -279,8 +280,10 @@ class GRPORun:
             self.rollout.refresh()
             if self.draft_rollout is not None:
                 self.draft_rollout.refresh()
-        if self.world.is_main:
-            _truncate_metrics(self.cfg.out, start)
+        if self.world.is_main:  # lines past the checkpoint will be written again
+            _truncate_steps(Path(self.cfg.out) / "metrics.jsonl", start)
+            if self.cfg.draft.round_log:
+                _truncate_steps(Path(self.cfg.draft.round_log), start)
         return start
 
     def state(self, budgets: list[dict] | None = None) -> dict:
@@ -523,13 +526,14 @@ def _append_metrics(out: str, m: dict) -> None:
         f.write(json.dumps(m) + "\n")
 
 
-def _truncate_metrics(out: str, step: int) -> None:
-    """Drop metric lines past the checkpoint we resume from (they will be written again)."""
-    path = Path(out) / "metrics.jsonl"
+def _truncate_steps(path: Path, step: int) -> None:
+    """Drop the JSONL records (metrics, round log) of steps past `step`, atomically."""
     if not path.exists():
         return
-    keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
-    path.write_text("".join(l + "\n" for l in keep))
+    keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(l + "\n" for l in keep))
+    os.replace(tmp, path)
 
 
 def _summary(cfg: RunConfig, totals: dict, first: dict | None, last: dict | None) -> dict:
