@@ -24,6 +24,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+
 from sparkrl.errors import UserError
 from sparkrl.rollout import HIT, MISS
 
@@ -32,7 +34,7 @@ DISTANCE_BINS = [(1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 10**9
 
 def append_round_log(path: str, rollout, **meta) -> None:
     """Append one rollout's per-token outcomes to a JSONL round log."""
-    rec = {**meta, "group_size": rollout.group_size, "prompts": len(rollout.prompt_ids),
+    rec = {**meta, "group_size": rollout.group_size, "prompts": len(rollout.prompt_ids), "prompt_ids": rollout.prompt_ids,
            "responses": [{"tokens": t, "outcome": o, "round": r}
                          for t, o, r in zip(rollout.tokens, rollout.outcome, rollout.round_of)]}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -60,36 +62,52 @@ def read_round_log(path: str) -> list[dict]:
 
 
 class _Ratio:
-    """Miss counts of two event groups, with and without the earlier evidence, per stratum.
+    """Miss counts of drafted positions with and without the earlier evidence, per prompt group (the
+    bootstrap's unit) and stratum.
 
-    `ratio` is P(miss | evidence) / P(miss | none) over all events. `matched_ratio` compares each
-    stratum with itself (indirect standardisation): observed misses among evidence events over the
-    misses expected if each stratum missed at its own no-evidence rate, over strata seen both ways.
-    The stratum is the token itself, or (where the evidence is a property of the token, as for the
-    previous rollout) the token's frequency class. It removes the confound that frequent tokens are
-    both missed earlier more often and easier to draft.
+    Two forms of the ratio P(miss | evidence) / P(miss | none):
+
+    * `ratio` (raw, the paper's wording "tokens missed earlier vs tokens not missed earlier"): both
+      probabilities over all positions. Positions with evidence are mostly frequent tokens (a frequent
+      token has usually been missed somewhere before), and frequent tokens are easier to draft, so where
+      the drafter misses often the raw ratio is pulled below 1 whatever the recurrence.
+    * `matched_ratio` (indirect standardisation): observed misses among evidence positions over the
+      misses expected if each stratum missed at its own no-evidence rate, over strata seen both ways.
+      The stratum is the token itself, or (where the evidence is a property of the token, as for the
+      previous rollout) the token's frequency class: each token is compared with itself.
     """
 
     def __init__(self):
-        self.n = [0, 0]
-        self.miss = [0, 0]
-        self.by_token = defaultdict(lambda: [0, 0, 0, 0])  # token -> [n without, misses without, n with, misses with]
+        self.counts = defaultdict(lambda: [0, 0, 0, 0])  # (unit, stratum) -> [n without, misses without, n with, misses with]
 
-    def add(self, evidence: bool, miss: bool, token) -> None:
-        self.n[evidence] += 1
-        self.miss[evidence] += miss
-        c = self.by_token[token]
+    def add(self, unit: int, evidence: bool, miss: bool, stratum) -> None:
+        c = self.counts[unit, stratum]
         c[2 * evidence] += 1
         c[2 * evidence + 1] += miss
 
-    def to_dict(self) -> dict:
-        p = [m / n if n else None for m, n in zip(self.miss, self.n)]
-        both = [c for c in self.by_token.values() if c[0] and c[2]]
-        expected = sum(c[2] * c[1] / c[0] for c in both)
-        observed = sum(c[3] for c in both)
-        return {"p_miss_with": p[1], "p_miss_without": p[0], "ratio": p[1] / p[0] if p[0] and p[1] is not None else None,
-                "matched_ratio": observed / expected if expected else None, "matched_tokens": len(both),
-                "events_with": self.n[1], "events_without": self.n[0]}
+    def tensor(self, units: int) -> torch.Tensor:
+        """(units, strata, 4) float64 counts."""
+        strata = {s: i for i, s in enumerate(sorted({s for _, s in self.counts}, key=str))}
+        t = torch.zeros(units, max(len(strata), 1), 4, dtype=torch.float64)
+        for (u, s), c in self.counts.items():
+            t[u, strata[s]] = torch.tensor(c, dtype=torch.float64)
+        return t
+
+
+def _ratios(t: torch.Tensor) -> dict:
+    """Ratio statistics of summed counts t (..., strata, 4); batched over leading dims."""
+    n0, m0, n1, m1 = t.unbind(-1)
+    p0, p1 = m0.sum(-1) / n0.sum(-1), m1.sum(-1) / n1.sum(-1)
+    both = (n0 > 0) & (n1 > 0)
+    expected = torch.where(both, n1 * m0 / n0.clamp(min=1), 0.0).sum(-1)
+    observed = torch.where(both, m1, 0.0).sum(-1)
+    return {"p_miss_with": p1, "p_miss_without": p0, "ratio": p1 / p0, "matched_ratio": observed / expected,
+            "matched_tokens": both.sum(-1), "events_with": n1.sum(-1), "events_without": n0.sum(-1)}
+
+
+def _value(x: torch.Tensor):
+    x = float(x)
+    return x if x == x and abs(x) != float("inf") else None
 
 
 def _events(resp: dict):
@@ -99,13 +117,17 @@ def _events(resp: dict):
             yield v, t, o == MISS
 
 
-def analyze(records: list[dict]) -> dict:
-    """Section-2 statistics of one round log (list of rollout records)."""
-    within = _Ratio()
+RATIOS = ("within_response", "previous_rollout", "within_prompt")
+
+
+def analyze(records: list[dict], previous: dict | None = None, bootstrap: int = 1000, seed: int = 0) -> dict:
+    """Section-2 statistics of one round log (list of rollout records). previous: the record logged
+    just before `records` (the previous-rollout evidence of the first one). Each ratio and share
+    comes with a 95% bootstrap interval over prompt groups (`ci`), `bootstrap` resamples."""
+    ratio = {k: _Ratio() for k in RATIOS}
     by_dist = [_Ratio() for _ in DISTANCE_BINS]  # evidence = last earlier miss at this distance
-    prev_rollout, prompt = _Ratio(), _Ratio()
-    n_miss = n_events = miss_seen_resp = miss_seen_prompt = 0
-    prev_missed: set | None = None
+    unit_misses, seen_resp, seen_prompt = [], [], []  # per prompt group
+    prev_missed = None if previous is None else {v for resp in previous["responses"] for v, _, m in _events(resp) if m}
     for rec in records:
         G = rec["group_size"]
         missed_here = set()
@@ -117,8 +139,9 @@ def analyze(records: list[dict]) -> dict:
         for r, resp in enumerate(rec["responses"]):
             groups[r // G].append(resp)
         for resps in groups.values():
-            # misses of each token by (response, round) within the group
-            miss_rounds = defaultdict(list)  # token -> [(round, response)]
+            u = len(unit_misses)
+            unit_misses.append(0), seen_resp.append(0), seen_prompt.append(0)
+            miss_rounds = defaultdict(list)  # token -> [(round, response)] of its misses in the group
             for j, resp in enumerate(resps):
                 for v, t, m in _events(resp):
                     if m:
@@ -126,56 +149,113 @@ def analyze(records: list[dict]) -> dict:
             for j, resp in enumerate(resps):
                 last_miss = {}
                 for v, t, m in _events(resp):
-                    n_events += 1
-                    n_miss += m
                     earlier = last_miss.get(v)
-                    within.add(earlier is not None, m, v)
+                    ratio["within_response"].add(u, earlier is not None, m, v)
                     if earlier is not None:
                         d = t - earlier
                         b = next(i for i, (lo, hi) in enumerate(DISTANCE_BINS) if lo <= d <= hi)
-                        by_dist[b].add(True, m, v)
+                        by_dist[b].add(u, True, m, v)
                     other = any(tt < t and jj != j for tt, jj in miss_rounds.get(v, ()))
-                    prompt.add(other, m, v)
+                    ratio["within_prompt"].add(u, other, m, v)
                     if prev_missed is not None:
-                        prev_rollout.add(v in prev_missed, m, freq[v].bit_length())
+                        ratio["previous_rollout"].add(u, v in prev_missed, m, freq[v].bit_length())
                     if m:
-                        miss_seen_resp += earlier is not None
-                        miss_seen_prompt += any(tt < t for tt, _ in miss_rounds.get(v, ()))
+                        unit_misses[u] += 1
+                        seen_resp[u] += earlier is not None
+                        seen_prompt[u] += any(tt < t for tt, _ in miss_rounds.get(v, ()))
                         last_miss[v] = t
                         missed_here.add(v)
         prev_missed = missed_here
-    # by distance: P(miss | last earlier miss in the bin) against P(miss | no earlier miss)
-    base = within.to_dict()["p_miss_without"]
+    U = len(unit_misses)
+    counts = {k: r.tensor(U) for k, r in ratio.items()}
+    shares = torch.tensor([unit_misses, seen_resp, seen_prompt], dtype=torch.float64).T.reshape(U, 3)
+    n_events = sum(1 for rec in records for resp in rec["responses"] for _ in _events(resp))
+    n_miss = int(shares[:, 0].sum())
+
+    def stats(w: torch.Tensor) -> dict:  # w: (B, U) weights of the prompt groups
+        out = {k: _ratios(torch.einsum("bu,usk->bsk", w, c)) for k, c in counts.items()}
+        s = w @ shares
+        out["misses_seen_earlier_in_response"] = s[:, 1] / s[:, 0]
+        out["misses_seen_earlier_in_prompt"] = s[:, 2] / s[:, 0]
+        return out
+
+    point = stats(torch.ones(1, U, dtype=torch.float64))
+    res = {k: {n: _value(x[0]) if n.startswith(("p_", "ratio", "matched_r")) else int(x[0]) for n, x in v.items()}
+           for k, v in point.items() if k in RATIOS}
+    res.update({k: _value(point[k][0]) for k in ("misses_seen_earlier_in_response", "misses_seen_earlier_in_prompt")})
+    if bootstrap and U > 1:
+        g = torch.Generator().manual_seed(seed)
+        draws = []
+        for lo in range(0, bootstrap, 100):  # bounded memory: 100 resamples at a time
+            idx = torch.randint(U, (min(100, bootstrap - lo), U), generator=g)
+            w = torch.zeros(idx.shape[0], U, dtype=torch.float64).scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float64))
+            draws.append(stats(w))
+        ci = lambda x: [_value(q) for q in torch.nanquantile(x, torch.tensor([0.025, 0.975], dtype=torch.float64))]
+        for k in RATIOS:
+            for n in ("ratio", "matched_ratio"):
+                res[k][n + "_ci"] = ci(torch.cat([d[k][n] for d in draws]))
+        for k in ("misses_seen_earlier_in_response", "misses_seen_earlier_in_prompt"):
+            res[k + "_ci"] = ci(torch.cat([d[k] for d in draws]))
+    # by distance: P(miss | last earlier miss in the bin) against P(miss | no earlier miss) of the same tokens
+    w0 = {}
+    for (u, v), c in ratio["within_response"].counts.items():
+        a = w0.setdefault(v, [0, 0])
+        a[0] += c[0]
+        a[1] += c[1]
+    base = res["within_response"]["p_miss_without"]
     dist = []
-    rate0 = {v: c[1] / c[0] for v, c in within.by_token.items() if c[0]}  # each token's no-earlier-miss rate
     for (lo, hi), rt in zip(DISTANCE_BINS, by_dist):
-        d = rt.to_dict()
-        p = d["p_miss_with"]
-        expected = sum(c[2] * rate0[v] for v, c in rt.by_token.items() if v in rate0)
-        observed = sum(c[3] for v, c in rt.by_token.items() if v in rate0)
-        dist.append({"from": lo, "to": hi if hi < 10**9 else None, "p_miss": p, "events": d["events_with"],
+        tot = defaultdict(lambda: [0, 0])
+        for (u, v), c in rt.counts.items():
+            tot[v][0] += c[2]
+            tot[v][1] += c[3]
+        n, m = sum(c[0] for c in tot.values()), sum(c[1] for c in tot.values())
+        p = m / n if n else None
+        expected = sum(c[0] * w0[v][1] / w0[v][0] for v, c in tot.items() if w0.get(v, [0])[0])
+        observed = sum(c[1] for v, c in tot.items() if w0.get(v, [0])[0])
+        dist.append({"from": lo, "to": hi if hi < 10**9 else None, "p_miss": p, "events": n,
                      "ratio": p / base if p is not None and base else None,
                      "matched_ratio": observed / expected if expected else None})
-    return {
-        "rollouts": len(records), "drafted_positions": n_events, "misses": n_miss,
-        "miss_rate": n_miss / n_events if n_events else None,
-        "within_response": within.to_dict(), "within_response_by_distance": dist,
-        "previous_rollout": prev_rollout.to_dict(), "within_prompt": prompt.to_dict(),
-        "misses_seen_earlier_in_response": miss_seen_resp / n_miss if n_miss else None,
-        "misses_seen_earlier_in_prompt": miss_seen_prompt / n_miss if n_miss else None,
-    }
+    return {"rollouts": len(records), "prompt_groups": U, "drafted_positions": n_events, "misses": n_miss,
+            "miss_rate": n_miss / n_events if n_events else None, **{k: res[k] for k in RATIOS},
+            "within_response_by_distance": dist,
+            **{k: v for k, v in res.items() if k not in RATIOS}}
 
 
-def run(logs: list[str], labels: list[str], out: str) -> dict:
-    """Analyse each log, write analysis.json and PNG plots into out; returns the results."""
+def stages(records: list[dict], k: int, **kw) -> list[dict]:
+    """`analyze` of k consecutive parts of a log (early, middle, late ... of a run), split by step
+    (by order for logs without steps); each part's first rollout takes its previous-rollout evidence
+    from the record before it."""
+    key = [r.get("step", i) for i, r in enumerate(records)]
+    steps = sorted(set(key))
+    if len(steps) < k:
+        raise UserError(f"--stages {k}: the log has only {len(steps)} steps; use at most {len(steps)} stages")
+    out = []
+    for i in range(k):
+        part = set(steps[len(steps) * i // k:len(steps) * (i + 1) // k])
+        idx = [j for j, s in enumerate(key) if s in part]
+        r = analyze([records[j] for j in idx], records[idx[0] - 1] if idx[0] else None, **kw)
+        out.append({"steps": [min(part), max(part)], **r})
+    return out
+
+
+def run(logs: list[str], labels: list[str], out: str, n_stages: int = 1, bootstrap: int = 1000) -> dict:
+    """Analyse each log (and, n_stages > 1, each stage of it), write analysis.json and PNG plots into
+    out; returns the results."""
     if labels and len(labels) != len(logs):
         raise UserError(f"--labels names {len(labels)} logs, --logs gives {len(logs)}")
     labels = labels or [Path(p).stem for p in logs]
     records = {lab: read_round_log(p) for lab, p in zip(labels, logs)}  # all read (and checked) before work
-    res = {lab: analyze(recs) for lab, recs in records.items()}
+    res = {}
+    for lab, recs in records.items():
+        res[lab] = analyze(recs, bootstrap=bootstrap)
+        if n_stages > 1:
+            res[lab]["stages"] = stages(recs, n_stages, bootstrap=bootstrap)
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / "analysis.json").write_text(json.dumps({"logs": dict(zip(labels, logs)), "results": res}, indent=2))
     plot(res, out)
+    if n_stages > 1:
+        plot_stages(res, out)
     return res
 
 
@@ -220,4 +300,39 @@ def plot(res: dict, out: str) -> None:
     ax[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(Path(out) / "analysis.png", dpi=120)
+    plt.close(fig)
+
+
+def plot_stages(res: dict, out: str) -> None:
+    """Each ratio (raw and token-matched) by stage, with its bootstrap interval: analysis_stages.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
+    names = {"within_response": "within a response", "previous_rollout": "previous rollout (control)",
+             "within_prompt": "within a prompt group"}
+    for a, (k, name) in zip(ax, names.items()):
+        for i, (lab, r) in enumerate(res.items()):
+            for form, ls in (("ratio", "--"), ("matched_ratio", "-")):
+                pts = [(j, s[k][form], s[k].get(form + "_ci")) for j, s in enumerate(r["stages"]) if s[k][form] is not None]
+                if not pts:
+                    continue
+                x = [j + 0.08 * i for j, _, _ in pts]
+                y = [v for _, v, _ in pts]
+                err = [[v - (c[0] if c and c[0] is not None else v) for _, v, c in pts],
+                       [(c[1] if c and c[1] is not None else v) - v for _, v, c in pts]]
+                a.errorbar(x, y, yerr=err, fmt="o" + ls, capsize=3,
+                           label=f"{lab}, {'token-matched' if form == 'matched_ratio' else 'raw'}")
+        a.axhline(1.0, color="k", lw=0.8)
+        a.set_xticks(range(len(next(iter(res.values()))["stages"])))
+        a.set_xticklabels([f"steps {s['steps'][0]}-{s['steps'][1]}" for s in next(iter(res.values()))["stages"]])
+        a.set_title(f"P(miss | missed before) / P(miss | not): {name}", fontsize=9)
+    ax[0].set_ylabel("ratio (95% bootstrap interval over prompts)")
+    for a in ax:
+        if a.get_legend_handles_labels()[0]:  # a stage may have no events of a kind
+            a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(Path(out) / "analysis_stages.png", dpi=120)
     plt.close(fig)

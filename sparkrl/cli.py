@@ -152,7 +152,7 @@ def run_pretrain(cfg: PretrainConfig) -> None:
 
 
 def run_analyze(cfg: AnalyzeConfig) -> None:
-    res = run_analysis(cfg.logs.split(","), [l for l in cfg.labels.split(",") if l], cfg.out)
+    res = run_analysis(cfg.logs.split(","), [l for l in cfg.labels.split(",") if l], cfg.out, cfg.stages, cfg.bootstrap)
     for lab, r in res.items():
         f = lambda x: "n/a" if x is None else f"{x:.2f}"
         ratios = ", ".join(f"{name} {f(r[k]['ratio'])} (token-matched {f(r[k]['matched_ratio'])})" for name, k in

@@ -417,6 +417,11 @@ class AnalyzeConfig(Checked):
     """Names of the logs in the results, comma-separated (default: the file names)."""
     out: str = option("", required=True)
     """Output directory: analysis.json and analysis.png."""
+    stages: int = at_least(1, 1)
+    """Also analyse each log in this many consecutive parts by training step (3: the paper's early,
+    middle and late stages; analysis_stages.png)."""
+    bootstrap: int = at_least(0, 1000)
+    """Bootstrap resamples of the prompt groups for the 95% intervals of each ratio (0: none)."""
 
     def validate(self):
         _check(bool(self.logs), "--logs is required: one or more round logs written with --round-log")

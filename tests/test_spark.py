@@ -307,8 +307,12 @@ def test_train_with_spark_learns_A_resumes_exactly_and_logs_rounds(tiny_model_di
 
     log = tmp_path / "rounds.jsonl"
     train(_train_cfg(tiny_model_dir, tmp_path / "a", steps=3, round_log=str(log)), grader=ParityGrader())
-    train(_train_cfg(tiny_model_dir, tmp_path / "b", steps=1), grader=ParityGrader())
-    train(_train_cfg(tiny_model_dir, tmp_path / "b", steps=3, resume=True), grader=ParityGrader())
+    logb = tmp_path / "rounds_b.jsonl"
+    train(_train_cfg(tiny_model_dir, tmp_path / "b", steps=1, round_log=str(logb)), grader=ParityGrader())
+    with open(logb, "a") as f:  # a step logged, then killed before its checkpoint: resume drops it
+        f.write(json.dumps({**json.loads(log.read_text().splitlines()[1]), "responses": []}) + "\n")
+    train(_train_cfg(tiny_model_dir, tmp_path / "b", steps=3, resume=True, round_log=str(logb)), grader=ParityGrader())
+    assert logb.read_text() == log.read_text()  # exact resume, round log included
     m = [json.loads(l) for l in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert all(x["spark_contexts"] > 0 and x["spark_skipped"] == 0 and "spark_s" in x for x in m)
     ca, cb = (load_latest(tmp_path / x) for x in "ab")
@@ -331,6 +335,11 @@ def test_train_with_spark_learns_A_resumes_exactly_and_logs_rounds(tiny_model_di
     res = json.loads((tmp_path / "an" / "analysis.json").read_text())["results"]
     assert res["train"]["rollouts"] == 3 and res["train"]["drafted_positions"] > 0
     assert (tmp_path / "an" / "analysis.png").stat().st_size > 0
+    assert main(["analyze", "--logs", str(log), "--stages", "3", "--out", str(tmp_path / "st")]) == 0
+    st = json.loads((tmp_path / "st" / "analysis.json").read_text())["results"]["rounds"]["stages"]
+    assert [s["steps"] for s in st] == [[1, 1], [2, 2], [3, 3]]
+    assert sum(s["drafted_positions"] for s in st) == res["train"]["drafted_positions"]
+    assert (tmp_path / "st" / "analysis_stages.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("argv,msg", [
