@@ -6,6 +6,11 @@ top-1 agreement, by round range, for several adaptation rates eta. This isolates
 effect from the sampling noise of end-to-end AAL comparisons.
 
     .venv/bin/python bench/spark_kl.py --draft-checkpoint runs/draft3/drafter.pt --eta 0.005 0.01 0.02 0.1 1
+
+At a stage of a GRPO run (issue 16), give the run's checkpoint for both: its policy, drafter and
+learned A (`--policy-checkpoint` loads the policy weights of a `checkpoints/step-N` folder):
+
+    .venv/bin/python bench/spark_kl.py --policy-checkpoint CK --draft-checkpoint CK --eta 0.01 --out DIR
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from sparkrl.checkpoint import load_checkpoint
 from sparkrl.config import DraftConfig, SamplingConfig, SparkConfig
 from sparkrl.data import build_prompts, load_problems
 from sparkrl.build import make_drafter
@@ -35,34 +41,52 @@ class MeasuredSpark(Spark):
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
-        self.log = []
+        self.log, self.u_cos, self.u_sum = [], [], {}
 
     def feedback(self, row, h, z, p, w):
         owner = self._owner[row]
         zraw = z.float()
+        u = (h.float() - self._hbar[row] if self.center else h.float()) @ self.A  # the u `correct` used
+        corr = torch.zeros(len(z))
         if len(self.store):
             tok, rows = self.store.of_owners(owner)
-            zraw = zraw.scatter_add(-1, tok, -torch.einsum("nmr,nr->nm", rows, h.float() @ self.A))
+            c = torch.einsum("nmr,nr->nm", rows, u)
+            zraw = zraw.scatter_add(-1, tok, -c)
+            corr = c.abs().amax(-1)
         pp = p.float()
         logp = torch.where(pp > 0, pp.log(), 0.0)
         kl = lambda zz: (pp * (logp - torch.log_softmax(zz.float(), -1))).sum(-1).mean()
         top1 = lambda zz: (zz.argmax(-1) == pp.argmax(-1)).float().mean()
-        self.log.append((self._round, float(kl(zraw)), float(kl(z)), float(top1(zraw)), float(top1(z))))
+        # how context-specific the correction can be: cosine of u_c with the mean u of its owner's
+        # earlier feedback contexts (near 1: B_g u acts as one bias for the whole prompt)
+        un = torch.nn.functional.normalize(u, dim=-1)
+        for i, o in enumerate(owner.tolist()):
+            prev = self.u_sum.get(o)
+            if prev is not None:
+                self.u_cos.append((self._round, float(un[i] @ torch.nn.functional.normalize(prev, dim=0))))
+            self.u_sum[o] = un[i] if prev is None else prev + un[i]
+        self.log.append((self._round, float(kl(zraw)), float(kl(z)), float(top1(zraw)), float(top1(z)),
+                         float(u.norm(dim=-1).mean()), float(corr.mean())))
         super().feedback(row, h, z, p, w)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft-checkpoint", required=True)
+    ap.add_argument("--policy-checkpoint", default="", help="a GRPO run's checkpoints/step-N folder: its policy weights")
     ap.add_argument("--data", default="../shared/data/gsm8k/train.jsonl")
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--skip", type=int, default=1000)
     ap.add_argument("--eta", type=float, nargs="+", default=[0.005, 0.01, 0.02, 0.1, 1.0])
+    ap.add_argument("--center", action="store_true", help="SPARK with --spark-center")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     lm = load_model("default")
+    if args.policy_checkpoint:
+        missing, unexpected = lm.model.load_weights(load_checkpoint(args.policy_checkpoint)["policy"])
+        assert not missing and not unexpected, (missing[:3], unexpected[:3])
     base = DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, budget="fixed")
     drafter = make_drafter(base, lm.model)
     ds = load_problems(args.data)
@@ -73,7 +97,7 @@ def main():
     for eta in args.eta:
         cfg = dataclasses.replace(base, spark_config=SparkConfig(spark=True, spark_eta=eta))
         proj, _ = make_spark(cfg, lm.model, drafter, sc.temperature)
-        spark = MeasuredSpark(proj.A, drafter.vocab_ids.numel(), eta=eta)
+        spark = MeasuredSpark(proj.A, drafter.vocab_ids.numel(), eta=eta, center=args.center)
         r = generate_speculative(lm.model, drafter, prompts, sc, lm.eos_ids, response_generators(0, P, G),
                                  base.shape(), G, spark=spark)
         for lo, hi in RANGES:
@@ -82,7 +106,9 @@ def main():
                 continue
             row = {"eta": eta, "rounds": [lo, hi if hi < 10**9 else None], "kl_uncorrected": statistics.mean(x[1] for x in sel),
                    "kl_corrected": statistics.mean(x[2] for x in sel), "top1_uncorrected": statistics.mean(x[3] for x in sel),
-                   "top1_corrected": statistics.mean(x[4] for x in sel), "aal": r.stats.aal}
+                   "top1_corrected": statistics.mean(x[4] for x in sel), "u_norm": statistics.mean(x[5] for x in sel),
+                   "correction_absmax": statistics.mean(x[6] for x in sel), "aal": r.stats.aal,
+                   "u_cos_to_earlier_mean": statistics.mean([c for t, c in spark.u_cos if lo <= t < hi] or [float("nan")])}
             rows.append(row)
             print(json.dumps(row), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -143,7 +143,8 @@ def summarize(folder: str, ar_folder: str | None) -> dict:
            "train_s": sum(x["train_s"] for x in m), "draft_train_s": sum(x["draft_train_s"] for x in m),
            "step_s": step_s, "aal_per_step": [x.get("aal") for x in m],
            "gen_s_per_token": [x["gen_s"] / max(x["gen_tokens"], 1) for x in m],
-           "spark_s": sum(x.get("spark_s", 0.0) for x in m), "reward_per_step": [x["reward_mean"] for x in m]}
+           "spark_s": sum(x.get("spark_s", 0.0) for x in m), "reward_per_step": [x["reward_mean"] for x in m],
+           "kl_per_step": [x.get("kl") for x in m]}
     if "row_rounds" in m[0]:
         out["aal"] = sum(x["committed"] for x in m) / max(sum(x["row_rounds"] for x in m), 1)
     out["rounds"] = rounds
@@ -159,7 +160,32 @@ def summarize(folder: str, ar_folder: str | None) -> dict:
         per_step = [(x["gen_s"] + x["train_s"] + x["draft_train_s"]) / (y["gen_s"] + y["train_s"] + y["draft_train_s"])
                     for x, y in zip(a, mm)]
         out["e2e_speedup_median_step"] = statistics.median(per_step)
+        g = gains(ar_folder, folder)
+        out["gen_speedup_ci"], out["e2e_speedup_ci"] = g["gen_ci"], g["e2e_ci"]
     return out
+
+
+def gains(base: str, other: str, bootstrap: int = 2000, seed: int = 0) -> dict:
+    """Run `other` against run `base` over their common steps: AAL ratio, generation speedup (time per
+    generated token) and E2E speedup (time per step), each with a 95% bootstrap interval over steps
+    (the two runs' step s drew the same prompts and seeds, so steps are resampled in pairs)."""
+    a, b = (_read(f)[0] for f in (base, other))
+    n = min(len(a), len(b))
+    if n == 0:
+        return {}
+    col = lambda ms, k: torch.tensor([float(x.get(k, 0.0)) for x in ms[:n]], dtype=torch.float64)
+    tot = lambda ms: col(ms, "gen_s") + col(ms, "train_s") + col(ms, "draft_train_s")
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(n, (bootstrap, n), generator=g)
+    w = torch.cat([torch.ones(1, n, dtype=torch.float64),
+                   torch.zeros(bootstrap, n, dtype=torch.float64).scatter_add_(1, idx, torch.ones(bootstrap, n, dtype=torch.float64))])
+    ratios = {"gen": (w @ col(a, "gen_s")) / (w @ col(a, "gen_tokens")) / ((w @ col(b, "gen_s")) / (w @ col(b, "gen_tokens"))),
+              "e2e": (w @ tot(a)) / (w @ tot(b))}
+    if "row_rounds" in a[0] and "row_rounds" in b[0]:
+        ratios["aal"] = (w @ col(b, "committed")) / (w @ col(b, "row_rounds")) / ((w @ col(a, "committed")) / (w @ col(a, "row_rounds")))
+    q = torch.tensor([0.025, 0.975], dtype=torch.float64)
+    return {"steps": n, **{k: float(r[0]) for k, r in ratios.items()},
+            **{k + "_ci": [float(x) for x in torch.nanquantile(r[1:], q)] for k, r in ratios.items()}}
 
 
 def machine() -> dict:
@@ -194,6 +220,8 @@ def bench(cfg: BenchConfig, grader=None, log=print) -> dict:
         if not cfg.ablations:
             interleave({m: run_config(cfg, data, m, folder(m)) for m in methods}, grader, log)
             res = {m: summarize(folder(m), folder("ar") if m != "ar" else None) for m in methods}
+            results["datasets"][name] = {"spark_gain": {f: gains(folder(f), folder(f + "+spark")) for f in ("eagle3", "dflash")
+                                                        if f in methods and f + "+spark" in methods}}
         else:
             names = list(ABLATIONS)
             res = {}
@@ -210,7 +238,7 @@ def bench(cfg: BenchConfig, grader=None, log=print) -> dict:
                     s = summarize(c.out, cfgs["ar"].out)
                     res.setdefault(v, []).append(s)
             res = {v: _merge(ss) for v, ss in res.items()}
-        results["datasets"][name] = {"data": data, "methods": res}
+        results["datasets"].setdefault(name, {}).update(data=data, methods=res)
     results["wall_s"] = time.perf_counter() - t0
     (out / "bench.json").write_text(json.dumps(results, indent=1))
     (out / "bench.md").write_text(markdown(results, cfg))
@@ -266,6 +294,12 @@ def markdown(results: dict, cfg: BenchConfig) -> str:
         gain = lambda k: f" ({_change(q[k] / p[k] - 1)})"
         lines += [f"| paper mean (21 settings) | {p['gen']} | {q['gen']}{gain('gen')} | {p['e2e']} | {q['e2e']}{gain('e2e')} "
                   f"| {p['aal']} | {q['aal']}{gain('aal')} |", ""]
+        for name, d in results["datasets"].items():
+            sg = d.get("spark_gain", {}).get(fam)
+            if sg:
+                ci = lambda k: f"{_change(sg[k] - 1)} [{_change(sg[k + '_ci'][0] - 1)}, {_change(sg[k + '_ci'][1] - 1)}]"
+                lines += [f"{name}: +SPARK over {name_} (95% interval, steps resampled in pairs, {sg['steps']} steps): "
+                          f"Gen. {ci('gen')}, E2E {ci('e2e')}, AAL {ci('aal')}", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -276,7 +310,7 @@ def plot(results: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     data = results["datasets"]
-    fig, axes = plt.subplots(3, len(data), figsize=(6 * len(data), 12), squeeze=False)
+    fig, axes = plt.subplots(4, len(data), figsize=(6 * len(data), 16), squeeze=False)
     for j, (name, d) in enumerate(data.items()):
         ms = {m: s for m, s in d["methods"].items() if isinstance(s, dict)}
         ax = axes[0][j]
@@ -318,6 +352,18 @@ def plot(results: dict, out: Path) -> None:
         ax.set_title(f"{name}: AAL over rounds of the last rollout (moving average of 8)")
         ax.set_xlabel("verification round")
         ax2.set_ylabel("active responses (bars)")
+        ax.legend(fontsize=7)
+        ax = axes[3][j]  # how far the policy moved: reward, and k3 KL to the starting policy (dashed)
+        ax2 = ax.twinx()
+        for m, s in ms.items():
+            steps = range(1, len(s["reward_per_step"]) + 1)
+            line = ax.plot(steps, s["reward_per_step"], "o-", ms=3, label=m)[0]
+            if any(k is not None for k in s.get("kl_per_step", [])):
+                ax2.plot(steps, s["kl_per_step"], "--", color=line.get_color())
+        ax.set_title(f"{name}: reward (solid) and KL to the starting policy (dashed)")
+        ax.set_xlabel("GRPO step")
+        ax.set_ylabel("mean reward")
+        ax2.set_ylabel("KL (k3) to the start")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "bench.png", dpi=110)

@@ -39,11 +39,20 @@ def test_bench_quick_table_resume_and_plots(tiny_model_dir, tmp_path):
         assert ms[m]["gen_speedup"] == pytest.approx(per_token(ar) / per_token(run))
         assert ms[m]["e2e_speedup"] == pytest.approx(step_s(ar) / step_s(run))
     assert ms["eagle3+spark"]["spark_s"] > 0 and ms["eagle3"]["spark_s"] == 0
+    for fam in ("eagle3", "dflash"):  # +SPARK against its own baseline, with intervals over paired steps
+        sg = res["datasets"]["default"]["spark_gain"][fam]
+        assert sg["aal"] == pytest.approx(ms[fam + "+spark"]["aal"] / ms[fam]["aal"])
+        assert sg["aal_ci"][0] - 1e-9 <= sg["aal"] <= sg["aal_ci"][1] + 1e-9  # a ratio of sums lies between the steps'
+        assert sg["e2e"] == pytest.approx(ms[fam]["e2e_speedup"] ** -1 * ms[fam + "+spark"]["e2e_speedup"])
+    assert len(ms["eagle3"]["e2e_speedup_ci"]) == 2 and len(ms["ar"]["kl_per_step"]) == 2
+    log = out / "default" / "eagle3_spark" / "round_log.jsonl"  # every drafting run logs its rounds for analyze
+    assert [json.loads(l)["step"] for l in log.read_text().splitlines()] == [1, 2]
     seeds = {json.loads((out / "default" / f / "config.json").read_text())["config"]["seed"]
              for f in ("ar", "eagle3", "eagle3_spark")}
     assert seeds == {0}
     md = (out / "bench.md").read_text()
     assert "| default |" in md and "paper mean" in md and "EAGLE3-style:" in md and "DFlash-style:" in md
+    assert "default: +SPARK over EAGLE3-style (95% interval" in md
     assert (out / "bench.png").stat().st_size > 0
     saved = json.loads((out / "bench.json").read_text())
     assert saved["machine"]["torch"] and saved["sizes"]["group_size"] == 2
@@ -51,6 +60,7 @@ def test_bench_quick_table_resume_and_plots(tiny_model_dir, tmp_path):
     res = bench_mod.bench(_cfg(tiny_model_dir, out, steps=3, resume=True, methods=methods, block_size=4),
                           grader=ParityGrader(), log=lambda s: None)
     assert all(s["steps"] == 3 for s in res["datasets"]["default"]["methods"].values())
+    assert [json.loads(l)["step"] for l in log.read_text().splitlines()] == [1, 2, 3]
     with pytest.raises(Exception, match="already holds a bench"):
         bench_mod.bench(_cfg(tiny_model_dir, out), grader=ParityGrader(), log=lambda s: None)
 
