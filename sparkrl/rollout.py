@@ -14,7 +14,7 @@ response has finished. The speculative engine takes the same step for its autore
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -79,6 +79,21 @@ class RoundStats:
             self.active_aal.append((B, n / B))
             for d in range(self.depth):
                 self.accepted_at_depth[d] += sum(c > d + 1 for c in r.counts)
+
+    @classmethod
+    def merge(cls, parts: list["RoundStats"], concurrent: bool) -> "RoundStats":
+        """Several rollouts' rounds as one: counts summed; times summed, or (concurrent: ranks that ran
+        side by side) their maximum."""
+        t = max if concurrent else sum
+        out = cls(depth=parts[0].depth)
+        for f in fields(cls):
+            if f.name in ("depth", "accepted_at_depth", "active_aal", "adapter"):
+                continue
+            setattr(out, f.name, (t if f.name.endswith("_s") else sum)(getattr(p, f.name) for p in parts))
+        out.accepted_at_depth = [sum(n) for n in zip(*(p.accepted_at_depth for p in parts))]
+        out.active_aal = [x for p in parts for x in p.active_aal]
+        out.adapter = {k: (t if k.endswith("_s") else sum)(p.adapter[k] for p in parts) for k in parts[0].adapter}
+        return out
 
     @property
     def aal(self) -> float:

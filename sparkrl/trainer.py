@@ -468,8 +468,6 @@ def check_data_parallel(cfg: RunConfig) -> None:
 # gradient norm, the drafter's statistics) are the same on every rank.
 _SHARES = {"loss", "kl", "clip_frac", "rollout_logp_abs_mean", "rollout_kl"}
 _LARGEST = {"rollout_logp_abs_max", "train_s", "draft_train_s", "gen_ar_estimate_s"}
-_ROUND_COUNTS = ("rounds", "row_rounds", "committed", "policy_forwards", "tree_rounds", "tree_row_rounds")
-_ROUND_TIMES = ("draft_s", "verify_s", "accept_s", "ar_s")
 
 
 def gather_step(world: World, rollout: Rollout, scores: list, upd: dict) -> tuple[Rollout, list, dict]:
@@ -491,15 +489,7 @@ def _combine(key: str, values: list[float]) -> float:
 def merge_rollouts(parts: list[Rollout]) -> Rollout:
     """The ranks' rollouts of a step as one (rank order is the batch's order); see `gather_step`."""
     cat = lambda name: [x for p in parts for x in getattr(p, name)]
-    stats = RoundStats(depth=parts[0].stats.depth)
-    for name in _ROUND_COUNTS:
-        setattr(stats, name, sum(getattr(p.stats, name) for p in parts))
-    for name in _ROUND_TIMES:
-        setattr(stats, name, max(getattr(p.stats, name) for p in parts))
-    stats.accepted_at_depth = [sum(n) for n in zip(*(p.stats.accepted_at_depth for p in parts))]
-    stats.active_aal = [x for p in parts for x in p.stats.active_aal]
-    stats.adapter = {k: (max if k.endswith("_s") else sum)(p.stats.adapter[k] for p in parts)
-                     for k in parts[0].stats.adapter}
+    stats = RoundStats.merge([p.stats for p in parts], concurrent=True)
     return Rollout(cat("prompt_ids"), parts[0].group_size, cat("tokens"), cat("finish_reason"),
                    max(p.gen_s for p in parts), stats, cat("outcome"), cat("round_of"), cat("logp"))
 

@@ -54,11 +54,10 @@ from sparkrl.model import ModelArgs, Transformer
 from sparkrl.precision import RolloutCopy, rollout_dtype
 from sparkrl.pretrain import prompt_text
 from sparkrl.rewards import Grader
-from sparkrl.rollout import Rollout, generate, response_generators
+from sparkrl.rollout import Rollout, RoundStats, generate, response_generators
 from sparkrl.speculative import generate_speculative
 from sparkrl.trainer import at_positions, response_batch
 
-_SUMMED = ("rounds", "row_rounds", "committed", "tree_rounds", "draft_s", "verify_s", "accept_s")
 
 
 # --- refusals: one line each, before any model work ------------------------------------------------
@@ -300,15 +299,13 @@ class SparkRollout:
 
     def log(self, trainer, parts: list[Rollout], extra: dict) -> None:
         """This call's figures into TRL's logs (`sparkrl/...`, averaged over processes and logging steps)."""
-        sums = {k: sum(getattr(r.stats, k) for r in parts) for k in _SUMMED}
+        st = RoundStats.merge([r.stats for r in parts], concurrent=False)  # one engine call after another
         gen_s = sum(r.gen_s for r in parts)
         tokens = sum(r.num_tokens for r in parts)
         m = {"gen_s": gen_s, "gen_tok_per_s": tokens / max(gen_s, 1e-9), **extra}
         if self.drafting.drafter is not None:
-            m.update(aal=sums["committed"] / max(sums["row_rounds"], 1), rounds=sums["rounds"],
-                     drafted_frac=sums["tree_rounds"] / max(sums["rounds"], 1), draft_s=sums["draft_s"],
-                     verify_s=sums["verify_s"], accept_s=sums["accept_s"],
-                     spark_s=sum(r.stats.adapter.get("spark_s", 0.0) for r in parts))
+            m.update(aal=st.aal, rounds=st.rounds, drafted_frac=st.tree_rounds / max(st.rounds, 1), draft_s=st.draft_s,
+                     verify_s=st.verify_s, accept_s=st.accept_s, spark_s=st.adapter.get("spark_s", 0.0))
         for k, v in m.items():
             trainer._log_metric(f"sparkrl/{k}", float(v))
 
