@@ -64,13 +64,14 @@ def chi2_ok(samples, exact):
     return chisquare(obs, exp).pvalue
 
 
-FAST = {(0.8, 0.7, "tree", True), (0.8, 0.7, "chain", True), (0.8, 0.7, "block", True), (1.0, 1.0, "tree", False)}
+FAST = {(0.8, 0.7, "tree", True), (0.8, 0.7, "chain", True), (0.8, 0.7, "block", True), (1.0, 1.0, "tree", False),
+        (0.8, 0.7, "tree", "center")}
 
 
 @pytest.mark.parametrize("temperature,top_p,mode,spark", [
-    pytest.param(t, p, m, s, id=f"{t}-{p}-{m}-{'spark' if s else 'baseline'}",
+    pytest.param(t, p, m, s, id=f"{t}-{p}-{m}-{ {False: 'baseline', True: 'spark', 'center': 'spark-center'}[s]}",
                  marks=() if (t, p, m, s) in FAST else pytest.mark.slow)
-    for t, p in [(1.0, 1.0), (0.8, 0.7)] for m in ["tree", "chain", "block"] for s in [False, True]])
+    for t, p in [(1.0, 1.0), (0.8, 0.7)] for m in ["tree", "chain", "block"] for s in [False, True, "center"]])
 def test_rollouts_are_exact_in_ragged_batches(temperature, top_p, mode, spark):
     """With SPARK adapting strongly (eta 5, so the proposals change a lot), too."""
     torch.manual_seed(0)
@@ -80,7 +81,8 @@ def test_rollouts_are_exact_in_ragged_batches(temperature, top_p, mode, spark):
     G, L = 3000, 3
     sc = SamplingConfig(temperature, top_p, L)
     shape = {"tree": TreeShape(2, 2, 4), "chain": TreeShape.chain(2), "block": TreeShape.block(2)}[mode]  # block size 3
-    corr = Spark(init_projection(policy.lm_head.weight, 4), V, k=2, eta=5.0, temperature=temperature) if spark else None
+    corr = Spark(init_projection(policy.lm_head.weight, 4), V, k=2, eta=5.0, temperature=temperature,
+                 center=spark == "center") if spark else None
     r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G), shape, group_size=G,
                              spark=corr)
     assert r.stats.tree_rounds == r.stats.rounds and r.stats.aal > 1.0  # drafts were accepted, so verified
@@ -185,3 +187,19 @@ def test_bfloat16_greedy_speculative_equals_bfloat16_greedy(tiny_llama):
         d = Eagle3Drafter(policy.args).to(torch.bfloat16)
         sp = generate_speculative(policy, d, prompts, sc, (5,), response_generators(0, 2, 3), shape, group_size=3)
         assert sp.tokens == ar.tokens
+
+
+def test_round_stats_merge_sums_counts_and_sums_or_maxes_times():
+    from sparkrl.rollout import Round, RoundStats
+
+    a, b = RoundStats(depth=2), RoundStats(depth=2)
+    a.add(Round([3, 1], True, draft_s=1.0, verify_s=2.0, accept_s=0.5))
+    b.add(Round([1], False, verify_s=4.0))
+    b.add(Round([2], True, draft_s=0.5, verify_s=1.0, accept_s=0.25))
+    a.adapter, b.adapter = {"spark_s": 1.0, "spark_contexts": 3}, {"spark_s": 2.0, "spark_contexts": 4}
+    for concurrent, t in ((False, sum), (True, max)):
+        m = RoundStats.merge([a, b], concurrent)
+        assert (m.rounds, m.row_rounds, m.committed, m.policy_forwards, m.tree_rounds, m.tree_row_rounds) == (3, 4, 7, 5, 2, 3)
+        assert m.aal == 7 / 4 and m.accepted_at_depth == [2, 1] and m.active_aal == [(2, 2.0), (1, 2.0)]
+        assert (m.draft_s, m.verify_s, m.accept_s, m.ar_s) == (t([1.0, 0.5]), t([2.0, 5.0]), t([0.5, 0.25]), t([0.0, 4.0]))
+        assert m.adapter == {"spark_s": t([1.0, 2.0]), "spark_contexts": 7}
