@@ -46,7 +46,7 @@ class MeasuredSpark(Spark):
     def feedback(self, row, h, z, p, w):
         owner = self._owner[row]
         zraw = z.float()
-        u = (h.float() - self._hbar[row] if self.center else h.float()) @ self.A  # the u `correct` used
+        u = h.float() @ self.A
         corr = torch.zeros(len(z))
         if len(self.store):
             tok, rows = self.store.of_owners(owner)
@@ -80,7 +80,6 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--skip", type=int, default=1000)
     ap.add_argument("--eta", type=float, nargs="+", default=[0.005, 0.01, 0.02, 0.1, 1.0])
-    ap.add_argument("--center", action="store_true", help="SPARK with --spark-center")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     lm = load_model("default")
@@ -97,7 +96,7 @@ def main():
     for eta in args.eta:
         cfg = dataclasses.replace(base, spark_config=SparkConfig(spark=True, spark_eta=eta))
         proj, _ = make_spark(cfg, lm.model, drafter, sc.temperature)
-        spark = MeasuredSpark(proj.A, drafter.vocab_ids.numel(), eta=eta, center=args.center)
+        spark = MeasuredSpark(proj.A, drafter.vocab_ids.numel(), eta=eta)
         r = generate_speculative(lm.model, drafter, prompts, sc, lm.eos_ids, response_generators(0, P, G),
                                  base.shape(), G, spark=spark)
         for lo, hi in RANGES:

@@ -222,10 +222,6 @@ class SparkConfig(Checked):
     """Feedback contexts: all (verified path and eligible rejected children) or accepted (ablation)."""
     spark_frozen_a: bool = option(False, train_only=True)
     """Keep the projection A at its initialisation (ablation)."""
-    spark_center: bool = False
-    """Centre the features: u = A^T (h - the mean feature of the owner's feedback contexts so far), so
-    that B_g u depends on the context rather than acting as one bias for the whole prompt (not in the
-    paper; see BENCHMARKS.md, issue 16)."""
     spark_path_weight: float = at_least(0, 1.0)
     """Feedback weight of verified-path contexts."""
     spark_rejected_weight: float = at_least(0, 1.0)

@@ -3,7 +3,6 @@ appendix B; defaults from its Table 3).
 
 At a drafted context c of owner g (the response's prompt group by default):
     u_c = A^T h_c,   z~_c = z_c + B_g u_c,   q_c = softmax(z~_c / T)
-(`--spark-center`, not in the paper: h_c minus the mean feature of g's feedback contexts so far.)
 After every verification round, from the target distributions p_c the verifier already computed:
     B_g <- B_g - eta * sum_{c in C_g} (w_c / W_g) delta_c u_c^T,   W_g = sum_{c in C_g} w_c        (Eq. 5)
 where delta_c = q_c - p_c on S_c = TopK(p_c, k) U TopK(q_c, k) and one tail bucket for the rest. The
@@ -145,15 +144,13 @@ class Spark:
 
     def __init__(self, A: torch.Tensor, vocab: int, k: int = 16, eta: float = 0.01, every: int = 1,
                  temperature: float = 1.0, learn_A: bool = True, scope: str = "group", carry: bool = False,
-                 w_path: float = 1.0, w_rejected: float = 1.0, accepted_only: bool = False, center: bool = False):
+                 w_path: float = 1.0, w_rejected: float = 1.0, accepted_only: bool = False):
         self.A = A.detach().float()  # fixed during the rollout (Theorem B.8, step 1)
         self.V, self.k, self.eta, self.every = vocab, k, eta, every
         self.temperature = temperature if temperature > 0 else 1.0
         self.greedy = temperature == 0
         self.learn_A, self.scope, self.carry = learn_A, scope, carry
         self.w_path, self.w_rejected, self.accepted_only = w_path, w_rejected, accepted_only
-        self.center = center  # u_c = A^T (h_c - mean of the owner's feedback features so far)
-        self._h_sum = self._h_n = self._hbar = None
         self.store = SparseRows(vocab, A.shape[1], A.device)
         self.grad_A = torch.zeros_like(self.A, dtype=torch.float64)
         self.updates = 0  # owner-round updates accumulated in grad_A
@@ -169,7 +166,7 @@ class Spark:
         """From a `config.SparkConfig`."""
         return cls(A, vocab, cfg.spark_k, cfg.spark_eta, cfg.spark_every, temperature, not cfg.spark_frozen_a,
                    cfg.spark_scope, cfg.spark_carry, cfg.spark_path_weight, cfg.spark_rejected_weight,
-                   cfg.spark_feedback == "accepted", cfg.spark_center)
+                   cfg.spark_feedback == "accepted")
 
     def begin(self, n_prompts: int, group_size: int) -> None:
         """A new rollout of n_prompts x group_size responses (prompt-major). B = 0 unless `carry`.
@@ -183,18 +180,12 @@ class Spark:
         self.seconds = 0.0
         r = torch.arange(n_prompts * group_size, device=self.A.device)
         self._owners_all = {"group": r // group_size, "response": r, "batch": r * 0}[self.scope]
-        if self.center:
-            n = int(self._owners_all.max()) + 1
-            self._h_sum = torch.zeros(n, self.A.shape[0], dtype=torch.float64, device=self.A.device)
-            self._h_n = torch.zeros(n, dtype=torch.float64, device=self.A.device)
 
     def select(self, responses) -> None:
         """The active batch rows for this round: their response indices (a list or a (B,) tensor)."""
         t0 = time.perf_counter()
         self._owner = self._owners_all[torch.as_tensor(responses, device=self.A.device)]
         self._tok, self._rows = self.store.of_owners(self._owner) if len(self.store) else (None, None)
-        if self.center:  # the mean as of the rounds before this one (exactness: proposals fixed before verifying)
-            self._hbar = (self._h_sum / self._h_n.clamp(min=1)[:, None])[self._owner].float()
         self.seconds += time.perf_counter() - t0
 
     def correct(self, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -206,8 +197,6 @@ class Spark:
         if squeeze:
             z, h = z[:, None], h[:, None]
         B, T, _ = z.shape
-        if self.center:
-            h = h.float() - self._hbar[:, None]
         u = h.float() @ self.A  # (B, T, r)
         corr = u @ self._rows.transpose(1, 2)  # (B, T, m)
         out = z.float().scatter_add(-1, self._tok[:, None, :].expand(B, T, -1), corr)
@@ -223,11 +212,6 @@ class Spark:
         owner = self._owner[row]  # (n,)
         q = torch.softmax(z.float() / self.temperature, -1)  # (n, V)
         p = p.float()
-        if self.center:  # this round's contexts join the mean first (B's update is used from the next round on)
-            ok_h = torch.isfinite(h).all(-1)
-            self._h_sum.index_add_(0, owner[ok_h], h[ok_h].double())
-            self._h_n.index_add_(0, owner[ok_h], torch.ones_like(owner[ok_h], dtype=torch.float64))
-            h = h.float() - (self._h_sum / self._h_n.clamp(min=1)[:, None])[owner].float()
         u = h.float() @ self.A  # (n, r)
         ok = torch.isfinite(q).all(-1) & torch.isfinite(p).all(-1) & torch.isfinite(u).all(-1)
         bad = torch.unique(owner[~ok])
