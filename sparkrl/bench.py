@@ -125,19 +125,21 @@ def interleave(configs: dict[str, RunConfig], grader=None, log=print) -> None:
             r.grader.close()
 
 
-def _read(folder: str) -> tuple[list[dict], list[dict]]:
+def _read(folder: str, steps: int | None = None) -> tuple[list[dict], list[dict]]:
+    """A run's metrics and round traces of its first `steps` steps (a killed bench may have run past them)."""
     f = Path(folder)
     metrics = [json.loads(l) for l in (f / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    steps = {m["step"] for m in metrics}
+    metrics = [m for m in metrics if steps is None or m["step"] <= steps]
+    done = {m["step"] for m in metrics}
     rounds = [json.loads(l) for l in (f / "rounds.jsonl").read_text().splitlines() if l.strip()] \
         if (f / "rounds.jsonl").exists() else []
-    rounds = list({r["step"]: r for r in rounds if r["step"] in steps}.values())  # last write of each step
+    rounds = list({r["step"]: r for r in rounds if r["step"] in done}.values())  # last write of each step
     return metrics, rounds
 
 
-def summarize(folder: str, ar_folder: str | None) -> dict:
+def summarize(folder: str, ar_folder: str | None, steps: int | None = None) -> dict:
     """Totals of one run and its speedups over the AR run."""
-    m, rounds = _read(folder)
+    m, rounds = _read(folder, steps)
     step_s = [x["gen_s"] + x["train_s"] + x["draft_train_s"] for x in m]
     out = {"steps": len(m), "gen_s": sum(x["gen_s"] for x in m), "gen_tokens": sum(x["gen_tokens"] for x in m),
            "train_s": sum(x["train_s"] for x in m), "draft_train_s": sum(x["draft_train_s"] for x in m),
@@ -149,7 +151,7 @@ def summarize(folder: str, ar_folder: str | None) -> dict:
         out["aal"] = sum(x["committed"] for x in m) / max(sum(x["row_rounds"] for x in m), 1)
     out["rounds"] = rounds
     if ar_folder is not None:
-        a, _ = _read(ar_folder)
+        a, _ = _read(ar_folder, steps)
         n = min(len(a), len(m))
         a, mm = a[:n], m[:n]
         gen_a = sum(x["gen_s"] for x in a) / max(sum(x["gen_tokens"] for x in a), 1)
@@ -160,16 +162,16 @@ def summarize(folder: str, ar_folder: str | None) -> dict:
         per_step = [(x["gen_s"] + x["train_s"] + x["draft_train_s"]) / (y["gen_s"] + y["train_s"] + y["draft_train_s"])
                     for x, y in zip(a, mm)]
         out["e2e_speedup_median_step"] = statistics.median(per_step)
-        g = gains(ar_folder, folder)
+        g = gains(ar_folder, folder, steps)
         out["gen_speedup_ci"], out["e2e_speedup_ci"] = g["gen_ci"], g["e2e_ci"]
     return out
 
 
-def gains(base: str, other: str, bootstrap: int = 2000, seed: int = 0) -> dict:
+def gains(base: str, other: str, steps: int | None = None, bootstrap: int = 2000, seed: int = 0) -> dict:
     """Run `other` against run `base` over their common steps: AAL ratio, generation speedup (time per
     generated token) and E2E speedup (time per step), each with a 95% bootstrap interval over steps
     (the two runs' step s drew the same prompts and seeds, so steps are resampled in pairs)."""
-    a, b = (_read(f)[0] for f in (base, other))
+    a, b = (_read(f, steps)[0] for f in (base, other))
     n = min(len(a), len(b))
     if n == 0:
         return {}
@@ -219,8 +221,9 @@ def bench(cfg: BenchConfig, grader=None, log=print) -> dict:
         folder = lambda m: str(out / name / m.replace("+", "_").replace(" ", "_"))
         if not cfg.ablations:
             interleave({m: run_config(cfg, data, m, folder(m)) for m in methods}, grader, log)
-            res = {m: summarize(folder(m), folder("ar") if m != "ar" else None) for m in methods}
-            results["datasets"][name] = {"spark_gain": {f: gains(folder(f), folder(f + "+spark")) for f in ("eagle3", "dflash")
+            steps = sizes(cfg)["steps"]
+            res = {m: summarize(folder(m), folder("ar") if m != "ar" else None, steps) for m in methods}
+            results["datasets"][name] = {"spark_gain": {f: gains(folder(f), folder(f + "+spark"), steps) for f in ("eagle3", "dflash")
                                                         if f in methods and f + "+spark" in methods}}
         else:
             names = list(ABLATIONS)
@@ -235,7 +238,7 @@ def bench(cfg: BenchConfig, grader=None, log=print) -> dict:
                 for v, c in cfgs.items():
                     if v == "ar":
                         continue
-                    s = summarize(c.out, cfgs["ar"].out)
+                    s = summarize(c.out, cfgs["ar"].out, sizes(cfg)["steps"])
                     res.setdefault(v, []).append(s)
             res = {v: _merge(ss) for v, ss in res.items()}
         results["datasets"].setdefault(name, {}).update(data=data, methods=res)

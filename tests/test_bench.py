@@ -61,6 +61,12 @@ def test_bench_quick_table_resume_and_plots(tiny_model_dir, tmp_path):
                           grader=ParityGrader(), log=lambda s: None)
     assert all(s["steps"] == 3 for s in res["datasets"]["default"]["methods"].values())
     assert [json.loads(l)["step"] for l in log.read_text().splitlines()] == [1, 2, 3]
+    # a bench summarised at fewer steps than some run did (killed just after a step) counts only those
+    res = bench_mod.bench(_cfg(tiny_model_dir, out, steps=2, resume=True, methods=methods, block_size=4),
+                          grader=ParityGrader(), log=lambda s: None)
+    ms = res["datasets"]["default"]["methods"]
+    assert all(s["steps"] == 2 and len(s["kl_per_step"]) == 2 for s in ms.values())
+    assert res["datasets"]["default"]["spark_gain"]["eagle3"]["steps"] == 2
     with pytest.raises(Exception, match="already holds a bench"):
         bench_mod.bench(_cfg(tiny_model_dir, out), grader=ParityGrader(), log=lambda s: None)
 
