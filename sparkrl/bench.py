@@ -91,7 +91,8 @@ def run_config(cfg: BenchConfig, data: str, method: str, folder: str, spark: dic
         kind = method.split("+")[0]
         draft = DraftConfig(draft=kind, draft_checkpoint=cfg.dflash_checkpoint if kind == "dflash" else cfg.draft_checkpoint,
                             block_size=cfg.block_size, budget=cfg.budget,
-                            spark_config=SparkConfig(spark=True, **(spark or {})) if "spark" in method else SparkConfig(),
+                            spark_config=SparkConfig(spark=True, **{"spark_lr": cfg.spark_lr, **(spark or {})})
+                            if "spark" in method else SparkConfig(),
                             round_log=str(Path(folder) / "round_log.jsonl"))  # for `sparkrl analyze` at any stage
     return RunConfig(out=folder, steps=sz["steps"], seed=cfg.seed, resume=cfg.resume,
                      checkpoint_every=1, keep_checkpoints=1,

@@ -478,6 +478,8 @@ class BenchConfig(Checked):
     lr: float = above(0, 1e-6)
     """Policy learning rate of every method's run (the paper's 1e-6 barely moves a 135M model in a few
     steps; a larger one makes the policy drift away from the drafter, the regime SPARK targets)."""
+    spark_lr: float = above(0, 1e-4)
+    """Learning rate of SPARK's projection A in the +spark methods (as train's --spark-lr)."""
     resume: bool = False
     """Continue an interrupted bench in --out (every method resumes from its last checkpoint)."""
     model: ModelConfig = ModelConfig()

@@ -107,3 +107,11 @@ def test_bench_policy_lr_reaches_every_method():
     runs = [bench_mod.run_config(cfg, "default", m, f"x/{m}") for m in ("ar", "eagle3", "eagle3+spark")]
     assert all(r.grpo.lr == 5e-5 for r in runs)
     assert bench_mod.run_config(BenchConfig(out="x"), "default", "ar", "x/ar").grpo.lr == 1e-6
+
+
+def test_bench_spark_lr_reaches_the_spark_runs_only(tiny_model_dir, tmp_path):
+    cfg = _cfg(tiny_model_dir, tmp_path / "b", spark_lr=2e-3)
+    assert bench_mod.run_config(cfg, "default", "eagle3+spark", str(tmp_path / "x")).draft.spark_config.spark_lr == 2e-3
+    assert not bench_mod.run_config(cfg, "default", "eagle3", str(tmp_path / "y")).draft.spark_config.spark
+    ablation = bench_mod.run_config(cfg, "default", "eagle3+spark", str(tmp_path / "z"), {"spark_rank": 4})
+    assert ablation.draft.spark_config.spark_lr == 2e-3 and ablation.draft.spark_config.spark_rank == 4
