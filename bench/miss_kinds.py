@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from sparkrl.analysis import read_round_log
+from sparkrl.analysis import interval95, read_round_log, resample_weights
 from sparkrl.rollout import HIT, MISS
 from sparkrl.weights import resolve_model_path
 
@@ -71,13 +71,11 @@ def compare(a: torch.Tensor, b: torch.Tensor, bootstrap: int, seed: int = 0) -> 
     """Per kind: shares, miss rates and b's relative change with bootstrap intervals (paired groups)."""
     n = min(len(a), len(b))
     a, b = a[:n], b[:n]
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(n, (bootstrap, n), generator=g)
-    w = torch.zeros(bootstrap, n, dtype=torch.float64).scatter_add_(1, idx, torch.ones(bootstrap, n, dtype=torch.float64))
+    w = resample_weights(n, bootstrap, torch.Generator().manual_seed(seed))
     rate = lambda x, ww: (ww @ x[..., 1]) / (ww @ x[..., 0])  # (resamples, kinds)
     ra, rb = rate(a, torch.ones(1, n, dtype=torch.float64))[0], rate(b, torch.ones(1, n, dtype=torch.float64))[0]
     ch = rate(b, w) / rate(a, w) - 1
-    q = torch.nanquantile(ch, torch.tensor([0.025, 0.975], dtype=torch.float64), dim=0)
+    q = interval95(ch)
     share = a[..., 0].sum(0) / a[..., 0].sum()
     miss_share = a[..., 1].sum(0) / a[..., 1].sum()
     return [{"kind": k, "share_of_drafted": float(share[i]), "share_of_misses": float(miss_share[i]),

@@ -105,6 +105,18 @@ def _ratios(t: torch.Tensor) -> dict:
             "matched_tokens": both.sum(-1), "events_with": n1.sum(-1), "events_without": n0.sum(-1)}
 
 
+def resample_weights(n: int, draws: int, generator: torch.Generator) -> torch.Tensor:
+    """(draws, n) float64: how often each of n units is drawn in each bootstrap resample (with
+    replacement); a statistic of weighted sums is then one matrix product for all resamples."""
+    idx = torch.randint(n, (draws, n), generator=generator)
+    return torch.zeros(draws, n, dtype=torch.float64).scatter_add_(1, idx, torch.ones(draws, n, dtype=torch.float64))
+
+
+def interval95(x: torch.Tensor) -> torch.Tensor:
+    """(2, ...) the 2.5% and 97.5% quantiles of bootstrap draws x (draws, ...), NaN draws ignored."""
+    return torch.nanquantile(x, torch.tensor([0.025, 0.975], dtype=torch.float64), dim=0)
+
+
 def _value(x: torch.Tensor):
     x = float(x)
     return x if x == x and abs(x) != float("inf") else None
@@ -168,8 +180,8 @@ def analyze(records: list[dict], previous: dict | None = None, bootstrap: int = 
         prev_missed = missed_here
     U = len(unit_misses)
     counts = {k: r.tensor(U) for k, r in ratio.items()}
-    shares = torch.tensor([unit_misses, seen_resp, seen_prompt], dtype=torch.float64).T.reshape(U, 3)
-    n_events = sum(1 for rec in records for resp in rec["responses"] for _ in _events(resp))
+    shares = torch.tensor([unit_misses, seen_resp, seen_prompt], dtype=torch.float64).T  # (U, 3)
+    n_events = int(counts["within_response"][..., [0, 2]].sum())  # every drafted position is a within-response event
     n_miss = int(shares[:, 0].sum())
 
     def stats(w: torch.Tensor) -> dict:  # w: (B, U) weights of the prompt groups
@@ -187,10 +199,8 @@ def analyze(records: list[dict], previous: dict | None = None, bootstrap: int = 
         g = torch.Generator().manual_seed(seed)
         draws = []
         for lo in range(0, bootstrap, 100):  # bounded memory: 100 resamples at a time
-            idx = torch.randint(U, (min(100, bootstrap - lo), U), generator=g)
-            w = torch.zeros(idx.shape[0], U, dtype=torch.float64).scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float64))
-            draws.append(stats(w))
-        ci = lambda x: [_value(q) for q in torch.nanquantile(x, torch.tensor([0.025, 0.975], dtype=torch.float64))]
+            draws.append(stats(resample_weights(U, min(100, bootstrap - lo), g)))
+        ci = lambda x: [_value(q) for q in interval95(x)]
         for k in RATIOS:
             for n in ("ratio", "matched_ratio"):
                 res[k][n + "_ci"] = ci(torch.cat([d[k][n] for d in draws]))

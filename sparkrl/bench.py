@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from sparkrl import __version__
+from sparkrl.analysis import interval95, resample_weights
 from sparkrl.config import BenchConfig, DataConfig, DraftConfig, GRPOConfig, RunConfig, SamplingConfig, SparkConfig, to_dict
 from sparkrl.data import load_problems
 from sparkrl.errors import UserError
@@ -153,17 +154,10 @@ def summarize(folder: str, ar_folder: str | None, steps: int | None = None) -> d
     out["rounds"] = rounds
     if ar_folder is not None:
         a, _ = _read(ar_folder, steps)
-        n = min(len(a), len(m))
-        a, mm = a[:n], m[:n]
-        gen_a = sum(x["gen_s"] for x in a) / max(sum(x["gen_tokens"] for x in a), 1)
-        gen_m = sum(x["gen_s"] for x in mm) / max(sum(x["gen_tokens"] for x in mm), 1)
-        tot = lambda xs: sum(x["gen_s"] + x["train_s"] + x["draft_train_s"] for x in xs)
-        out["gen_speedup"] = gen_a / gen_m
-        out["e2e_speedup"] = tot(a) / tot(mm)
-        per_step = [(x["gen_s"] + x["train_s"] + x["draft_train_s"]) / (y["gen_s"] + y["train_s"] + y["draft_train_s"])
-                    for x, y in zip(a, mm)]
-        out["e2e_speedup_median_step"] = statistics.median(per_step)
+        step_a = [x["gen_s"] + x["train_s"] + x["draft_train_s"] for x in a]
+        out["e2e_speedup_median_step"] = statistics.median([x / y for x, y in zip(step_a, step_s)])
         g = gains(ar_folder, folder, steps)
+        out["gen_speedup"], out["e2e_speedup"] = g["gen"], g["e2e"]
         out["gen_speedup_ci"], out["e2e_speedup_ci"] = g["gen_ci"], g["e2e_ci"]
     return out
 
@@ -178,17 +172,14 @@ def gains(base: str, other: str, steps: int | None = None, bootstrap: int = 2000
         return {}
     col = lambda ms, k: torch.tensor([float(x.get(k, 0.0)) for x in ms[:n]], dtype=torch.float64)
     tot = lambda ms: col(ms, "gen_s") + col(ms, "train_s") + col(ms, "draft_train_s")
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(n, (bootstrap, n), generator=g)
-    w = torch.cat([torch.ones(1, n, dtype=torch.float64),
-                   torch.zeros(bootstrap, n, dtype=torch.float64).scatter_add_(1, idx, torch.ones(bootstrap, n, dtype=torch.float64))])
+    w = torch.cat([torch.ones(1, n, dtype=torch.float64),  # row 0: the runs themselves
+                   resample_weights(n, bootstrap, torch.Generator().manual_seed(seed))])
     ratios = {"gen": (w @ col(a, "gen_s")) / (w @ col(a, "gen_tokens")) / ((w @ col(b, "gen_s")) / (w @ col(b, "gen_tokens"))),
               "e2e": (w @ tot(a)) / (w @ tot(b))}
     if "row_rounds" in a[0] and "row_rounds" in b[0]:
         ratios["aal"] = (w @ col(b, "committed")) / (w @ col(b, "row_rounds")) / ((w @ col(a, "committed")) / (w @ col(a, "row_rounds")))
-    q = torch.tensor([0.025, 0.975], dtype=torch.float64)
     return {"steps": n, **{k: float(r[0]) for k, r in ratios.items()},
-            **{k + "_ci": [float(x) for x in torch.nanquantile(r[1:], q)] for k, r in ratios.items()}}
+            **{k + "_ci": [float(x) for x in interval95(r[1:])] for k, r in ratios.items()}}
 
 
 def machine() -> dict:

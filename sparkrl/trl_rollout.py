@@ -59,7 +59,6 @@ from sparkrl.speculative import generate_speculative
 from sparkrl.trainer import at_positions, response_batch
 
 
-
 # --- refusals: one line each, before any model work ------------------------------------------------
 
 
