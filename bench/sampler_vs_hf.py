@@ -3,7 +3,9 @@
 Same model (the embedded default, in --dtype: float32 or bfloat16), same prompt, temperature 1, top-p 0.95, exactly
 --new-tokens tokens per response (EOS ignored on both sides, so both do the same work), batch sizes
 1, 8 and 32. The two systems alternate within every repeat so machine drift hits both alike; we
-report the median time of each and the ratio of generated tokens/s.
+report the median time of each and the ratio of generated tokens/s. sparkrl runs as it does by
+default (bfloat16 on prepacked weights where they pay here, `--cpu-kernels auto`); when it packs,
+the same sampler on plain weights runs beside it ("sparkrl-plain").
 
     .venv/bin/python bench/sampler_vs_hf.py --out bench/results
     .venv/bin/python bench/sampler_vs_hf.py --dtype bfloat16 --out bench/results
@@ -12,6 +14,7 @@ report the median time of each and the ratio of generated tokens/s.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -22,6 +25,8 @@ import torch
 
 from sparkrl.config import SamplingConfig
 from sparkrl.data import chat_prompt_ids
+from sparkrl.kernels import pack
+from sparkrl.precision import use_packed
 from sparkrl.rollout import generate, response_generators
 from sparkrl.weights import load_model
 
@@ -43,8 +48,12 @@ def main():
     prompt = chat_prompt_ids(lm.tokenizer, PROMPT)
     sc = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=args.new_tokens)
 
-    def ours(B):
-        r = generate(lm.model, [prompt], sc, (), response_generators(0, 1, B), group_size=B)
+    plain = copy.deepcopy(lm.model)  # F.linear everywhere: the eager reference
+    packed = use_packed("auto", lm.model.lm_head.weight.dtype, "cpu")  # what sparkrl runs with by default
+    pack(lm.model, packed)
+
+    def ours(B, model=lm.model):
+        r = generate(model, [prompt], sc, (), response_generators(0, 1, B), group_size=B)
         return r.num_tokens
 
     def theirs(B):
@@ -56,6 +65,8 @@ def main():
         return (o.shape[1] - x.shape[1]) * B
 
     systems = {"sparkrl": ours, "transformers": theirs}
+    if packed:  # the same sampler on plain (unpacked) weights, side by side
+        systems["sparkrl-plain"] = lambda B: ours(B, plain)
     ours(1), theirs(1)  # warm-up
     rows = []
     for B in [int(b) for b in args.batches.split(",")]:
@@ -71,17 +82,20 @@ def main():
         tps = {k: tokens[k] / med[k] for k in systems}
         row = {"batch": B, "tokens": tokens, "median_s": med, "times_s": times, "tok_per_s": tps,
                "ratio": tps["sparkrl"] / tps["transformers"]}
+        if packed:
+            row["packed_over_plain"] = tps["sparkrl"] / tps["sparkrl-plain"]
         rows.append(row)
         print(f"batch {B:3d}: sparkrl {tps['sparkrl']:7.1f} tok/s, transformers {tps['transformers']:7.1f} tok/s, "
-              f"ratio {row['ratio']:.2f}x", flush=True)
+              f"ratio {row['ratio']:.2f}x" + (f"; packed / plain weights {row['packed_over_plain']:.2f}x" if packed
+                                              else ""), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import transformers
 
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine(), "new_tokens": args.new_tokens,
-            "repeats": args.repeats, "prompt_tokens": len(prompt), "dtype": args.dtype}
-    name = "sampler_vs_hf" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+            "repeats": args.repeats, "prompt_tokens": len(prompt), "dtype": args.dtype, "packed_weights": packed}
+    name = "sampler_vs_hf" + ("" if args.dtype == "float32" else f"_{args.dtype}") + ("_packed" if packed else "")
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     _plot(rows, out / f"{name}.png", args.dtype)
 
@@ -94,9 +108,10 @@ def _plot(rows, path, dtype):
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = range(len(rows))
-    w = 0.38
-    for i, name in enumerate(("sparkrl", "transformers")):
-        ax.bar([x + (i - 0.5) * w for x in xs], [r["tok_per_s"][name] for r in rows], w, label=name)
+    names = [n for n in ("sparkrl", "sparkrl-plain", "transformers") if n in rows[0]["tok_per_s"]]
+    w = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.bar([x + (i - (len(names) - 1) / 2) * w for x in xs], [r["tok_per_s"][name] for r in rows], w, label=name)
     for x, r in zip(xs, rows):
         ax.text(x, max(r["tok_per_s"].values()) * 1.02, f"{r['ratio']:.2f}x", ha="center")
     ax.set_xticks(list(xs), [f"batch {r['batch']}" for r in rows])

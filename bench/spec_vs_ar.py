@@ -25,6 +25,8 @@ import torch
 from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
 from sparkrl.data import build_prompts, held_out, load_problems
 from sparkrl.build import make_budget, make_drafter
+from sparkrl.kernels import pack
+from sparkrl.precision import use_packed
 from sparkrl.rollout import generate, response_generators
 from sparkrl.speculative import generate_speculative
 from sparkrl.weights import load_model
@@ -49,13 +51,16 @@ def main():
     ap.add_argument("--budget", default="auto", choices=("auto", "adaptive"), help="the DRAFT+budget system's budget")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="the rollout dtype of every compared system (policy and drafter)")
+    ap.add_argument("--cpu-kernels", default="auto", choices=("auto", "packed", "plain"),
+                    help="linear layers of every compared system, as sparkrl's --cpu-kernels")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     depth, branch, nodes = map(int, args.tree.split(","))
     dcfg = DraftConfig(draft=args.draft, draft_checkpoint=args.draft_checkpoint, tree_depth=depth, tree_branch=branch,
                        tree_nodes=nodes, budget=args.budget, block_size=args.block_size)
     lm = load_model("default", dtype=args.dtype)
-    drafter = make_drafter(dcfg, lm.model)  # in the policy's dtype
+    pack(lm.model, use_packed(args.cpu_kernels, lm.model.lm_head.weight.dtype, "cpu"))
+    drafter = pack(make_drafter(dcfg, lm.model), lm.model.lm_head.packed)  # in the policy's dtype and kernels
     budget = make_budget(dcfg, lm.model, drafter)
     problems = load_problems(args.data).problems
     problems = [p for p in problems if held_out(p, args.heldout)] if args.heldout else problems[args.skip:]
@@ -98,7 +103,7 @@ def main():
               f"({row['ratio'][budgeted]:.2f}x, {sb.tree_rounds}/{sb.rounds} drafted rounds, AAL {sb.aal:.2f}), "
               f"split {row['split_s']}", flush=True)
     result = {"meta": {"draft": args.draft, "block_size": args.block_size, "heldout": args.heldout, "tree": [depth, branch, nodes], "max_new_tokens": args.max_new_tokens, "data": args.data,
-                       "dtype": args.dtype, "budget": args.budget,
+                       "dtype": args.dtype, "budget": args.budget, "packed_weights": lm.model.lm_head.packed,
                        "draft_checkpoint": args.draft_checkpoint, "repeats": args.repeats,
                        "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": rows}
     if args.grpo_step:
@@ -106,6 +111,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "spec_vs_ar" + ("" if args.draft == "eagle3" else f"_{args.draft}") + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    name += "_packed" if lm.model.lm_head.packed else ""
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     plot(result, out / f"{name}.png")
 

@@ -64,7 +64,8 @@ class CostModel:
         """Time the policy and the drafter on this machine (cached per machine/model/threads/shape)."""
         w = policy.lm_head.weight
         path = measurement_path("costs", str(w.device), str(w.dtype), policy.args.__dict__, drafter.kind,
-                                int(drafter.vocab_ids.numel()), shape.__dict__, ROWS, CONTEXT)
+                                int(drafter.vocab_ids.numel()), shape.__dict__, ROWS, CONTEXT,
+                                {"packed": policy.lm_head.packed})
         if path.exists():
             d = json.loads(path.read_text())
             return cls(tuple(d["rows"]), {int(k): v for k, v in d["verify"].items()}, d["draft"])

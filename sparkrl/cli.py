@@ -19,8 +19,9 @@ from sparkrl.config import (AnalyzeConfig, BenchConfig, ExportConfig, GenerateCo
                             choices, field_docs, leaf_fields)
 from sparkrl.data import chat_prompt_ids, read_prompts_file
 from sparkrl.errors import UserError
+from sparkrl.kernels import pack
 from sparkrl.machine import set_threads
-from sparkrl.precision import rollout_dtype
+from sparkrl.precision import rollout_dtype, use_packed
 from sparkrl.pretrain import pretrain
 from sparkrl.rollout import generate, response_generators
 from sparkrl.speculative import generate_speculative
@@ -83,7 +84,9 @@ def run_generate(cfg: GenerateConfig) -> None:
     texts = read_prompts_file(cfg.prompts_file) if cfg.prompts_file else [cfg.prompt]
     set_threads(cfg.model.threads)
     lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
-    lm.model.to(rollout_dtype(cfg.model.rollout_dtype, lm.model))  # nothing trains here: sample in the rollout dtype
+    dt = rollout_dtype(cfg.model.rollout_dtype, lm.model)
+    lm.model.to(dt)  # nothing trains here: sample in the rollout dtype
+    pack(lm.model, use_packed(cfg.model.cpu_kernels, dt, lm.model.lm_head.weight.device))
     tok = lm.tokenizer
     prompts = [tok(t, add_special_tokens=False)["input_ids"] if cfg.raw else chat_prompt_ids(tok, t) for t in texts]
     if any(not p for p in prompts):

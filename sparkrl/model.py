@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparkrl.kernels import Linear
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
@@ -205,10 +207,10 @@ class Attention(nn.Module):
         super().__init__()
         self.args = args
         H, Hk, D, d = args.num_heads, args.num_kv_heads, args.head_dim, args.hidden_size
-        self.q_proj = nn.Linear(d, H * D, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(d, Hk * D, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(d, Hk * D, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(H * D, d, bias=args.o_bias)
+        self.q_proj = Linear(d, H * D, bias=args.qkv_bias)
+        self.k_proj = Linear(d, Hk * D, bias=args.qkv_bias)
+        self.v_proj = Linear(d, Hk * D, bias=args.qkv_bias)
+        self.o_proj = Linear(H * D, d, bias=args.o_bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(D, args.rms_norm_eps)
             self.k_norm = RMSNorm(D, args.rms_norm_eps)
@@ -241,9 +243,9 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         d, f, b = args.hidden_size, args.intermediate_size, args.mlp_bias
-        self.gate_proj = nn.Linear(d, f, bias=b)
-        self.up_proj = nn.Linear(d, f, bias=b)
-        self.down_proj = nn.Linear(f, d, bias=b)
+        self.gate_proj = Linear(d, f, bias=b)
+        self.up_proj = Linear(d, f, bias=b)
+        self.down_proj = Linear(f, d, bias=b)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -380,7 +382,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.model = Backbone(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -4,7 +4,9 @@ The policy's master weights (--dtype; float32 on a CPU) are what the optimizer s
 a copy in the rollout dtype (`RolloutCopy`, refreshed in place after every update, no reallocation);
 so does the drafter. `--rollout-dtype auto` picks bfloat16 on CUDA, and on a CPU when a start-up
 measurement of this policy's decode step says bfloat16 is faster there (cached per machine, model and
-thread count, like the cost model), float32 otherwise. Exactness is relative to the rollout model;
+thread count, like the cost model), float32 otherwise. A half-precision copy on a CPU runs its linear
+layers on prepacked oneDNN weights (`kernels.Linear`) where a one-off measurement finds them faster
+(`packing_pays`; --cpu-kernels). Exactness is relative to the rollout model;
 the gap to the master weights is measured every step (`mismatch`) and can be corrected with
 truncated importance sampling (`grpo.grpo_loss`, --tis-cap).
 """
@@ -19,6 +21,7 @@ import time
 
 import torch
 
+from sparkrl.kernels import Linear, pack, packable
 from sparkrl.model import Transformer
 from sparkrl.machine import measurement_path
 from sparkrl.sharding import full
@@ -45,13 +48,15 @@ def _step_seconds(model: Transformer, rows: int = 8, context: int = 128, reps: i
 
 def bf16_speedup(policy: Transformer) -> float:
     """float32 / bfloat16 seconds of this policy's decode step (8 rows) on this machine, measured once
-    and cached."""
-    path = measurement_path("dtype", str(policy.lm_head.weight.device), policy.args.__dict__)
+    and cached; bfloat16 on prepacked weights where they pay (`packing_pays`)."""
+    dev = policy.lm_head.weight.device
+    packed = packing_pays(torch.bfloat16, dev)
+    path = measurement_path("dtype", str(dev), policy.args.__dict__, {"packed": packed})
     if path.exists():
         return json.loads(path.read_text())["speedup"]
     print("sparkrl: timing float32 against bfloat16 decode steps on this machine (once; cached)", file=sys.stderr,
           flush=True)
-    models = {dt: copy.deepcopy(policy).to(DTYPES[dt]) for dt in DTYPES}
+    models = {dt: pack(copy.deepcopy(policy).to(DTYPES[dt]), packed) for dt in DTYPES}  # float32 never packs
     times = {dt: [] for dt in DTYPES}
     for _ in range(2):  # interleaved: drift hits both alike
         for dt, m in models.items():
@@ -74,22 +79,68 @@ def rollout_dtype(choice: str, policy: Transformer) -> torch.dtype:
     return torch.bfloat16 if bf16_speedup(policy) > 1.05 else torch.float32
 
 
+def _seconds(layer: Linear, x: torch.Tensor, reps: int) -> float:
+    with torch.no_grad():
+        layer(x)
+        t = time.perf_counter()
+        for _ in range(reps):
+            layer(x)
+    return (time.perf_counter() - t) / reps
+
+
+def packing_pays(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether prepacked weights make a decode-sized product (1 and 16 rows, 1024 x 2048) faster than
+    plain `F.linear` in `dtype` on this machine: measured once (interleaved, medians) and cached."""
+    if not packable(dtype, device):
+        return False
+    path = measurement_path("packing", str(dtype), str(torch.device(device)))
+    if path.exists():
+        return json.loads(path.read_text())["pays"]
+    print(f"sparkrl: timing prepacked {str(dtype).removeprefix('torch.')} weights on this machine (once; cached)",
+          file=sys.stderr, flush=True)
+    g = torch.Generator().manual_seed(0)
+    plain = Linear(1024, 2048, bias=False).to(dtype).requires_grad_(False)
+    packed = pack(Linear(1024, 2048, bias=False).to(dtype).requires_grad_(False))
+    times = {"plain": [], "packed": []}
+    for _ in range(5):  # interleaved: drift hits both alike
+        for rows in (1, 16):
+            x = torch.randn(rows, 1024, generator=g).to(dtype)
+            for name, layer in (("plain", plain), ("packed", packed)):
+                times[name].append(_seconds(layer, x, 20))
+    ratio = statistics.median(times["plain"]) / statistics.median(times["packed"])
+    pays = ratio > 1.05
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"pays": pays, "speedup": ratio, "seconds": times}))
+    return pays
+
+
+def use_packed(choice: str, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """--cpu-kernels `choice` for a rollout model in `dtype` on `device`: packed, plain, or auto (packed
+    where it can be and a measurement on this machine finds it faster)."""
+    if choice == "plain":
+        return False
+    if choice == "packed":
+        return packable(dtype, device)
+    return packing_pays(dtype, device)
+
+
 class RolloutCopy:
     """`module` (a policy or a drafter) as the rollout runs it: the module itself when the dtypes agree
     (unless `separate`), else a copy in `dtype` that `refresh()` overwrites in place from the master
     weights. separate: always a copy, made before the master is sharded (`sharding.FullyShard`), whose
     refresh gathers each sharded parameter in turn (every rank calls it)."""
 
-    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, separate: bool = False):
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, separate: bool = False, packed: bool = False):
         self.master = module
         w = next(module.parameters())
         if w.dtype == dtype and not separate:
             self.model = module
-            return
-        shared = getattr(module, "_shared", ())  # a drafter's borrowed policy embedding: not copied
-        memo = {id(s): s for s in shared}
-        self.model = copy.deepcopy(module, memo).to(dtype).requires_grad_(False)
-        self.model._shared = shared if shared else getattr(self.model, "_shared", ())
+        else:
+            shared = getattr(module, "_shared", ())  # a drafter's borrowed policy embedding: not copied
+            memo = {id(s): s for s in shared}
+            self.model = copy.deepcopy(module, memo).to(dtype).requires_grad_(False)
+            self.model._shared = shared if shared else getattr(self.model, "_shared", ())
+        pack(self.model, packed)  # prepacked weights serve only no-grad forwards, remade after each refresh
 
     @property
     def copied(self) -> bool:

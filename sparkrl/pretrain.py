@@ -36,7 +36,7 @@ from sparkrl.drafters.base import expected_length, policy_fingerprint, save_safe
 from sparkrl.errors import UserError
 from sparkrl.machine import set_threads
 from sparkrl.model import pad_right
-from sparkrl.precision import RolloutCopy, rollout_dtype
+from sparkrl.precision import RolloutCopy, rollout_dtype, use_packed
 from sparkrl.rollout import generate, response_generators
 from sparkrl.weights import load_model
 
@@ -286,7 +286,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
     set_threads(cfg.model.threads)
     lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
     master, tok = lm.model, lm.tokenizer
-    policy = RolloutCopy(master, rollout_dtype(cfg.model.rollout_dtype, master)).model  # features and targets
+    dt = rollout_dtype(cfg.model.rollout_dtype, master)
+    policy = RolloutCopy(master, dt, packed=use_packed(cfg.model.cpu_kernels, dt, master.lm_head.weight.device)).model
+    # ^ features and targets
     train, test, sources = build_corpus(cfg, policy, tok, lm.eos_ids, problems)
     counts = Counter(t for s in train for t in s.ids)
     V = master.args.vocab_size

@@ -38,7 +38,7 @@ from sparkrl.export import export_model
 from sparkrl.grpo import grpo_loss, group_advantages, mismatch, token_logprobs
 from sparkrl.machine import RateWatch, set_threads
 from sparkrl.model import Transformer, pad_right
-from sparkrl.precision import RolloutCopy, rollout_dtype
+from sparkrl.precision import RolloutCopy, rollout_dtype, use_packed
 from sparkrl.rewards import Grader
 from sparkrl.rollout import Rollout, RoundStats, generate, response_generators
 from sparkrl.sharding import sharding
@@ -243,13 +243,15 @@ class GRPORun:
         self.ref = None if cfg.grpo.kl_beta == 0 else shards.wrap(copy.deepcopy(policy).requires_grad_(False),
                                                                   frozen=True)
         # what samples; a resumed run keeps the dtype its start measured (another machine may measure otherwise)
-        dt = resolved.get("rollout_dtype")
+        dt, packed = resolved.get("rollout_dtype"), resolved.get("packed_kernels")
         if not dt and world.is_main:
             dt = str(rollout_dtype(cfg.model.rollout_dtype, policy)).removeprefix("torch.")
-        dt = world.broadcast(dt)  # every rank samples in rank 0's choice
+        if packed is None and world.is_main:
+            packed = use_packed(cfg.model.cpu_kernels, getattr(torch, dt), policy.lm_head.weight.device)
+        dt, packed = world.broadcast((dt, packed))  # every rank samples in rank 0's choice
         if world.is_main:
-            write_run_config(cfg, {**resolved, "rollout_dtype": dt})
-        self.rollout = RolloutCopy(policy, getattr(torch, dt), separate=shards.sharded)  # whole, unsharded
+            write_run_config(cfg, {**resolved, "rollout_dtype": dt, "packed_kernels": packed})
+        self.rollout = RolloutCopy(policy, getattr(torch, dt), separate=shards.sharded, packed=packed)  # unsharded
         with world.main_first():  # rank 0 times the machine for the budget (cached), the others read its timing
             d = make_drafting(cfg.draft, policy, self.rollout.model, cfg.sampling.temperature, cfg.seed)
         shards.wrap(policy)  # after the rollout copy and the drafter were made from the whole policy

@@ -13,6 +13,7 @@ from sparkrl.config import SamplingConfig
 from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.selfdraft import SelfDrafter
+from sparkrl.kernels import is_packed, pack, packable
 from sparkrl.config import TreeShape
 from sparkrl.rollout import generate, response_generators
 from sparkrl.speculative import generate_speculative
@@ -158,14 +159,20 @@ def test_rollouts_record_the_rollout_models_logprob_of_every_token(tiny_llama, m
         assert torch.allclose(torch.tensor(r.logp[i]), want, atol=1e-4), (i, r.logp[i], want.tolist())
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("mode", ["tree", "chain", "block"])
-def test_bfloat16_rollouts_are_exact_for_the_bfloat16_model(mode):
+def test_bfloat16_rollouts_are_exact_for_the_bfloat16_model(mode, packed):
     """Exactness is relative to the rollout model: a bf16 policy and drafter sample from the bf16
-    policy's own distribution (computed here from the bf16 model's full-sequence forward)."""
+    policy's own distribution (computed here from the bf16 model's full-sequence forward), also on
+    prepacked weights (whose products round differently from the plain ones: the reference is then
+    the packed model's own forward)."""
+    if packed and not packable(torch.bfloat16, "cpu"):
+        pytest.skip("this torch/CPU cannot prepack bfloat16 weights")
     torch.manual_seed(0)
-    policy = small_policy().to(torch.bfloat16)
+    policy = pack(small_policy().to(torch.bfloat16), packed)
     drafter = (DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args))
-    drafter = drafter.to(torch.bfloat16).bind(policy)
+    drafter = pack(drafter.to(torch.bfloat16), packed).bind(policy)
+    assert is_packed(policy) == packed == is_packed(drafter)
     prompts, G, L = [[1, 2, 3, 4], [2, 0]], 3000, 3
     sc = SamplingConfig(0.8, 0.7, L)
     shape = {"tree": TreeShape(2, 2, 4), "chain": TreeShape.chain(2), "block": TreeShape.block(2)}[mode]
@@ -176,13 +183,16 @@ def test_bfloat16_rollouts_are_exact_for_the_bfloat16_model(mode):
         assert chi2_ok(samples, exact_sequences(policy, prompt, L, 0.8, 0.7)) > 1e-3
 
 
-def test_bfloat16_greedy_speculative_equals_bfloat16_greedy(tiny_llama):
-    policy = tiny_llama.to(torch.bfloat16)
+@pytest.mark.parametrize("packed", [False, True])
+def test_bfloat16_greedy_speculative_equals_bfloat16_greedy(tiny_llama, packed):
+    if packed and not packable(torch.bfloat16, "cpu"):
+        pytest.skip("this torch/CPU cannot prepack bfloat16 weights")
+    policy = pack(tiny_llama.to(torch.bfloat16), packed)
     prompts = [[1, 2, 3, 4, 5], [6, 7]]
     sc = SamplingConfig(0.0, 1.0, 12)
     ar = generate(policy, prompts, sc, (5,), response_generators(0, 2, 3), group_size=3)
     for shape in (TreeShape(4, 3, 8), TreeShape.chain(3)):
-        d = Eagle3Drafter(policy.args).to(torch.bfloat16)
+        d = pack(Eagle3Drafter(policy.args).to(torch.bfloat16), packed)
         sp = generate_speculative(policy, d, prompts, sc, (5,), response_generators(0, 2, 3), shape, group_size=3)
         assert sp.tokens == ar.tokens
 

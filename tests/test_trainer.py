@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sparkrl.checkpoint import list_checkpoints, load_checkpoint, load_latest
+from sparkrl.kernels import is_packed, packable
 from sparkrl.cli import main
 from sparkrl.config import build, RunConfig
 from sparkrl.errors import UserError
@@ -270,6 +271,33 @@ def test_bfloat16_rollouts_of_float32_weights(tiny_model_dir, tmp_path):
     train(_cfg(tiny_model_dir, tmp_path / "b", steps=3, resume=True, **kw), grader=ParityGrader())
     strip = lambda ms: [{k: v for k, v in x.items() if k not in TIMING and not k.endswith("_s")} for x in ms]
     assert strip(_metrics(tmp_path / "a")) == strip(_metrics(tmp_path / "b"))
+
+
+@pytest.mark.skipif(not packable(torch.bfloat16, "cpu"), reason="this torch/CPU cannot prepack bfloat16 weights")
+def test_packed_bfloat16_rollouts_follow_the_updates_and_resume_with_the_start_s_choice(tiny_model_dir, tmp_path,
+                                                                                         monkeypatch):
+    import sparkrl.trainer as trainer_mod
+
+    kw = dict(rollout_dtype="bfloat16", cpu_kernels="packed", draft="eagle3", tree_depth=2, tree_branch=2,
+              tree_nodes=3, budget="fixed")
+    run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
+    assert run.rollout.model.lm_head.packed and run.draft_rollout.model.fc.packed
+    assert run.draft_rollout.model._head[0].packed and not is_packed(run.policy) and not is_packed(run.drafter)
+    run.step(0)
+    run.grader.close()
+    for a, b in zip(run.rollout.model.parameters(), run.policy.parameters()):  # refreshed: repacked at next use
+        assert torch.equal(a, b.to(torch.bfloat16))
+    train(_cfg(tiny_model_dir, tmp_path / "a", steps=3, **kw), grader=ParityGrader())
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["resolved"]["packed_kernels"] is True
+    train(_cfg(tiny_model_dir, tmp_path / "b", steps=1, **kw), grader=ParityGrader())
+    monkeypatch.setattr(trainer_mod, "use_packed", lambda *a: False)  # another machine's measurement
+    train(_cfg(tiny_model_dir, tmp_path / "b", steps=3, resume=True, **kw),
+          grader=ParityGrader())
+    strip = lambda ms: [{k: v for k, v in x.items() if k not in TIMING and not k.endswith("_s")} for x in ms]
+    assert strip(_metrics(tmp_path / "a")) == strip(_metrics(tmp_path / "b"))  # resumed exactly
+    again = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "b", steps=4, resume=True, **kw), grader=ParityGrader())
+    again.grader.close()
+    assert again.rollout.model.lm_head.packed  # the start's choice, not this (patched) measurement
 
 
 def test_bfloat16_autocast_update_trains(tiny_model_dir, tmp_path):

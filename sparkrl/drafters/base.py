@@ -23,6 +23,7 @@ from torch import nn
 
 from sparkrl.checkpoint import STATE, checkpoints_at
 from sparkrl.errors import UserError
+from sparkrl.kernels import Linear, pack
 from sparkrl.model import KVCache, ModelArgs
 
 
@@ -66,7 +67,7 @@ class SharedHeadDrafter(nn.Module):
         d = policy_args.hidden_size
         self.policy_args = policy_args
         self.feature_layers = tuple(feature_layers or default_feature_layers(policy_args.num_layers))
-        self.fc = nn.Linear(len(self.feature_layers) * d, d, bias=False)
+        self.fc = Linear(len(self.feature_layers) * d, d, bias=False)
         ids = torch.arange(policy_args.vocab_size) if vocab_ids is None else vocab_ids.long().clone()  # own memory
         self.register_buffer("vocab_ids", ids)  # (Vd,) draft vocabulary -> policy token ids
         self._shared = ()  # (policy embedding,): a tuple, so it is not a submodule of the drafter
@@ -75,7 +76,10 @@ class SharedHeadDrafter(nn.Module):
     def bind(self, policy) -> "SharedHeadDrafter":
         """Share the policy's embedding and (reduced) output head; call after every policy update."""
         self._shared = (policy.model.embed_tokens,)
-        self._head = policy.lm_head.weight.detach()[self.vocab_ids].contiguous()  # (Vd, d)
+        head = Linear(policy.lm_head.in_features, len(self.vocab_ids), bias=False, device="meta")
+        head.weight = nn.Parameter(policy.lm_head.weight.detach()[self.vocab_ids].contiguous(), requires_grad=False)
+        self._head = (pack(head, policy.lm_head.packed),)  # (Vd, d) rows of the policy's head, packed as the policy
+        # is; a tuple, so it is not a submodule
         return self
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -87,7 +91,10 @@ class SharedHeadDrafter(nn.Module):
         return self.fc(torch.cat([taps[i] for i in self.feature_layers], dim=-1))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self._head.to(h.dtype)).float()
+        head = self._head[0]
+        if h.dtype != head.weight.dtype:  # e.g. a bfloat16-autocast forward against float32 master weights
+            return F.linear(h, head.weight.to(h.dtype)).float()
+        return head(h).float()
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         w = self.fc.weight

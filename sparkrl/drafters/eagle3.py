@@ -28,10 +28,10 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from sparkrl.drafters.base import DraftStep, SharedHeadDrafter, target_probs
 from sparkrl.drafters.tree import propose
+from sparkrl.kernels import Linear
 from sparkrl.model import KVCache, ModelArgs, Stack
 
 KIND = "eagle3"
@@ -44,7 +44,7 @@ class Eagle3Drafter(SharedHeadDrafter):
                  vocab_ids: torch.Tensor | None = None):
         super().__init__(policy_args, feature_layers, vocab_ids)
         d = policy_args.hidden_size
-        self.fuse = nn.Linear(2 * d, d, bias=False)
+        self.fuse = Linear(2 * d, d, bias=False)
         self.stack = Stack(dataclasses.replace(policy_args, num_layers=1))
 
     def forward(self, tokens: torch.Tensor, feats: torch.Tensor, cache: KVCache | None = None, *,

@@ -1,0 +1,141 @@
+"""Prepacked linear layers (`kernels.Linear`): float64 reference, staleness, gradients, copies, and
+the packing decision."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparkrl import precision
+from sparkrl.kernels import Linear, is_packed, pack, packable
+from sparkrl.precision import RolloutCopy, use_packed
+
+BF16 = torch.bfloat16
+needs_packing = pytest.mark.skipif(not packable(BF16, "cpu"), reason="this torch/CPU cannot prepack bfloat16 weights")
+
+
+def _layer(n_in, n_out, bias, seed=0):
+    torch.manual_seed(seed)
+    lin = Linear(n_in, n_out, bias=bias)
+    with torch.no_grad():
+        lin.weight.normal_()
+        if bias:
+            lin.bias.normal_()
+    return lin.to(BF16).requires_grad_(False)
+
+
+def _close_to_float64(y, x, lin):
+    """y within bfloat16 rounding of the float64 product (accumulation error scaled by |x| |w|)."""
+    ref = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
+    scale = F.linear(x.double().abs(), lin.weight.double().abs(),
+                     None if lin.bias is None else lin.bias.double().abs())
+    err = (y.double() - ref).abs()
+    assert bool((err <= 2 ** -7 * scale + 1e-6).all()), float((err / scale).max())
+
+
+@needs_packing
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 96), (17, 96), (2, 17, 96), (8, 8, 96)])
+def test_packed_linear_matches_a_float64_reference(shape, bias):
+    lin = pack(_layer(96, 160, bias))
+    x = torch.randn(*shape).to(BF16)
+    with torch.no_grad():
+        y = lin(x)
+    assert lin.packed and lin._pack is not None  # the packed path ran
+    assert y.shape == (*shape[:-1], 160) and y.dtype == BF16
+    _close_to_float64(y, x, lin)
+    plain = F.linear(x, lin.weight, lin.bias)
+    assert (y.float() - plain.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()  # plain bf16 agrees
+
+
+@needs_packing
+def test_a_changed_weight_is_repacked_never_served_stale():
+    lin = pack(_layer(64, 32, True))
+    x = torch.randn(3, 64).to(BF16)
+    with torch.no_grad():
+        before = lin(x)
+        lin.weight.mul_(-1)  # in place: the version counter moves
+        lin.bias.zero_()
+        after = lin(x)
+        _close_to_float64(after, x, lin)
+        assert not torch.allclose(after.float(), before.float())
+        lin.weight.copy_(torch.randn(32, 64))  # as `RolloutCopy.refresh` writes
+        _close_to_float64(lin(x), x, lin)
+
+
+@needs_packing
+def test_a_refreshed_rollout_copy_samples_from_the_new_master_weights():
+    master = Linear(48, 40, bias=False)
+    copy_ = RolloutCopy(master, BF16, packed=True)
+    x = torch.randn(2, 48).to(BF16)
+    layer = copy_.model
+    assert layer.packed and layer is not master
+    with torch.no_grad():
+        y0 = layer(x)
+        master.weight.mul_(2)
+        copy_.refresh()
+        y1 = layer(x)
+    _close_to_float64(y1, x, layer)
+    assert torch.allclose(y1.float(), 2 * y0.float(), rtol=2 ** -6, atol=1e-2)
+
+
+@needs_packing
+def test_gradients_take_the_plain_path_and_copies_leave_the_pack_behind():
+    lin = pack(_layer(32, 16, True).requires_grad_(True))
+    x = torch.randn(4, 32).to(BF16).requires_grad_(True)
+    y = lin(x)  # gradients on: plain F.linear, bit for bit
+    assert torch.equal(y, F.linear(x, lin.weight, lin.bias))
+    y.float().sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
+    with torch.no_grad():
+        lin(x)
+    twin = copy.deepcopy(lin)
+    assert lin._pack is not None and twin._pack is None and twin.packed
+    with torch.no_grad():
+        assert torch.equal(twin(x), lin(x))
+
+
+def test_float32_is_never_packed_and_pack_off_restores_the_plain_layer():
+    lin = pack(Linear(8, 8))
+    assert not lin.packed and not is_packed(lin)  # float32: MKL's sgemm is faster unpacked
+    assert not packable(torch.float32, "cpu") and not packable(BF16, "meta")
+    half = pack(Linear(8, 8).to(BF16), packable(BF16, "cpu"))
+    assert half.packed == packable(BF16, "cpu")
+    pack(half, False)
+    assert not half.packed and half._pack is None
+
+
+@needs_packing
+def test_packed_model_and_drafter_follow_the_plain_ones(tiny_llama):
+    from sparkrl.drafters.eagle3 import Eagle3Drafter
+
+    plain = tiny_llama.to(BF16)
+    packed = pack(copy.deepcopy(plain))
+    toks = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        a, b = plain.logits(plain(toks).hidden), packed.logits(packed(toks).hidden)
+    assert is_packed(packed) and packed.lm_head.packed and not is_packed(plain)
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+    d = Eagle3Drafter(plain.args).to(BF16)
+    assert d.bind(packed)._head[0].packed and not d.bind(plain)._head[0].packed  # the head follows the policy
+
+
+@needs_packing
+def test_the_packing_decision_is_measured_once_and_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
+    calls = []
+    real = precision._seconds
+    monkeypatch.setattr(precision, "_seconds", lambda layer, x, reps: calls.append(layer.packed) or
+                        (1.0 if layer.packed else 2.0))
+    assert precision.packing_pays(BF16) is True and calls
+    n = len(calls)
+    assert precision.packing_pays(BF16) is True and len(calls) == n  # cached
+    stored = json.loads(next((tmp_path / "costs").glob("packing-*.json")).read_text())
+    assert stored["pays"] and stored["speedup"] == 2.0
+    assert use_packed("plain", BF16, "cpu") is False and use_packed("packed", BF16, "cpu") is True
+    assert use_packed("auto", torch.float32, "cpu") is False
+    assert real is not None
