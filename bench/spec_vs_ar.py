@@ -4,7 +4,9 @@ Same policy (the embedded default), same prompts (GSM8K questions in the GRPO pr
 --heldout, only those held out of draft pretraining), same per-response seeds, temperature 1, top-p
 0.95. Batches of 1, 8 and 64 responses (1 prompt x 1, 1 prompt x 8, 8 prompts x 8). Three systems
 alternate within each repeat (autoregressive, the drafter's full proposal every round, and with the
-budget); medians. Optionally (--grpo-step) one GRPO step each way, to split its time into
+budget); tokens/s over all repeats (responses end at their EOS, so systems and repeats generate
+different counts); settings with fewer than --min-responses responses run several prompt sets in
+turn. Optionally (--grpo-step) one GRPO step each way, to split its time into
 generation, draft training and policy training.
 
     .venv/bin/python bench/spec_vs_ar.py --draft eagle3 --draft-checkpoint default --heldout 0.05 \
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from sparkrl.data import build_prompts, held_out, load_problems
 from sparkrl.build import make_budget, make_drafter
 from sparkrl.kernels import pack
 from sparkrl.precision import use_packed
-from sparkrl.rollout import generate, response_generators
+from sparkrl.rollout import RoundStats, generate, response_generators
 from sparkrl.speculative import generate_speculative
 from sparkrl.weights import load_model
 
@@ -43,6 +44,8 @@ def main():
     ap.add_argument("--batches", default="1x1,1x8,8x8", help="PROMPTSxGROUP per setting")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--min-responses", type=int, default=4,
+                    help="settings with fewer responses run several prompt sets one after another, to reach this")
     ap.add_argument("--fixed-upto", type=int, default=1 << 30,
                     help="run the full-proposal-every-round system only up to this many responses")
     ap.add_argument("--tree", default="5,4,16", help="depth,branch,nodes")
@@ -69,30 +72,33 @@ def main():
     rows = []
     for spec in args.batches.split(","):
         P, G = map(int, spec.split("x"))
-        ps = prompts[:P]
+        sets = -(-args.min_responses // (P * G))  # prompt sets run one after another, so that few responses
+        # still average over several problems (their lengths and acceptance vary)
         spec, budgeted = args.draft, f"{args.draft}+budget"
-        runs = {
-            "autoregressive": lambda: generate(lm.model, ps, sc, lm.eos_ids, response_generators(0, P, G), G),
-            spec: lambda: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids, response_generators(0, P, G),
-                                               dcfg.shape(), G),
-            budgeted: lambda: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids, response_generators(0, P, G),
-                                                   dcfg.shape(), G, budget=budget),
+        systems = {
+            "autoregressive": lambda ps: generate(lm.model, ps, sc, lm.eos_ids, response_generators(0, P, G), G),
+            spec: lambda ps: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
+                                                  response_generators(0, P, G), dcfg.shape(), G),
+            budgeted: lambda ps: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
+                                                      response_generators(0, P, G), dcfg.shape(), G, budget=budget),
         }
         if P * G > args.fixed_upto:  # the full proposal every round is known to lose there; save the time
-            del runs[spec]
-        times = {k: [] for k in runs}
-        res = {}
+            del systems[spec]
+        times, tokens, stats = ({k: [] for k in systems} for _ in range(3))
         for rep in range(args.repeats):
-            for name in (list(runs) if rep % 2 == 0 else list(runs)[::-1]):
-                res[name] = runs[name]()
-                times[name].append(res[name].gen_s)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        tps = {k: res[k].num_tokens / med[k] for k in runs}
-        sb = res[budgeted].stats
-        st = res[spec].stats if spec in res else None
-        row = {"prompts": P, "group": G, "responses": P * G, "tokens": {k: res[k].num_tokens for k in runs},
-               "median_s": med, "times_s": times, "tok_per_s": tps,
-               "ratio": {k: tps[k] / tps["autoregressive"] for k in runs if k != "autoregressive"},
+            for name in (list(systems) if rep % 2 == 0 else list(systems)[::-1]):
+                outs = [systems[name](prompts[j * P:(j + 1) * P]) for j in range(sets)]
+                times[name].append(sum(o.gen_s for o in outs))
+                tokens[name].append(sum(o.num_tokens for o in outs))
+                stats[name] += [o.stats for o in outs]
+        # rates over all repeats: responses end at their EOS, so the token counts differ between systems
+        # and (with a budget, whose estimates carry over) between repeats
+        tps = {k: sum(tokens[k]) / sum(times[k]) for k in systems}
+        sb = RoundStats.merge(stats[budgeted], concurrent=False)
+        st = RoundStats.merge(stats[spec], concurrent=False) if spec in stats else None
+        row = {"prompts": P, "group": G, "responses": P * G, "prompt_sets": sets, "tokens": tokens,
+               "times_s": times, "tok_per_s": tps,
+               "ratio": {k: tps[k] / tps["autoregressive"] for k in systems if k != "autoregressive"},
                "aal": st.aal if st else None, "budget_aal": sb.aal, "rounds": sb.rounds,
                "budget_tree_rounds": [sb.tree_rounds, sb.rounds],
                "split_s": {k: getattr(st or sb, k) for k in ("draft_s", "verify_s", "accept_s")},

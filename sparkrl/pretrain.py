@@ -109,7 +109,8 @@ def _generated(policy, tok, prompts: list[list[int]], cfg: PretrainConfig, eos_i
     for i in range(0, len(prompts), CHUNK):
         chunk = prompts[i:i + CHUNK]
         key = json.dumps([chunk, to_dict(cfg.sampling), cfg.seed, offset + i, cfg.model.model,
-                          str(policy.lm_head.weight.dtype)])  # a file is reused only for the same work
+                          str(policy.lm_head.weight.dtype)] + (["packed"] if policy.lm_head.packed else []))
+        # ^ a file is reused only for the same work
         path = folder / f"{name}-{i // CHUNK:05d}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
         if not path.exists():
             r = generate(policy, chunk, cfg.sampling, eos_ids, response_generators(cfg.seed, len(chunk), 1, offset=offset + i))
