@@ -14,8 +14,14 @@ best of any larger one, so from a round that verified n nodes the accepted draft
 would have kept are known: the accepted path's leading nodes of rank <= n' (`observe`). Running
 averages of those feed the expectations.
 
-The cost model times policy forwards and tree drafting on a grid of rows x sizes at start-up, once
-per machine, model, thread count and tree shape (cached under the user cache dir), and interpolates.
+The cost model times whole rounds of the engine itself (`speculative.time_rounds`: drafting, the
+drafter's catch-up, the verify forward, the acceptance walk, commit; an autoregressive round with its
+drafter bookkeeping) for every size on a grid of row counts at start-up, once per machine, model,
+thread count, tree shape and kernels (cached under the user cache dir), and interpolates. The timed
+rounds run on random prompts, where few drafts are accepted; each draft more walks one more level
+(the LM head and the target distribution on B rows, timed too), which the prediction adds at the
+acceptance the budget expects. (It timed only the verify forward and the drafting until it was
+measured that the rest is 20-30% of a round and made trees look cheaper than they are.)
 """
 
 from __future__ import annotations
@@ -28,7 +34,6 @@ from dataclasses import dataclass
 import torch
 
 from sparkrl.config import TreeShape
-from sparkrl.drafters.base import DraftState
 from sparkrl.machine import measurement_path
 
 ROWS = (1, 4, 16, 64)
@@ -52,69 +57,39 @@ def _interp(xs, ys, x):
 @dataclass
 class CostModel:
     rows: tuple[int, ...]
-    verify: dict[int, list[float]]  # node count (0 = autoregressive) -> seconds per row count
-    draft: list[float]  # seconds of drafting one tree per row, per row count
+    rounds: dict[int, list[float]]  # node count (0 = autoregressive) -> seconds of one whole engine round,
+    # per row count: drafting, the drafter's catch-up, verification, acceptance walk, commit
+    accepted: dict[int, list[float]]  # drafts accepted per row in those timed rounds
+    level: list[float]  # seconds one more accepted level adds per round (the LM head and target p on B rows)
 
-    def seconds(self, B: int, nodes: int) -> float:
-        t = _interp(self.rows, self.verify[nodes], B)
-        return t + (_interp(self.rows, self.draft, B) if nodes else 0.0)
+    def seconds(self, B: int, nodes: int, accepted: float | None = None) -> float:
+        """Seconds of a round of `nodes` nodes over B rows; with `accepted` (drafts per row), corrected
+        from the timed rounds' acceptance to it (the walk runs one more level per accepted draft)."""
+        t = _interp(self.rows, self.rounds[nodes], B)
+        if nodes and accepted is not None:
+            t += _interp(self.rows, self.level, B) * (accepted - _interp(self.rows, self.accepted[nodes], B))
+        return max(t, 1e-9)
 
     @classmethod
-    def measure(cls, policy, drafter, shape: TreeShape, repeats: int = 2) -> "CostModel":
-        """Time the policy and the drafter on this machine (cached per machine/model/threads/shape)."""
+    def measure(cls, policy, drafter, shape: TreeShape, time_rounds, repeats: int = 2) -> "CostModel":
+        """Time whole engine rounds on this machine (cached per machine/model/threads/shape/kernels).
+        time_rounds(policy, drafter, shape, rows, sizes, context, repeats) -> {"rounds", "accepted",
+        "level"} is the engine's own timing (`speculative.time_rounds`)."""
         w = policy.lm_head.weight
-        path = measurement_path("costs", str(w.device), str(w.dtype), policy.args.__dict__, drafter.kind,
+        path = measurement_path("rounds", str(w.device), str(w.dtype), policy.args.__dict__, drafter.kind,
                                 int(drafter.vocab_ids.numel()), shape.__dict__, ROWS, CONTEXT,
                                 {"packed": policy.lm_head.packed})
         if path.exists():
             d = json.loads(path.read_text())
-            return cls(tuple(d["rows"]), {int(k): v for k, v in d["verify"].items()}, d["draft"])
-        sizes = [0] + (tree_sizes(shape.nodes) if shape.mode == "tree" else [shape.nodes])
-        verify = {n: [] for n in sizes}
-        draft = []
-        dev = policy.lm_head.weight.device
-        V = policy.args.vocab_size
-
-        def best_of(fn):
-            best = float("inf")
-            for _ in range(repeats):
-                t = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - t)
-            return best
-
-        print(f"sparkrl: timing the policy and the drafter on this machine for the speculation budget (once; "
-              f"cached in {path.parent})", file=sys.stderr, flush=True)
-        g = torch.Generator(device=dev).manual_seed(0)  # random inputs that leave the global RNG alone
-        with torch.no_grad():
-            for B in ROWS:
-                pc = policy.new_cache(B, CONTEXT + shape.nodes + 2)
-                dc = drafter.new_cache(B, CONTEXT + shape.draft_region + 2)
-                pc.lengths += CONTEXT
-                dc.lengths += CONTEXT
-                root = torch.randint(0, V, (B,), device=dev, generator=g)
-                z = torch.randn(B, drafter.vocab_ids.numel(), device=dev, generator=g)
-                a = torch.randn(B, policy.args.hidden_size, device=dev, generator=g).to(policy.lm_head.weight.dtype)
-                zeros = torch.zeros(B, dtype=torch.long, device=dev)
-
-                def forward(T):
-                    out = policy(torch.randint(0, V, (B, T), device=dev, generator=g), pc, taps=tuple(drafter.feature_layers))
-                    policy.logits(out.hidden[:, :shape.depth + 1])  # the head runs on the visited nodes
-                    pc.commit(n_keep=zeros)
-
-                state = DraftState(root=root, z=z, a=a, h=a)
-                u = torch.rand(B, shape.depth, device=dev, dtype=torch.float64, generator=g)
-
-                def tree():
-                    drafter.propose(dc, state, shape, shape.nodes, 1.0, u)
-                    dc.commit(n_keep=zeros)
-
-                for n in sizes:
-                    verify[n].append(best_of(lambda: forward(n + 1)))
-                draft.append(best_of(tree))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"rows": ROWS, "verify": verify, "draft": draft}))
-        return cls(ROWS, verify, draft)
+        else:
+            print(f"sparkrl: timing the policy and the drafter on this machine for the speculation budget (once; "
+                  f"cached in {path.parent})", file=sys.stderr, flush=True)
+            sizes = [0] + (tree_sizes(shape.nodes) if shape.mode == "tree" else [shape.nodes])
+            d = {"rows": ROWS, **time_rounds(policy, drafter, shape, ROWS, sizes, CONTEXT, repeats)}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(d))
+        return cls(tuple(d["rows"]), {int(n): v for n, v in d["rounds"].items()},
+                   {int(n): v for n, v in d["accepted"].items()}, d["level"])
 
 
 class Budget:
@@ -139,17 +114,21 @@ class Budget:
         """What a resumed run needs to choose as the uninterrupted one would: the cost model it used
         and the running estimates."""
         c = self.cost
-        return {"rows": list(c.rows), "verify": {n: list(v) for n, v in c.verify.items()}, "draft": list(c.draft),
+        return {"rows": list(c.rows), "rounds": {n: list(v) for n, v in c.rounds.items()},
+                "timed_accepted": {n: list(v) for n, v in c.accepted.items()}, "level": list(c.level),
                 "accepted": dict(self.accepted), "scale": dict(self.scale)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.cost = CostModel(tuple(state["rows"]), {int(n): v for n, v in state["verify"].items()}, state["draft"])
+        if "rounds" in state:  # (a checkpoint from before whole-round timing keeps today's timing)
+            self.cost = CostModel(tuple(state["rows"]), {int(n): v for n, v in state["rounds"].items()},
+                                  {int(n): v for n, v in state["timed_accepted"].items()}, state["level"])
         self.accepted = {int(n): a for n, a in state["accepted"].items()}
         self.scale = {int(n): a for n, a in state.get("scale", self.scale).items()}
 
     def seconds(self, B: int, nodes: int) -> float:
-        """Predicted seconds of a round of `nodes` nodes (0: autoregressive) over B rows."""
-        return self.cost.seconds(B, nodes) * self.scale[nodes]
+        """Predicted seconds of a round of `nodes` nodes (0: autoregressive) over B rows at the acceptance
+        expected for that size."""
+        return self.cost.seconds(B, nodes, self.accepted[nodes] if nodes else None) * self.scale[nodes]
 
     def choose(self, B: int) -> int:
         best, best_t = 0, self.seconds(B, 0)
@@ -162,7 +141,7 @@ class Budget:
     def observe_round(self, nodes: int, B: int, seconds: float) -> None:
         """A round of `nodes` nodes over B rows took `seconds` in all (only used when adaptive)."""
         if self.adaptive and seconds > 0:
-            ratio = seconds / max(self.cost.seconds(B, nodes), 1e-9)
+            ratio = seconds / self.cost.seconds(B, nodes, self.accepted[nodes] if nodes else None)
             self.scale[nodes] = self.momentum * self.scale[nodes] + (1 - self.momentum) * ratio
 
     def autoregressive_estimate(self, stats) -> float:

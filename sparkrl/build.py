@@ -20,6 +20,7 @@ from sparkrl.drafters.base import read_checkpoint
 from sparkrl.model import Transformer
 from sparkrl.precision import RolloutCopy
 from sparkrl.spark import Projection, Spark
+from sparkrl.speculative import time_rounds
 
 
 def resolve_checkpoint(cfg: DraftConfig, policy: Transformer) -> tuple[str | None, dict | None]:
@@ -70,7 +71,8 @@ def make_budget(cfg: DraftConfig, policy: Transformer, drafter) -> Budget | None
     """The per-round speculation budget (None: always the full proposal)."""
     if drafter is None or cfg.budget == "fixed":
         return None
-    return Budget(CostModel.measure(policy, drafter, cfg.shape()), cfg.shape(), adaptive=cfg.budget == "adaptive")
+    cost = CostModel.measure(policy, drafter, cfg.shape(), time_rounds)
+    return Budget(cost, cfg.shape(), adaptive=cfg.budget == "adaptive")
 
 
 @dataclass

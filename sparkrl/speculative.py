@@ -27,6 +27,7 @@ from sparkrl.drafters.tree import Proposal
 from sparkrl.model import KVCache, Transformer, pad_right
 from sparkrl.rollout import (HIT, MISS, UNDRAFTED, Batch, Round, RoundStats, decode_one_token, prefill,
                              sample_with_logprob)
+from sparkrl.sampling import target_probs
 from sparkrl.verify import Acceptance, accept_chain, accept_tree, uniforms_per_round
 
 
@@ -195,6 +196,47 @@ class Speculation:
         logp = acc.logp.tolist()  # (B, L) the committed tokens' log-probabilities, level by level
         self.batch.commit([r[:c] for r, c in zip(new.tolist(), counts)], [lp[:c] for lp, c in zip(logp, counts)], tags)
         return counts
+
+
+@torch.no_grad()
+def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, context: int, repeats: int) -> dict:
+    """Seconds of whole engine rounds for the budget's cost model (`budget.CostModel.measure`): for each
+    row count B in `rows`, B random prompts of `context` tokens, then `repeats` timed rounds (after one
+    untimed) of every size in `sizes` (0: an autoregressive round), the fastest kept; also the drafts
+    those rounds accepted per row, and what one more accepted level costs (LM head + target p, B rows).
+    Sampling at temperature 1, top-p 0.95; random numbers from a fixed generator (the global RNG is
+    left alone)."""
+    g = torch.Generator().manual_seed(0)
+    dev = policy.lm_head.weight.device
+    room = (repeats + 1) * len(sizes) * (shape.depth + 1) + 2  # every timed round commits at most depth + 1
+    sampling = SamplingConfig(1.0, 0.95, room)
+    out = {"rounds": {n: [] for n in sizes}, "accepted": {n: [] for n in sizes}, "level": []}
+    for B in rows:
+        prompts = torch.randint(0, policy.args.vocab_size, (B, context), generator=g).tolist()
+        gens = [torch.Generator().manual_seed(1000 + i) for i in range(B)]
+        eng = Speculation(policy, drafter.bind(policy), sampling, shape, gens, NoAdaptation())
+        eng.start(prompts, 1, ())
+        for n in sizes:
+            timed = []
+            for _ in range(repeats + 1):
+                t = time.perf_counter()
+                if n == 0:
+                    eng.autoregressive_round()
+                    a = 0.0
+                else:
+                    a = eng.speculative_round(n)[2].n_accepted.double().mean().item()  # host sync
+                timed.append((time.perf_counter() - t, a))
+            s, a = min(timed[1:])
+            out["rounds"][n].append(s)
+            out["accepted"][n].append(a)
+        h = torch.randn(B, policy.args.hidden_size, generator=g).to(device=dev, dtype=policy.lm_head.weight.dtype)
+        level = []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            target_probs(policy.logits(h), sampling.temperature, sampling.top_p)
+            level.append(time.perf_counter() - t)
+        out["level"].append(min(level[1:]))
+    return out
 
 
 @torch.no_grad()

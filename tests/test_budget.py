@@ -10,16 +10,19 @@ from sparkrl.config import SamplingConfig
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.config import TreeShape
 from sparkrl.rollout import generate, response_generators
-from sparkrl.speculative import generate_speculative
+from sparkrl.speculative import generate_speculative, time_rounds
 
 ROWS = (1, 2, 4, 8)
 
 
 def synthetic():
-    """Seconds per round by node count (0 = autoregressive) at 1, 2, 4, 8 rows."""
+    """Seconds per round by node count (0 = autoregressive) at 1, 2, 4, 8 rows: verification + drafting
+    (0.1, 0.1, 0.2, 0.3 s); acceptance-independent (no per-level cost)."""
     verify = {0: [1.0, 1.1, 1.3, 2.0], 1: [1.1, 1.3, 1.8, 3.0], 2: [1.2, 1.5, 2.3, 4.0], 4: [1.3, 1.9, 3.0, 6.0],
               6: [1.5, 2.5, 4.5, 9.0]}
-    return CostModel(ROWS, verify, [0.1, 0.1, 0.2, 0.3])
+    draft = [0.1, 0.1, 0.2, 0.3]
+    rounds = {n: [v + (d if n else 0.0) for v, d in zip(vs, draft)] for n, vs in verify.items()}
+    return CostModel(ROWS, rounds, {n: [0.0] * 4 for n in verify}, [0.0] * 4)
 
 
 def test_budget_speculates_with_few_rows_and_not_with_many():
@@ -40,15 +43,41 @@ def test_budget_speculates_with_few_rows_and_not_with_many():
     assert b.accepted[4] == before[4] and b.accepted[6] == before[6]
 
 
-def test_cost_model_is_measured_once_and_cached(tiny_llama, tmp_path, monkeypatch):
+def test_cost_model_times_whole_engine_rounds_once_and_caches_them(tiny_llama, tmp_path, monkeypatch):
+    """Measured through the engine (a fake clock: a round's time is how often it reads the clock), so a
+    drafted round costs its drafting, catch-up, verify, acceptance walk and commit, not a bare forward."""
+    import sparkrl.speculative as engine
+
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
+    monkeypatch.setattr(engine, "time", FakeTime())
     d = Eagle3Drafter(tiny_llama.args).bind(tiny_llama)
     shape = TreeShape(2, 2, 3)
-    cm = CostModel.measure(tiny_llama, d, shape, repeats=1)
-    assert sorted(cm.verify) == [0, 1, 2, 3] and all(t > 0 for v in cm.verify.values() for t in v)
-    assert len(list((tmp_path / "costs").glob("*.json"))) == 1
-    again = CostModel.measure(tiny_llama, d, shape)
-    assert again == cm
+    cm = CostModel.measure(tiny_llama, d, shape, time_rounds, repeats=1)
+    assert sorted(cm.rounds) == [0, 1, 2, 3] and len(cm.level) == len(cm.rows)
+    # the engine reads the clock twice in an AR round and six times in a drafted one
+    assert all(r == 3.0 for r in cm.rounds[0]) and all(r == 7.0 for n in (1, 2, 3) for r in cm.rounds[n])
+    assert all(0 <= a <= shape.depth for v in cm.accepted.values() for a in v) and all(t == 1.0 for t in cm.level)
+    assert len(list((tmp_path / "costs").glob("rounds-*.json"))) == 1
+    monkeypatch.setattr(engine, "time", None)  # cached: nothing is timed again
+    assert CostModel.measure(tiny_llama, d, shape, time_rounds) == cm
+
+
+def test_the_prediction_follows_the_expected_acceptance():
+    """Timed rounds accepted 0.2 drafts per row (random prompts); each further draft walks one more
+    level (0.1 s at 1 row): at 0.5 expected drafts a 4-node tree loses to an AR step, at 1.0 it wins."""
+    slow = [9.0, 9.0]  # smaller trees, out of the running
+    cost = CostModel((1, 2), {0: [1.0, 1.2], 1: slow, 2: slow, 4: [1.5, 2.0]},
+                     {0: [0.0, 0.0], 1: [0.0, 0.0], 2: [0.0, 0.0], 4: [0.2, 0.4]}, [0.1, 0.2])
+    assert cost.seconds(1, 4, 1.2) == pytest.approx(1.6) and cost.seconds(2, 4, 0.4) == pytest.approx(2.0)
+    assert cost.seconds(1, 4) == 1.5 and cost.seconds(1, 0, 3.0) == 1.0  # AR rounds walk no tree
+    b = Budget(cost, TreeShape(4, 1, 4), prior_accept=0.5)
+    assert b.accepted[4] == 0.5 and b.choose(1) == 0  # (1.5 + 0.03) / 1.5 > 1.0
+    b.accepted[4] = 1.0
+    assert b.choose(1) == 4  # (1.5 + 0.08) / 2.0 < 1.0
+    back = Budget(CostModel((1, 2), {n: slow for n in (0, 1, 2, 4)}, {n: [0.0] * 2 for n in (0, 1, 2, 4)}, [0.0] * 2),
+                  TreeShape(4, 1, 4))
+    back.load_state_dict(b.state_dict())  # a resumed run decides with the timing its start measured
+    assert back.cost == cost and back.choose(1) == 4
 
 
 class Alternating(Budget):
@@ -124,7 +153,8 @@ def test_adaptive_budget_through_the_engine_with_a_fake_clock(tiny_llama, monkey
 
     monkeypatch.setattr(engine, "time", FakeTime())
     shape = TreeShape.chain(3)  # one proposal size, so the budget has one cost to learn
-    cost = CostModel(ROWS, {0: [1.0] * 4, 3: [1.0] * 4}, [0.0] * 4)  # a 3-token chain as cheap as a step
+    cost = CostModel(ROWS, {0: [1.0] * 4, 3: [1.0] * 4}, {0: [0.0] * 4, 3: [0.0] * 4}, [0.0] * 4)  # a 3-token
+    # chain as cheap as a step
     prompts, sc = [[1, 2, 3], [4, 5, 6, 7]], SamplingConfig(0.0, 1.0, 40)  # greedy: a random drafter rarely hits
     runs = {}
     for adaptive in (False, True):
