@@ -29,7 +29,6 @@ from __future__ import annotations
 import bisect
 import json
 import sys
-import time
 from dataclasses import dataclass
 import torch
 
