@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparkrl.sampling import logprob_of, sample_from, target_probs
+from sparkrl.sampling import logprob_of, nucleus, sample_from, target_probs
 
 
 @dataclass
@@ -113,10 +113,12 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
     rejected = torch.zeros(B, N, dtype=torch.bool, device=dev)
     for level in range(max_depth + 1):
         lg = at(cur)  # (B, V)
-        p = target_probs(lg, temperature, top_p).double()  # (B, V)
+        probs, ids = nucleus(lg, temperature, top_p)  # (B, W) p on its nucleus (a few hundred tokens), sparse
+        p = probs.double()
         visited.append(cur)
         if vocab is not None:
-            targets.append(p[:, vocab].float())  # (B, Vd), a copy: p is changed below
+            dense = torch.zeros(lg.shape, dtype=torch.float32, device=dev).scatter_(1, ids, probs)
+            targets.append(dense[:, vocab])  # (B, Vd)
         # children of the current node, in node order
         is_child = tree.children_of(cur)  # (B, N)
         order = torch.where(is_child, node_ids, N).sort(-1).values[:, :max_children]  # (B, C) first C children
@@ -130,18 +132,19 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
                 break
             node_c = node.clamp(max=N - 1)
             x = tree.tokens[rows, node_c]
-            px = p[rows, x]
+            at_x = ids == x[:, None]  # (B, W) where x sits in the nucleus (nowhere: p(x) = 0)
+            px = (p * at_x).sum(-1)
             acc = has & (u[:, level * K + slot] * p.sum(-1) < px)
             nxt = torch.where(acc, node_c, nxt)
             moved |= acc
             rej = has & ~acc
-            p[rows[rej], x[rej]] = 0.0  # reject: remove x (renormalised implicitly)
+            p = p.masked_fill(at_x & rej[:, None], 0.0)  # reject: remove x (renormalised implicitly)
             rejected[rows[rej], node_c[rej]] = True
         # rows that did not move sample their committed token from the remaining p
         stop = active & ~moved
         if bool(stop.any()):
-            col = sample_from(p[stop], u[stop, level * K + max_children])
-            bonus[stop] = col
+            col = sample_from(p[stop], u[stop, level * K + max_children])  # (S,) a column of the nucleus
+            bonus[stop] = ids[stop].gather(1, col[:, None])[:, 0]
             last[stop] = cur[stop]
         if level < max_depth:
             path[moved, level] = nxt[moved]
