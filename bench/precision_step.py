@@ -1,4 +1,5 @@
-"""GRPO steps with float32 rollouts vs bfloat16 rollouts (and bf16 autocast training), side by side.
+"""GRPO steps with float32 rollouts vs bfloat16 rollouts (on plain or prepacked CPU kernels, with the LM
+head in bf16 or float32; and bf16 autocast training), side by side.
 
 Each configuration is a full GRPO run (`trainer.GRPORun`) on the default model from the same weights,
 prompts and seeds, interleaved step by step with alternating order. Reported per configuration: the
@@ -23,7 +24,9 @@ from sparkrl.config import DataConfig, GRPOConfig, ModelConfig, RunConfig, Sampl
 from sparkrl.trainer import GRPORun
 
 CONFIGS = {"fp32 rollouts": dict(rollout_dtype="float32", train_dtype="float32"),
+           "bf16 rollouts, plain kernels": dict(rollout_dtype="bfloat16", train_dtype="float32", cpu_kernels="plain"),
            "bf16 rollouts": dict(rollout_dtype="bfloat16", train_dtype="float32"),
+           "bf16 rollouts, float32 head": dict(rollout_dtype="bfloat16", train_dtype="float32", rollout_head="float32"),
            "bf16 rollouts + bf16 autocast update": dict(rollout_dtype="bfloat16", train_dtype="bfloat16")}
 
 
@@ -41,7 +44,7 @@ def main():
     runs = {}
     for name, c in CONFIGS.items():
         cfg = RunConfig(out=str(tmp / name.replace(" ", "_")), steps=a.steps, checkpoint_every=10**6,
-                        model=ModelConfig(rollout_dtype=c["rollout_dtype"]),
+                        model=ModelConfig(**{k: v for k, v in c.items() if k != "train_dtype"}),
                         sampling=SamplingConfig(max_new_tokens=a.max_new_tokens), data=DataConfig(data=a.data),
                         grpo=GRPOConfig(group_size=a.group_size, prompts_per_step=a.prompts_per_step, lr=a.lr,
                                         train_dtype=c["train_dtype"]))

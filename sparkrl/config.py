@@ -130,6 +130,9 @@ class ModelConfig(Checked):
     rollout_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Dtype rollouts sample in (a copy of the policy, refreshed after every update): auto = bfloat16 on
     CUDA, and on a CPU where a measurement of the decode step (once, cached) finds it faster; else float32."""
+    rollout_head: Literal["rollout", "float32"] = "rollout"
+    """LM head of a half-precision rollout copy: in the rollout dtype, or float32 (the master's head weights
+    in float32 on the upcast hidden states: logits without half-precision rounding; costs time, BENCHMARKS.md)."""
     cpu_kernels: Literal["auto", "packed", "plain"] = "auto"
     """Linear layers of a half-precision rollout on a CPU: packed (oneDNN-prepacked weights, 1.5-2.3x faster
     per product here), plain (F.linear, the reference), auto = packed where a measurement (once, cached)

@@ -385,6 +385,8 @@ class Transformer(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.head32 = ()  # (float32 head weight,) when a half-precision copy computes its logits in float32
+        # (`precision.RolloutCopy`); a tuple, so it is not a parameter
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, tree_mask=None, depth=None,
                 taps: tuple[int, ...] = ()) -> Output:
@@ -407,7 +409,10 @@ class Transformer(nn.Module):
         return [k for k in missing if not (self.args.tie_word_embeddings and k == "lm_head.weight")], unexpected
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head in float32: (..., d) -> (..., V)."""
+        """LM head, float32 logits: (..., d) -> (..., V). With `head32`, the product itself runs in float32
+        (float32 weights on the upcast hidden states) instead of rounding the logits to the model's dtype."""
+        if self.head32:
+            return F.linear(hidden.float(), self.head32[0])
         return self.lm_head(hidden).float()
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:

@@ -130,7 +130,8 @@ class RolloutCopy:
     weights. separate: always a copy, made before the master is sharded (`sharding.FullyShard`), whose
     refresh gathers each sharded parameter in turn (every rank calls it)."""
 
-    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, separate: bool = False, packed: bool = False):
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, separate: bool = False, packed: bool = False,
+                 head_float32: bool = False):
         self.master = module
         w = next(module.parameters())
         if w.dtype == dtype and not separate:
@@ -141,6 +142,8 @@ class RolloutCopy:
             self.model = copy.deepcopy(module, memo).to(dtype).requires_grad_(False)
             self.model._shared = shared if shared else getattr(self.model, "_shared", ())
         pack(self.model, packed)  # prepacked weights serve only no-grad forwards, remade after each refresh
+        if head_float32 and dtype != torch.float32:  # a float32 copy of the master's head (refreshed below)
+            self.model.head32 = (full(module.lm_head.weight).detach().float().clone(),)
 
     @property
     def copied(self) -> bool:
@@ -149,6 +152,8 @@ class RolloutCopy:
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the master weights (and buffers) into the rollout model, casting, without reallocating."""
+        for head in getattr(self.model, "head32", ()):
+            head.copy_(full(self.master.lm_head.weight))
         if not self.copied:
             return
         for dst, src in zip(self.model.parameters(), self.master.parameters()):

@@ -288,7 +288,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
     lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
     master, tok = lm.model, lm.tokenizer
     dt = rollout_dtype(cfg.model.rollout_dtype, master)
-    policy = RolloutCopy(master, dt, packed=use_packed(cfg.model.cpu_kernels, dt, master.lm_head.weight.device)).model
+    policy = RolloutCopy(master, dt, packed=use_packed(cfg.model.cpu_kernels, dt, master.lm_head.weight.device),
+                         head_float32=cfg.model.rollout_head == "float32").model
     # ^ features and targets
     train, test, sources = build_corpus(cfg, policy, tok, lm.eos_ids, problems)
     counts = Counter(t for s in train for t in s.ids)

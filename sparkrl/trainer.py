@@ -251,7 +251,8 @@ class GRPORun:
         dt, packed = world.broadcast((dt, packed))  # every rank samples in rank 0's choice
         if world.is_main:
             write_run_config(cfg, {**resolved, "rollout_dtype": dt, "packed_kernels": packed})
-        self.rollout = RolloutCopy(policy, getattr(torch, dt), separate=shards.sharded, packed=packed)  # unsharded
+        self.rollout = RolloutCopy(policy, getattr(torch, dt), separate=shards.sharded, packed=packed,  # unsharded
+                                   head_float32=cfg.model.rollout_head == "float32")
         with world.main_first():  # rank 0 times the machine for the budget (cached), the others read its timing
             d = make_drafting(cfg.draft, policy, self.rollout.model, cfg.sampling.temperature, cfg.seed)
         shards.wrap(policy)  # after the rollout copy and the drafter were made from the whole policy

@@ -274,19 +274,20 @@ def test_bfloat16_rollouts_of_float32_weights(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.skipif(not packable(torch.bfloat16, "cpu"), reason="this torch/CPU cannot prepack bfloat16 weights")
-def test_packed_bfloat16_rollouts_follow_the_updates_and_resume_with_the_start_s_choice(tiny_model_dir, tmp_path,
+def test_packed_bfloat16_rollouts_with_a_float32_head_follow_the_updates_and_resume_exactly(tiny_model_dir, tmp_path,
                                                                                          monkeypatch):
     import sparkrl.trainer as trainer_mod
 
-    kw = dict(rollout_dtype="bfloat16", cpu_kernels="packed", draft="eagle3", tree_depth=2, tree_branch=2,
-              tree_nodes=3, budget="fixed")
+    kw = dict(rollout_dtype="bfloat16", cpu_kernels="packed", rollout_head="float32", draft="eagle3", tree_depth=2,
+              tree_branch=2, tree_nodes=3, budget="fixed")
     run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
-    assert run.rollout.model.lm_head.packed and run.draft_rollout.model.fc.packed
+    assert run.rollout.model.lm_head.packed and run.draft_rollout.model.fc.packed and run.rollout.model.head32
     assert run.draft_rollout.model._head[0].packed and not is_packed(run.policy) and not is_packed(run.drafter)
     run.step(0)
     run.grader.close()
     for a, b in zip(run.rollout.model.parameters(), run.policy.parameters()):  # refreshed: repacked at next use
         assert torch.equal(a, b.to(torch.bfloat16))
+    assert torch.equal(run.rollout.model.head32[0], run.policy.lm_head.weight)  # the float32 head too
     train(_cfg(tiny_model_dir, tmp_path / "a", steps=3, **kw), grader=ParityGrader())
     assert json.loads((tmp_path / "a" / "config.json").read_text())["resolved"]["packed_kernels"] is True
     train(_cfg(tiny_model_dir, tmp_path / "b", steps=1, **kw), grader=ParityGrader())
