@@ -143,8 +143,11 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
         # rows that did not move sample their committed token from the remaining p
         stop = active & ~moved
         if bool(stop.any()):
-            col = sample_from(p[stop], u[stop, level * K + max_children])  # (S,) a column of the nucleus
-            bonus[stop] = ids[stop].gather(1, col[:, None])[:, 0]
+            # in token-id order, as over the dense p: which token a uniform picks then depends on the row
+            # alone, not on how its probability ties were sorted (which can depend on the batch)
+            tok, by_id = ids[stop].sort(-1)  # (S, W)
+            col = sample_from(p[stop].gather(1, by_id), u[stop, level * K + max_children])  # (S,)
+            bonus[stop] = tok.gather(1, col[:, None])[:, 0]
             last[stop] = cur[stop]
         if level < max_depth:
             path[moved, level] = nxt[moved]
