@@ -12,28 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kv_write import timed  # bench/kv_write.py, beside this script
 from sparkrl.kernels import Linear, pack, packable
 
 SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152))  # (in, out)
-
-
-def timed(fn, calls: int = 50, repeats: int = 3) -> float:
-    for _ in range(3):
-        fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) / calls)
-    return statistics.median(out)
 
 
 def main():
