@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkrl.kernels import Linear
+from sparkrl.logprobs import head_logprobs
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -414,6 +415,14 @@ class Transformer(nn.Module):
         if self.head32:
             return F.linear(hidden.float(), self.head32[0])
         return self.lm_head(hidden).float()
+
+    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                       keep_logits: bool = False):
+        """log softmax(logits(hidden) / T)[targets] (float32, differentiable) without a (..., V) logits tensor
+        (`logprobs.head_logprobs`); keep_logits: also return `logits(hidden)` (without a gradient), else None."""
+        if self.head32:
+            return head_logprobs(hidden.float(), self.head32[0], targets, temperature, keep_logits)
+        return head_logprobs(hidden, self.lm_head.weight, targets, temperature, keep_logits)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         w = self.lm_head.weight

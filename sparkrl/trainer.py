@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from sparkrl import __version__
@@ -35,7 +36,7 @@ from sparkrl.distributed import SINGLE, World
 from sparkrl.draft_train import DraftTrainer, row_generators
 from sparkrl.errors import UserError
 from sparkrl.export import export_model
-from sparkrl.grpo import grpo_loss, group_advantages, mismatch, token_logprobs
+from sparkrl.grpo import grpo_loss, group_advantages, mismatch
 from sparkrl.machine import RateWatch, set_threads
 from sparkrl.model import Transformer, pad_right
 from sparkrl.precision import RolloutCopy, rollout_dtype, use_packed
@@ -177,10 +178,12 @@ def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Ro
         def forward(model, taps=()):
             with autocast:
                 out = model(toks, taps=taps)
-            h = at_positions(out.hidden, pos)
-            logits = model.logits(h)  # (b, R+1, V)
-            logp = token_logprobs(logits[:, :R], targets, cfg.sampling.temperature)  # (b, R)
-            return logp, h, logits, {i: at_positions(t, pos) for i, t in out.taps.items()}
+            h = at_positions(out.hidden, pos)  # (b, R+1, d)
+            if not taps:
+                return model.token_logprobs(h[:, :R], targets, cfg.sampling.temperature)[0], h, None, {}
+            # the drafter's loss reads the policy's logits at all R+1 positions (the last one's target is a dummy)
+            logp, logits = model.token_logprobs(h, F.pad(targets, (0, 1)), cfg.sampling.temperature, keep_logits=True)
+            return logp[:, :R], h, logits, {i: at_positions(t, pos) for i, t in out.taps.items()}
 
         ref_logp = None
         if ref is not None:

@@ -13,7 +13,7 @@ LAZY_OK = {"matplotlib", "transformers", "datasets", "pyarrow", "math_verify", "
 
 # Layers, bottom to top: a module may import only from its own layer or below.
 LAYERS = [
-    {"errors", "config", "kernels", "model", "sampling", "weights", "rewards", "grpo", "checkpoint", "export", "machine", "precision",
+    {"errors", "config", "kernels", "logprobs", "model", "sampling", "weights", "rewards", "grpo", "checkpoint", "export", "machine", "precision",
      "distributed", "sharding", "__init__"},
     {"verify", "data"},
     {"drafters.base", "drafters.tree", "drafters.eagle3", "drafters.dflash", "drafters.selfdraft", "drafters.__init__",
