@@ -47,9 +47,10 @@ def systems(lm, args) -> dict:
     """name -> (drafter, proposal shape) for the drafters to compare."""
     eagle = DraftConfig(draft="eagle3", draft_checkpoint=args.eagle3, tree_depth=5, tree_branch=4, tree_nodes=16, budget="fixed")
     dflash = DraftConfig(draft="dflash", draft_checkpoint=args.dflash, block_size=args.block_size, budget="fixed")
-    return {"eagle3": (make_drafter(eagle, lm.model), eagle.shape()),
-            "dflash": (make_drafter(dflash, lm.model), dflash.shape()),
-            "self (ceiling)": (SelfDrafter(lm.model), eagle.shape())}
+    make = {"eagle3": lambda: (make_drafter(eagle, lm.model), eagle.shape()),
+            "dflash": lambda: (make_drafter(dflash, lm.model), dflash.shape()),
+            "self (ceiling)": lambda: (SelfDrafter(lm.model), eagle.shape())}
+    return {name: m() for name, m in make.items() if name.split()[0] in args.systems.split(",")}
 
 
 def snapshots_curve(lm, args, sampling) -> dict:
@@ -100,6 +101,7 @@ def main():
     ap.add_argument("--data", default="../shared/data/gsm8k/train.jsonl,../shared/data/math/train.jsonl")
     ap.add_argument("--eagle3", default="default", help="EAGLE3-style checkpoint (default: the shipped one)")
     ap.add_argument("--dflash", default="default", help="DFlash-style checkpoint (default: the shipped one)")
+    ap.add_argument("--systems", default="eagle3,dflash,self", help="which of eagle3, dflash, self to compare")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--holdout", type=float, default=0.05, help="the held-out share pretraining used")
     ap.add_argument("--prompts", type=int, default=8)
