@@ -22,6 +22,13 @@ rounds run on random prompts, where few drafts are accepted; each draft more wal
 (the LM head and the target distribution on B rows, timed too), which the prediction adds at the
 acceptance the budget expects. (It timed only the verify forward and the drafting until it was
 measured that the rest is 20-30% of a round and made trees look cheaper than they are.)
+
+The acceptance estimates only move in rounds that draft, so once a run of unlucky rounds pushes an
+estimate just below break-even the budget would stay autoregressive for good, however well the
+drafter does (measured: with the shipped drafter at one response trees every round ran at 1.08x of
+AR while the budget drafted 30 of 889 rounds, 0.99x). So a tree predicted within `EXPLORE_MARGIN` of
+an autoregressive step per token is drafted once every `EXPLORE_EVERY` rounds that declined it: at
+most 1/EXPLORE_EVERY of the rounds lose at most that margin, and a tree that pays is found again.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from sparkrl.config import TreeShape
 from sparkrl.machine import measurement_path
 
 ROWS = (1, 4, 16, 64)
+EXPLORE_MARGIN = 1.15  # a tree predicted within 15% of an AR step per committed token ...
+EXPLORE_EVERY = 8  # ... is drafted once every 8 rounds that declined it
 CONTEXT = 192  # committed tokens per row while timing (a typical mid-rollout length)
 
 
@@ -108,6 +117,7 @@ class Budget:
         self.accepted = {n: prior_accept * min(n, shape.depth) / shape.depth for n in self.sizes}
         self.scale = {n: 1.0 for n in [0] + self.sizes}  # measured / predicted round seconds (adaptive)
         self.momentum, self.adaptive = momentum, adaptive
+        self.declined = 0  # autoregressive rounds chosen since the last drafted one, a tree nearly paying
 
     def state_dict(self) -> dict:
         """What a resumed run needs to choose as the uninterrupted one would: the cost model it used
@@ -115,7 +125,7 @@ class Budget:
         c = self.cost
         return {"rows": list(c.rows), "rounds": {n: list(v) for n, v in c.rounds.items()},
                 "timed_accepted": {n: list(v) for n, v in c.accepted.items()}, "level": list(c.level),
-                "accepted": dict(self.accepted), "scale": dict(self.scale)}
+                "accepted": dict(self.accepted), "scale": dict(self.scale), "declined": self.declined}
 
     def load_state_dict(self, state: dict) -> None:
         if "rounds" in state:  # (a checkpoint from before whole-round timing keeps today's timing)
@@ -123,6 +133,7 @@ class Budget:
                                   {int(n): v for n, v in state["timed_accepted"].items()}, state["level"])
         self.accepted = {int(n): a for n, a in state["accepted"].items()}
         self.scale = {int(n): a for n, a in state.get("scale", self.scale).items()}
+        self.declined = state.get("declined", 0)
 
     def seconds(self, B: int, nodes: int) -> float:
         """Predicted seconds of a round of `nodes` nodes (0: autoregressive) over B rows at the acceptance
@@ -130,12 +141,21 @@ class Budget:
         return self.cost.seconds(B, nodes, self.accepted[nodes] if nodes else None) * self.scale[nodes]
 
     def choose(self, B: int) -> int:
-        best, best_t = 0, self.seconds(B, 0)
-        for n in self.sizes:
-            t = self.seconds(B, n) / (1.0 + self.accepted[n])
-            if t < best_t:
-                best, best_t = n, t
-        return best
+        """The node count for a round over B rows (0: autoregressive): the tree with the fewest predicted
+        seconds per committed token if it beats an autoregressive step, or if it comes within
+        EXPLORE_MARGIN of one and EXPLORE_EVERY rounds have declined it since the last drafted round."""
+        ar = self.seconds(B, 0)
+        best = min(self.sizes, key=lambda n: self.seconds(B, n) / (1.0 + self.accepted[n]))
+        per_token = self.seconds(B, best) / (1.0 + self.accepted[best])
+        if per_token < ar:
+            self.declined = 0
+            return best
+        if per_token < ar * EXPLORE_MARGIN:
+            self.declined += 1
+            if self.declined >= EXPLORE_EVERY:
+                self.declined = 0
+                return best
+        return 0
 
     def observe_round(self, nodes: int, B: int, seconds: float) -> None:
         """A round of `nodes` nodes over B rows took `seconds` in all (only used when adaptive)."""

@@ -80,6 +80,30 @@ def test_the_prediction_follows_the_expected_acceptance():
     assert back.cost == cost and back.choose(1) == 4
 
 
+def test_a_tree_that_nearly_pays_is_tried_again_and_one_that_does_not_never():
+    """AR 1.0 s; a 4-node tree 1.5 s. Expecting 0.4 drafts it costs 1.07 s per token: declined, but within
+    the 15% margin, so every 8th round drafts it; once a drafted round shows it pays, every round does.
+    Expecting 0.1 drafts (1.36 s per token) it is never tried."""
+    from sparkrl.budget import EXPLORE_EVERY
+
+    slow = [9.0, 9.0]
+    cost = CostModel((1, 2), {0: [1.0, 1.2], 1: slow, 2: slow, 4: [1.5, 2.0]}, {n: [0.0, 0.0] for n in (0, 1, 2, 4)},
+                     [0.0, 0.0])
+    b = Budget(cost, TreeShape(4, 1, 4))
+    b.accepted[4] = 0.4
+    picks = [b.choose(1) for _ in range(2 * EXPLORE_EVERY)]
+    assert picks == ([0] * (EXPLORE_EVERY - 1) + [4]) * 2
+    for _ in range(3):
+        b.choose(1)
+    back = Budget(cost, TreeShape(4, 1, 4))
+    back.load_state_dict(b.state_dict())  # a resumed run explores when the uninterrupted one would
+    assert [back.choose(1) for _ in range(EXPLORE_EVERY)] == [b.choose(1) for _ in range(EXPLORE_EVERY)]
+    b.observe_ranks(4, torch.tensor([[1, 2, 3, 4]]))  # the tried round accepted 4 drafts: 0.76 expected
+    assert [b.choose(1) for _ in range(5)] == [4] * 5
+    b.accepted[4] = 0.1
+    assert all(b.choose(1) == 0 for _ in range(10 * EXPLORE_EVERY))
+
+
 class Alternating(Budget):
     """Tree and autoregressive rounds in turn."""
 
