@@ -84,12 +84,13 @@ class FullyShard(Replicated):
 
     def wrap(self, model: Transformer, frozen: bool = False) -> Transformer:
         """Shard `model` in place: each decoder layer, then the root (embedding, final norm, head).
-        `logits` (the head, called after the forward) gathers like a forward. A frozen model (the
+        `logits` and `token_logprobs` (the head, called after the forward) gather like a forward. A frozen model (the
         reference: no backward) also frees its root's gathered parameters after each forward."""
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model, **({"reshard_after_forward": True} if frozen else {}))
-        register_fsdp_forward_method(model, "logits")
+        for method in ("logits", "token_logprobs"):
+            register_fsdp_forward_method(model, method)
         for m in model.modules():
             if hasattr(m, "set_gradient_divide_factor"):  # the FSDP2 modules: sum the ranks' gradients
                 m.set_gradient_divide_factor(1.0)
