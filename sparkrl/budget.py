@@ -43,6 +43,8 @@ from sparkrl.config import TreeShape
 from sparkrl.machine import measurement_path
 
 ROWS = (1, 4, 16, 64)
+ENGINE = 2  # part of the timing cache's key: bumped when a round's work changes (2: a tree of n nodes
+# drafts min(depth, n) levels)
 EXPLORE_MARGIN = 1.15  # a tree predicted within 15% of an AR step per committed token ...
 EXPLORE_EVERY = 8  # ... is drafted once every 8 rounds that declined it
 CONTEXT = 192  # committed tokens per row while timing (a typical mid-rollout length)
@@ -86,7 +88,7 @@ class CostModel:
         w = policy.lm_head.weight
         path = measurement_path("rounds", str(w.device), str(w.dtype), policy.args.__dict__, drafter.kind,
                                 int(drafter.vocab_ids.numel()), shape.__dict__, ROWS, CONTEXT,
-                                {"packed": policy.lm_head.packed})
+                                {"packed": policy.lm_head.packed, "engine": ENGINE})
         if path.exists():
             d = json.loads(path.read_text())
         else:

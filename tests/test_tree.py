@@ -168,6 +168,8 @@ def test_build_tree_equals_brute_force_reference(tiny_llama, shape, smaller, see
     for nodes in (shape.nodes, smaller, 1):
         with torch.no_grad():
             tree, ctx = draft_tree(drafter, cache, root, z, a, h, shape, nodes)
+        # one drafter forward of `branch` tokens per level below the first, min(depth, nodes) levels
+        assert cache.pending == shape.branch * (min(shape.depth, nodes) - 1)
         cache.commit(n_keep=torch.zeros(B, dtype=torch.long))  # roll the speculative region back
         assert torch.equal(cache.lengths, lengths)
         n = min(nodes, shape.depth * shape.branch)
@@ -203,5 +205,6 @@ def test_build_tree_equals_brute_force_reference(tiny_llama, shape, smaller, see
                 lp = torch.log_softmax(ctx.z[r, node[par]].double(), -1)
                 cum.append(cum[par] + float(lp[inverse[int(tree.tokens[r, i])]]))
                 assert abs(cum[i] - score[paths[i]]) < 1e-4, (nodes, r, paths[i], cum[i], score[paths[i]])
-                # a node has a context iff it was expanded, i.e. it is above the last level
-                assert (node[i] >= 0) == (len(paths[i]) < shape.depth)
+                # a node has a context iff it was expanded, i.e. it is above the last level drafted (a
+                # tree of n nodes drafts min(depth, n) levels)
+                assert (node[i] >= 0) == (len(paths[i]) < min(shape.depth, nodes))

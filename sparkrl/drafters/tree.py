@@ -86,7 +86,9 @@ def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Ten
     front_feat = a[:, None].expand(B, F, a.shape[-1])
     front_anc = torch.zeros(B, F, 0, dtype=torch.bool, device=dev)  # ancestors in the speculative region
     n_rec, n_ctx = F, 1
-    for level in range(2, shape.depth + 1):
+    # a node at depth d ranks below its d - 1 ancestors, so a tree of n nodes never reaches below depth n:
+    # levels past that are not drafted (the budget's small trees cost less; the kept nodes are the same)
+    for level in range(2, min(shape.depth, nodes or shape.nodes) + 1):
         P = cache.pending
         mask = torch.cat([front_anc, torch.eye(F, dtype=torch.bool, device=dev).expand(B, F, F)], -1)
         step = drafter(rec_tok[-1], front_feat, cache, tree_mask=mask,
