@@ -42,9 +42,9 @@ import torch
 from sparkrl.config import TreeShape
 from sparkrl.machine import measurement_path
 
-ROWS = (1, 4, 16, 64)
-ENGINE = 2  # part of the timing cache's key: bumped when a round's work changes (2: a tree of n nodes
-# drafts min(depth, n) levels)
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+ENGINE = 2  # part of the timing cache's key: bumped when a round's work or its timing changes (2: a tree
+# of n nodes drafts min(depth, n) levels; sizes timed in turn, 3 repeats, 7 row counts)
 EXPLORE_MARGIN = 1.15  # a tree predicted within 15% of an AR step per committed token ...
 EXPLORE_EVERY = 8  # ... is drafted once every 8 rounds that declined it
 CONTEXT = 192  # committed tokens per row while timing (a typical mid-rollout length)
@@ -81,7 +81,7 @@ class CostModel:
         return max(t, 1e-9)
 
     @classmethod
-    def measure(cls, policy, drafter, shape: TreeShape, time_rounds, repeats: int = 2) -> "CostModel":
+    def measure(cls, policy, drafter, shape: TreeShape, time_rounds, repeats: int = 3) -> "CostModel":
         """Time whole engine rounds on this machine (cached per machine/model/threads/shape/kernels).
         time_rounds(policy, drafter, shape, rows, sizes, context, repeats) -> {"rounds", "accepted",
         "level"} is the engine's own timing (`speculative.time_rounds`)."""

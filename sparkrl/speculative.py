@@ -202,7 +202,7 @@ class Speculation:
 def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, context: int, repeats: int) -> dict:
     """Seconds of whole engine rounds for the budget's cost model (`budget.CostModel.measure`): for each
     row count B in `rows`, B random prompts of `context` tokens, then `repeats` timed rounds (after one
-    untimed) of every size in `sizes` (0: an autoregressive round), the fastest kept; also the drafts
+    untimed) of every size in `sizes` (0: an autoregressive round), sizes in turn, the fastest kept; also the drafts
     those rounds accepted per row, and what one more accepted level costs (LM head + target p, B rows).
     Sampling at temperature 1, top-p 0.95; random numbers from a fixed generator (the global RNG is
     left alone)."""
@@ -216,17 +216,18 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
         gens = [torch.Generator().manual_seed(1000 + i) for i in range(B)]
         eng = Speculation(policy, drafter.bind(policy), sampling, shape, gens, NoAdaptation())
         eng.start(prompts, 1, ())
-        for n in sizes:
-            timed = []
-            for _ in range(repeats + 1):
+        timed = {n: [] for n in sizes}
+        for _ in range(repeats + 1):  # sizes interleaved, so a machine that changes speed skews no size
+            for n in sizes:
                 t = time.perf_counter()
                 if n == 0:
                     eng.autoregressive_round()
                     a = 0.0
                 else:
                     a = eng.speculative_round(n)[2].n_accepted.double().mean().item()  # host sync
-                timed.append((time.perf_counter() - t, a))
-            s, a = min(timed[1:])
+                timed[n].append((time.perf_counter() - t, a))
+        for n in sizes:
+            s, a = min(timed[n][1:])  # the first round of each size warms up
             out["rounds"][n].append(s)
             out["accepted"][n].append(a)
         h = torch.randn(B, policy.args.hidden_size, generator=g).to(device=dev, dtype=policy.lm_head.weight.dtype)
