@@ -177,8 +177,8 @@ def test_adaptive_budget_through_the_engine_with_a_fake_clock(tiny_llama, monkey
 
     monkeypatch.setattr(engine, "time", FakeTime())
     shape = TreeShape.chain(3)  # one proposal size, so the budget has one cost to learn
-    cost = CostModel(ROWS, {0: [1.0] * 4, 3: [1.0] * 4}, {0: [0.0] * 4, 3: [0.0] * 4}, [0.0] * 4)  # a 3-token
-    # chain as cheap as a step
+    cost = CostModel(ROWS, {0: [1.0] * 4, 3: [0.5] * 4}, {0: [0.0] * 4, 3: [0.0] * 4}, [0.0] * 4)  # a 3-token
+    # chain cheaper than a step
     prompts, sc = [[1, 2, 3], [4, 5, 6, 7]], SamplingConfig(0.0, 1.0, 40)  # greedy: a random drafter rarely hits
     runs = {}
     for adaptive in (False, True):
