@@ -150,8 +150,9 @@ class Budget:
         seconds per committed token if it beats an autoregressive step by the margin GAIN, or if it comes within
         EXPLORE_MARGIN of one and EXPLORE_EVERY rounds have declined it since the last drafted round."""
         ar = self.seconds(B, 0)
-        best = min(self.sizes, key=lambda n: self.seconds(B, n) / (1.0 + self.accepted[n]))
-        per_token = self.seconds(B, best) / (1.0 + self.accepted[best])
+        costs = {n: self.seconds(B, n) / (1.0 + self.accepted[n]) for n in self.sizes}  # seconds per token
+        best = min(costs, key=costs.get)
+        per_token = costs[best]
         if per_token < ar * GAIN:
             self.declined = 0
             return best

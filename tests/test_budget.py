@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparkrl.budget import Budget, CostModel
+from sparkrl.budget import EXPLORE_EVERY, Budget, CostModel
 from sparkrl.config import SamplingConfig
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.config import TreeShape
@@ -84,8 +84,6 @@ def test_a_tree_that_nearly_pays_is_tried_again_and_one_that_does_not_never():
     """AR 1.0 s; a 4-node tree 1.5 s. Expecting 0.4 drafts it costs 1.07 s per token: declined, but within
     the 15% margin, so every 8th round drafts it; once a drafted round shows it pays, every round does.
     Expecting 0.1 drafts (1.36 s per token) it is never tried."""
-    from sparkrl.budget import EXPLORE_EVERY
-
     slow = [9.0, 9.0]
     cost = CostModel((1, 2), {0: [1.0, 1.2], 1: slow, 2: slow, 4: [1.5, 2.0]}, {n: [0.0, 0.0] for n in (0, 1, 2, 4)},
                      [0.0, 0.0])
