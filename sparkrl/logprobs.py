@@ -52,6 +52,7 @@ class _HeadLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[:2]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, device=weight.device) if need_w else None
+        weight32 = weight.float()  # (the weight itself when it is float32)
         for s in range(0, hidden.shape[0], ctx.rows):
             h = hidden[s:s + ctx.rows]
             z = F.linear(h, weight).float()
@@ -61,7 +62,7 @@ class _HeadLogprobs(torch.autograd.Function):
             gz = z.sub_(lse[s:s + ctx.rows, None]).exp_().mul_(-g)  # -g * softmax, in place of z
             gz.scatter_add_(1, targets[s:s + ctx.rows, None], g)
             if need_h:
-                grad_h[s:s + ctx.rows] = (gz @ weight.float()).to(hidden.dtype)
+                grad_h[s:s + ctx.rows] = (gz @ weight32).to(hidden.dtype)
             if need_w:
                 grad_w.addmm_(gz.t(), h.float())
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
