@@ -26,25 +26,34 @@ weights, gradients and AdamW state, 16 bytes a parameter, and the reference), di
 
 from __future__ import annotations
 
+import sys
+
 import torch
-from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from sparkrl.distributed import World
 from sparkrl.errors import UserError
 from sparkrl.model import Transformer
 
 
+def is_dtensor(t) -> bool:
+    """Whether t is a sharded DTensor. FSDP2 is imported only when a run shards (importing it costs
+    about a second of every command's start-up), and without the import no DTensor can exist."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     """t itself, or the whole tensor of a sharded DTensor (gathered from every rank: a collective)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def shard_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's shard of `whole` when `like` is a sharded DTensor of its shape (cut locally, no
     communication: every rank holds `whole`); else `whole` itself."""
-    if not isinstance(like, DTensor) or whole.shape != like.shape:
+    if not is_dtensor(like) or whole.shape != like.shape:
         return whole
+    from torch.distributed.tensor import distribute_tensor
+
     return distribute_tensor(whole.to(like.device, like.dtype), like.device_mesh, like.placements, src_data_rank=None)
 
 
@@ -86,6 +95,8 @@ class FullyShard(Replicated):
         """Shard `model` in place: each decoder layer, then the root (embedding, final norm, head).
         `logits` and `token_logprobs` (the head, called after the forward) gather like a forward. A frozen model (the
         reference: no backward) also frees its root's gathered parameters after each forward."""
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model, **({"reshard_after_forward": True} if frozen else {}))

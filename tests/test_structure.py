@@ -9,7 +9,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "sparkrl"
 
 # Optional or heavy dependencies that may be imported where they are used (each only costs when needed).
-LAZY_OK = {"matplotlib", "transformers", "datasets", "pyarrow", "math_verify", "huggingface_hub"}
+# FSDP2 (torch.distributed.fsdp / .tensor): about a second of start-up, needed only by --shard-policy fsdp.
+LAZY_OK = {"matplotlib", "transformers", "datasets", "pyarrow", "math_verify", "huggingface_hub",
+           "torch.distributed.fsdp", "torch.distributed.tensor"}
+
+
+def lazy_ok(module: str) -> bool:
+    """A listed package or one of its submodules."""
+    return any(module == m or module.startswith(m + ".") for m in LAZY_OK)
 
 # Layers, bottom to top: a module may import only from its own layer or below.
 LAYERS = [
@@ -62,12 +69,12 @@ def test_no_function_level_imports_but_optional_heavy_ones():
                 continue
             for node in ast.walk(fn):
                 if isinstance(node, ast.Import):
-                    roots = {a.name.split(".")[0] for a in node.names}
+                    roots = {a.name for a in node.names}
                 elif isinstance(node, ast.ImportFrom):
-                    roots = {(node.module or "").split(".")[0]}
+                    roots = {node.module or ""}
                 else:
                     continue
-                if not roots <= LAZY_OK:
+                if not all(lazy_ok(r) for r in roots):
                     bad.append(f"sparkrl/{name}.py:{node.lineno} imports {', '.join(sorted(roots))} inside {fn.name}")
     assert not bad, "function-level imports (move them to the top, or list an optional dependency in LAZY_OK):\n" + \
         "\n".join(sorted(set(bad)))
