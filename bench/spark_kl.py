@@ -66,7 +66,8 @@ class MeasuredSpark(Spark):
                 self.u_cos.append((self._round, float(un[i] @ torch.nn.functional.normalize(prev, dim=0))))
             self.u_sum[o] = un[i] if prev is None else prev + un[i]
         self.log.append((self._round, float(kl(zraw)), float(kl(z)), float(top1(zraw)), float(top1(z)),
-                         float(u.norm(dim=-1).mean()), float(corr.mean())))
+                         float(u.norm(dim=-1).mean()), float(corr.mean()),
+                         float(1 - pp.sum(-1).mean())))  # target mass outside the draft vocabulary
         super().feedback(row, h, z, p, w)
 
 
@@ -80,6 +81,9 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--skip", type=int, default=1000)
     ap.add_argument("--eta", type=float, nargs="+", default=[0.005, 0.01, 0.02, 0.1, 1.0])
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollout")
+    ap.add_argument("--rank", type=int, default=8, help="SPARK's rank r")
+    ap.add_argument("--k", type=int, default=16, help="SPARK's feedback tokens per context")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     lm = load_model("default")
@@ -90,13 +94,14 @@ def main():
     drafter = make_drafter(base, lm.model)
     ds = load_problems(args.data)
     prompts = build_prompts(lm.tokenizer, ds.problems[args.skip:args.skip + args.prompts], 512, "skip").prompt_ids
-    sc = SamplingConfig(1.0, 0.95, args.max_new_tokens)
+    sc = SamplingConfig(args.temperature, 0.95, args.max_new_tokens)
     P, G = len(prompts), args.group
     rows = []
     for eta in args.eta:
-        cfg = dataclasses.replace(base, spark_config=SparkConfig(spark=True, spark_eta=eta))
+        cfg = dataclasses.replace(base, spark_config=SparkConfig(spark=True, spark_eta=eta, spark_rank=args.rank,
+                                                                 spark_k=args.k))
         proj, _ = make_spark(cfg, lm.model, drafter, sc.temperature)
-        spark = MeasuredSpark(proj.A, drafter.vocab_ids.numel(), eta=eta)
+        spark = MeasuredSpark(proj.A, drafter.vocab_ids.numel(), k=args.k, eta=eta, temperature=sc.temperature)
         r = generate_speculative(lm.model, drafter, prompts, sc, lm.eos_ids, response_generators(0, P, G),
                                  base.shape(), G, spark=spark)
         for lo, hi in RANGES:
@@ -107,6 +112,7 @@ def main():
                    "kl_corrected": statistics.mean(x[2] for x in sel), "top1_uncorrected": statistics.mean(x[3] for x in sel),
                    "top1_corrected": statistics.mean(x[4] for x in sel), "u_norm": statistics.mean(x[5] for x in sel),
                    "correction_absmax": statistics.mean(x[6] for x in sel), "aal": r.stats.aal,
+                   "p_outside_draft_vocab": statistics.mean(x[7] for x in sel),
                    "u_cos_to_earlier_mean": statistics.mean([c for t, c in spark.u_cos if lo <= t < hi] or [float("nan")])}
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -196,6 +196,7 @@ def machine() -> dict:
 def bench(cfg: BenchConfig, grader=None, log=print) -> dict:
     """Run the bench per `cfg` (resumable); writes and returns the results."""
     resolve_model_path(cfg.model.model)  # bad input fails before any run starts
+    variant_names(cfg)
     datasets = cfg.datasets.split(",")
     for d in datasets:
         load_problems(d, 20)
@@ -218,7 +219,7 @@ def bench(cfg: BenchConfig, grader=None, log=print) -> dict:
             results["datasets"][name] = {"spark_gain": {f: gains(folder(f), folder(f + "+spark"), steps) for f in ("eagle3", "dflash")
                                                         if f in methods and f + "+spark" in methods}}
         else:
-            names = list(ABLATIONS)
+            names = variant_names(cfg)
             res = {}
             for i in range(0, len(names), 3):
                 chunk = names[i:i + 3]
@@ -231,6 +232,8 @@ def bench(cfg: BenchConfig, grader=None, log=print) -> dict:
                     if v == "ar":
                         continue
                     s = summarize(c.out, cfgs["ar"].out, sizes(cfg)["steps"])
+                    if v != "full SPARK":  # against the full SPARK run of its own chunk, with intervals
+                        s["vs_full"] = gains(cfgs["full SPARK"].out, c.out, sizes(cfg)["steps"])
                     res.setdefault(v, []).append(s)
             res = {v: _merge(ss) for v, ss in res.items()}
         results["datasets"].setdefault(name, {}).update(data=data, methods=res)
@@ -241,15 +244,35 @@ def bench(cfg: BenchConfig, grader=None, log=print) -> dict:
     return results
 
 
+def variant_names(cfg: BenchConfig) -> list[str]:
+    """The ablation rows `--variants` chooses (all by default), in the table's order."""
+    if not cfg.variants:
+        return list(ABLATIONS)
+    known = {v.lower(): v for v in ABLATIONS}
+    chosen = [v.strip().lower() for v in cfg.variants.split(",")]
+    for v in chosen:
+        if v not in known:
+            raise UserError(f"--variants: unknown row {v!r}; choose from: {', '.join(ABLATIONS)}")
+    return [known[v] for v in known if v in chosen]
+
+
 def _merge(ss: list[dict]) -> dict:
     """An ablation variant measured in several chunks (full SPARK is in every chunk): means."""
     keys = ("aal", "gen_speedup", "e2e_speedup")
-    return {**ss[0], **{k: statistics.mean(s[k] for s in ss if k in s) for k in keys if any(k in s for s in ss)},
-            "chunks": len(ss)}
+    out = {**ss[0], **{k: statistics.mean(s[k] for s in ss if k in s) for k in keys if any(k in s for s in ss)},
+           "chunks": len(ss)}
+    if "vs_full" in ss[0]:
+        out["vs_full"] = [s["vs_full"] for s in ss]  # one comparison per chunk
+    return out
 
 
 def _change(x: float) -> str:
     return f"{'↑' if x >= 0 else '↓'}{abs(x) * 100:.1f}%"
+
+
+def _gain_ci(g: dict, k: str) -> str:
+    """A `gains` ratio as a change with its interval: ↑1.6% [↓1.1%, ↑4.7%]."""
+    return f"{_change(g[k] - 1)} [{_change(g[k + '_ci'][0] - 1)}, {_change(g[k + '_ci'][1] - 1)}]"
 
 
 def markdown(results: dict, cfg: BenchConfig) -> str:
@@ -257,11 +280,16 @@ def markdown(results: dict, cfg: BenchConfig) -> str:
     lines = [f"sizes: {results['sizes']}, budget {cfg.budget}, drafters: {cfg.draft_checkpoint or '(shipped or fresh)'} (EAGLE3-style), "
              f"{cfg.dflash_checkpoint or '(shipped or fresh)'} (DFlash-style, block {cfg.block_size})", ""]
     if cfg.ablations:
-        lines += ["| dataset | configuration | AAL | E2E (x) | paper AAL | paper E2E |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += ["| dataset | configuration | AAL | E2E (x) | vs full SPARK: AAL | E2E | paper AAL | paper E2E |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, d in results["datasets"].items():
             for v, s in d["methods"].items():
                 pa, pe = PAPER_TABLE2.get(v, (None, None))
-                lines.append(f"| {name} | {v} | {f(s.get('aal'))} | {f(s.get('e2e_speedup'))} | {f(pa)} | {f(pe)} |")
+                vs = [_gain_ci(g, k) for k in ("aal", "e2e") for g in s.get("vs_full", [])[:1]] or ["", ""]
+                lines.append(f"| {name} | {v} | {f(s.get('aal'))} | {f(s.get('e2e_speedup'))} | {vs[0]} | {vs[1]} "
+                             f"| {f(pa)} | {f(pe)} |")
+        lines += ["", "vs full SPARK: the variant's ratio to the full SPARK run of the same chunk (same prompts, seeds and "
+                  "updates), 95% interval over steps resampled in pairs; a variant run in several chunks shows its first."]
         return "\n".join(lines) + "\n"
     cols = {"Gen.": "gen_speedup", "E2E": "e2e_speedup", "AAL": "aal"}
     for fam, name_ in (("eagle3", "EAGLE3-style"), ("dflash", "DFlash-style")):
@@ -292,7 +320,7 @@ def markdown(results: dict, cfg: BenchConfig) -> str:
         for name, d in results["datasets"].items():
             sg = d.get("spark_gain", {}).get(fam)
             if sg:
-                ci = lambda k: f"{_change(sg[k] - 1)} [{_change(sg[k + '_ci'][0] - 1)}, {_change(sg[k + '_ci'][1] - 1)}]"
+                ci = lambda k: _gain_ci(sg, k)
                 lines += [f"{name}: +SPARK over {name_} (95% interval, steps resampled in pairs, {sg['steps']} steps): "
                           f"Gen. {ci('gen')}, E2E {ci('e2e')}, AAL {ci('aal')}", ""]
     return "\n".join(lines) + "\n"

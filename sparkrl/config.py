@@ -474,6 +474,9 @@ class BenchConfig(Checked):
     """Drafting budget of the drafting methods (fixed: the paper's; auto: the cost-model fallback)."""
     ablations: bool = False
     """Run the paper's Table 2 rows and the rank / k sweeps (appendix C) instead of the main table."""
+    variants: str = ""
+    """With --ablations: the rows to run, comma-separated Table 2 / appendix C names such as 'carry correction
+    across rollouts,frozen projection A' (empty: all of them)."""
     steps: int = at_least(0, 0, "0: the preset's")
     """GRPO steps (policy updates) per method (0: the preset's)."""
     prompts_per_step: int = at_least(0, 0, "0: the preset's")
@@ -500,6 +503,7 @@ class BenchConfig(Checked):
         _existing_checkpoint("--draft-checkpoint", self.draft_checkpoint)
         _existing_checkpoint("--dflash-checkpoint", self.dflash_checkpoint)
         _check(self.group_size != 1, "--group-size must be >= 2 (advantages are relative to the group), or 0")
+        _check(not self.variants or self.ablations, "--variants chooses rows of --ablations; pass --ablations too")
 
 
 # --- dataclass <-> flat dict / argparse helpers -----------------------------------------------

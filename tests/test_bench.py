@@ -85,6 +85,22 @@ def test_bench_ablations(tiny_model_dir, tmp_path, monkeypatch):
     assert {c["spark_every"] for c in cfgs.values() if c["spark"]} == {1, 5}
     assert sum(c["spark_frozen_a"] for c in cfgs.values()) == 1
     assert "| default | frozen projection A |" in (tmp_path / "a" / "bench.md").read_text()
+    for v in ("update every 5 rounds", "frozen projection A"):  # each variant against its chunk's full SPARK
+        g = ms[v]["vs_full"][0]
+        assert g["aal"] == pytest.approx(ms[v]["aal"] / ms["full SPARK"]["aal"])
+        assert g["aal_ci"][0] - 1e-9 <= g["aal"] <= g["aal_ci"][1] + 1e-9
+    assert "vs_full" not in ms["full SPARK"]
+
+
+def test_bench_ablation_variants(tiny_model_dir, tmp_path):
+    """--variants runs only the chosen rows (any case), beside full SPARK and AR, in the table's order."""
+    res = bench_mod.bench(_cfg(tiny_model_dir, tmp_path / "v", ablations=True, steps=1,
+                               variants="Frozen projection A, carry correction across rollouts"),
+                          grader=ParityGrader(), log=lambda s: None)
+    assert list(res["datasets"]["default"]["methods"]) == ["full SPARK", "carry correction across rollouts",
+                                                           "frozen projection A"]
+    assert sorted(p.name for p in (tmp_path / "v" / "default" / "chunk0").iterdir()) == [
+        "ar", "carry_correction_across_rollouts", "frozen_projection_A", "full"]
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -93,6 +109,8 @@ def test_bench_ablations(tiny_model_dir, tmp_path, monkeypatch):
     (["bench", "--out", "X", "--preset", "huge"], "invalid choice"),
     (["bench", "--out", "X", "--group-size", "1"], "--group-size must be >= 2"),
     (["bench", "--out", "X", "--datasets", "/no/such.jsonl"], "is not a file"),
+    (["bench", "--out", "X", "--variants", "rank 4"], "pass --ablations too"),
+    (["bench", "--out", "X", "--ablations", "--variants", "rank 4,rank 5"], "unknown row 'rank 5'"),
 ])
 def test_bench_bad_input(argv, msg, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
