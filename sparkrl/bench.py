@@ -97,7 +97,7 @@ def run_config(cfg: BenchConfig, data: str, method: str, folder: str, spark: dic
                             round_log=str(Path(folder) / "round_log.jsonl"))  # for `sparkrl analyze` at any stage
     return RunConfig(out=folder, steps=sz["steps"], seed=cfg.seed, resume=cfg.resume,
                      checkpoint_every=1, keep_checkpoints=1,
-                     model=cfg.model, sampling=SamplingConfig(max_new_tokens=sz["max_new_tokens"]),
+                     model=cfg.model, sampling=SamplingConfig(cfg.temperature, max_new_tokens=sz["max_new_tokens"]),
                      data=DataConfig(data=data), grpo=GRPOConfig(group_size=sz["group_size"],
                                                                  prompts_per_step=sz["prompts_per_step"], lr=cfg.lr),
                      draft=draft)

@@ -492,6 +492,8 @@ class BenchConfig(Checked):
     steps; a larger one makes the policy drift away from the drafter, the regime SPARK targets)."""
     spark_lr: float = above(0, 1e-4)
     """Learning rate of SPARK's projection A in the +spark methods (as train's --spark-lr)."""
+    temperature: float = above(0, 1.0)
+    """Sampling temperature of every method's rollouts (GRPO's usual 1; lower makes the policy sharper)."""
     resume: bool = False
     """Continue an interrupted bench in --out (every method resumes from its last checkpoint)."""
     model: ModelConfig = ModelConfig()

@@ -124,6 +124,8 @@ def test_bench_policy_lr_reaches_every_method():
     cfg = BenchConfig(out="x", lr=5e-5)
     runs = [bench_mod.run_config(cfg, "default", m, f"x/{m}") for m in ("ar", "eagle3", "eagle3+spark")]
     assert all(r.grpo.lr == 5e-5 for r in runs)
+    assert all(r.sampling.temperature == 1.0 for r in runs)
+    assert bench_mod.run_config(BenchConfig(out="x", temperature=0.6), "default", "eagle3", "x/e").sampling.temperature == 0.6
     assert bench_mod.run_config(BenchConfig(out="x"), "default", "ar", "x/ar").grpo.lr == 1e-6
 
 
