@@ -89,9 +89,16 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generators: l
     """Sample one token id per row of logits (N, V), row i with generators[i]: (N,) int64.
 
     Greedy (temperature 0) consumes no randomness.
+    The uniform is inverted over the nucleus in token-id order, not in order of probability: then
+    logits that differ by float noise (another batch layout, another kernel) give the same token
+    unless the uniform falls within that noise of a boundary, whereas in probability order a noise-sized
+    swap of two near-equal probabilities would swap the tokens they map to.
     """
-    probs, ids = nucleus(logits, temperature, top_p)
     if temperature == 0:
-        return ids[:, 0]
-    col = sample_from(probs, uniforms(generators))
-    return ids.gather(1, col.to(ids.device)[:, None]).squeeze(1)
+        return nucleus(logits, temperature, top_p)[1][:, 0]
+    u = uniforms(generators)
+    if top_p >= 1.0:  # the whole vocabulary, already in id order
+        return sample_from(torch.softmax(logits.float() / temperature, -1), u)
+    probs, ids = nucleus(logits, temperature, top_p)
+    ids, by_id = ids.sort(-1)
+    return ids.gather(1, sample_from(probs.gather(1, by_id), u).to(ids.device)[:, None]).squeeze(1)

@@ -64,19 +64,33 @@ def test_greedy_is_argmax_and_uses_no_randomness():
     assert all(torch.equal(a, x.get_state()) for a, x in zip(before, g))
 
 
-def test_samples_follow_p_chi_square():
+@pytest.mark.parametrize("top_p", [0.9, 1.0])
+def test_samples_follow_p_chi_square(top_p):
     torch.manual_seed(1)
     logits = torch.randn(1, 12) * 1.5
-    p = target_probs(logits, 0.8, 0.9)[0].double()
+    p = target_probs(logits, 0.8, top_p)[0].double()
     g = torch.Generator().manual_seed(7)
     n = 20000
-    draws = torch.stack([sample(logits, 0.8, 0.9, [g]) for _ in range(n)]).flatten()
+    draws = torch.stack([sample(logits, 0.8, top_p, [g]) for _ in range(n)]).flatten()
     counts = torch.bincount(draws, minlength=12).double()
     assert counts[p == 0].sum() == 0  # never outside the top-p support
     support = p > 0
     expected = p[support] / p[support].sum() * n
     stat = chisquare(counts[support].numpy(), expected.numpy())
     assert stat.pvalue > 1e-3
+
+
+@pytest.mark.parametrize("top_p", [0.95, 1.0])
+def test_float_noise_in_the_logits_rarely_changes_the_token(top_p):
+    """Near-equal probabilities (a random model's) whose order float noise swaps: inverting the uniform
+    in token-id order keeps the token; in order of probability most of these rows would change."""
+    torch.manual_seed(0)
+    logits = torch.randn(256, 4096) * 0.01
+    noisy = logits + torch.randn_like(logits) * 1e-6
+    gens = lambda: [torch.Generator().manual_seed(i) for i in range(256)]
+    assert (logits.argsort(-1) != noisy.argsort(-1)).any(-1).all()  # the noise does reorder every row
+    same = sample(logits, 1.0, top_p, gens()) == sample(noisy, 1.0, top_p, gens())
+    assert int(same.sum()) >= 255
 
 
 def test_sample_from_never_picks_zero_probability():
