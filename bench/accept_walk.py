@@ -5,8 +5,9 @@ Default model (bfloat16, kernels as `--cpu-kernels auto` picks), the shipped EAG
 held-out GSM8K prompts, 16-node trees (depth 5, branch 4), T 1, top-p 0.95. For each row count the
 engine runs a few rounds (so the trees and caches are mid-rollout), then the same tree, policy
 hidden states and uniforms go through both walks in turn (LM head included, as the engine calls it),
-20 times each; medians. The two walks take the same accept/reject decisions (same p, same order, same
-uniforms); only the residual token may differ.
+20 times each; medians. Walks from before the one-draw walk (which take max_children and a uniform
+per (level, child) test) get uniforms in that layout; the two then commit tokens with the same
+distribution, not the same tokens.
 
     .venv/bin/python bench/accept_walk.py --against 06ba004 --out bench/results
 """
@@ -14,6 +15,7 @@ uniforms); only the residual token may differ.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import subprocess
@@ -51,6 +53,7 @@ def main():
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     walks = {"this tree": verify.accept_tree, args.against: module_at(args.against).accept_tree}
+    per_child = {k: "max_children" in inspect.signature(w).parameters for k, w in walks.items()}
     dcfg = DraftConfig(draft="eagle3", draft_checkpoint="default", tree_depth=5, tree_branch=4, tree_nodes=16,
                        budget="fixed")
     lm = load_model("default", dtype="bfloat16")
@@ -67,20 +70,21 @@ def main():
             eng.start(prompts[:B], 1, ())
             for _ in range(8):  # mid-rollout trees and caches
                 eng.speculative_round(shape.nodes)
-            u = torch.rand(B, eng.uniforms, generator=g, dtype=torch.float64)
-            prop = drafter.propose(eng.dcache, eng.state, shape, shape.nodes, 1.0, u[:, shape.depth + 1:])
+            u = torch.rand(B, (shape.depth + 1) * (shape.max_children + 1), generator=g, dtype=torch.float64)
+            prop = drafter.propose(eng.dcache, eng.state, shape, shape.nodes, 1.0, None)
             tree = prop.tree
             eng.dcache.commit(n_keep=torch.zeros(B, dtype=torch.long))
             out = policy(tree.tokens, eng.pcache, tree_mask=tree.ancestor_mask(), depth=tree.depth, taps=eng.taps)
             eng.pcache.commit(n_keep=torch.zeros(B, dtype=torch.long))
             r = torch.arange(B)
+            layouts = {k: (u, shape.depth, shape.max_children) if per_child[k] else (u[:, :shape.depth + 1], shape.depth)
+                       for k in walks}
             times = {k: [] for k in walks}
             levels = {}
             for i in range(args.calls + 1):
                 for name in (list(walks) if i % 2 else list(walks)[::-1]):
                     t = time.perf_counter()
-                    acc = walks[name](tree, lambda n: policy.logits(out.hidden[r, n]), 1.0, 0.95, u, shape.depth,
-                                      shape.max_children)
+                    acc = walks[name](tree, lambda n: policy.logits(out.hidden[r, n]), 1.0, 0.95, *layouts[name])
                     if i:  # the first call of each warms up
                         times[name].append(time.perf_counter() - t)
                     levels[name] = float(acc.n_accepted.double().mean()) + 1

@@ -78,14 +78,14 @@ def measure(name: str, batches: list[int], context: int, device, dtype, reps: in
         pc.commit(n_keep=torch.full((B,), context, device=device))
         drafter(ctx, torch.zeros(B, context, d, device=device, dtype=dtype), dc)
         dc.commit(n_keep=torch.full((B,), context, device=device))
-        gens = [torch.Generator().manual_seed(i) for i in range(B)]  # the engine samples with CPU generators
+        u = torch.rand(B, dtype=torch.float64)  # the engine's uniforms are float64 on the CPU
         zero = torch.zeros(B, dtype=torch.long, device=device)
         root = torch.randint(0, V, (B,), device=device)
 
         def ar_step():
             out = policy(root[:, None], pc)
             pc.commit(n_keep=zero)  # roll back: every repeat sees the same context
-            sample(policy.logits(out.hidden[:, -1]), 1.0, 0.95, gens)
+            sample(policy.logits(out.hidden[:, -1]), 1.0, 0.95, u)
 
         step = drafter(root[:, None], torch.zeros(B, 1, d, device=device, dtype=dtype), dc)
         dc.commit(n_keep=zero)

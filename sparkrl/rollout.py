@@ -4,8 +4,10 @@ Both modes (this file's `generate`, and `speculative.generate_speculative`) shar
   * each distinct prompt is prefilled once and its KV cache rows are copied to its G responses;
   * a response that commits an EOS id or reaches max_new_tokens leaves the batch (its cache rows are
     dropped), so the work shrinks as the batch finishes;
-  * response i draws its randomness only from its own `torch.Generator`, a fixed amount per step, so
-    its tokens do not depend on which other responses share the batch.
+  * the token at position t of response i is sampled at a uniform keyed by (i's generator seed, t)
+    (`sampling.position_uniforms`), so its tokens depend neither on which other responses share the
+    batch nor on how the engine reached position t: a speculative rollout of point-mass drafts commits
+    the tokens autoregressive sampling would, whatever the drafter proposed.
 
 Autoregressive mode: `prefill`, then `decode_one_token` (one policy forward per token) until every
 response has finished. The speculative engine takes the same step for its autoregressive rounds.
@@ -20,7 +22,7 @@ import torch
 
 from sparkrl.config import SamplingConfig
 from sparkrl.model import KVCache, Output, Transformer, pad_right
-from sparkrl.sampling import logprob_of, sample
+from sparkrl.sampling import logprob_of, position_uniforms, response_keys, sample
 
 HIT, MISS, UNDRAFTED = 1, 0, -1
 """Per-token drafting outcome: an accepted draft; the target's token where the drafter proposed other
@@ -150,7 +152,9 @@ def response_generators(seed: int, n_prompts: int, group_size: int, offset: int 
 class Batch:
     """Which responses are still running, what each has committed, and why each stopped."""
 
-    def __init__(self, n: int, eos_ids: tuple[int, ...], max_new_tokens: int):
+    def __init__(self, generators: list[torch.Generator], eos_ids: tuple[int, ...], max_new_tokens: int):
+        n = len(generators)
+        self.keys = response_keys(generators)  # (n,) what each response's uniforms are keyed by
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.outcome: list[list[int]] = [[] for _ in range(n)]
         self.round_of: list[list[int]] = [[] for _ in range(n)]
@@ -180,6 +184,13 @@ class Batch:
                     break
             done.append(self.reason[r] == "stop" or len(out) >= self.max_new)
         self.done = done
+
+    def uniforms(self, levels: int = 1, device=None) -> torch.Tensor:
+        """(active rows, levels) float64: the uniforms of each active response's next `levels` token
+        positions (`sampling.position_uniforms`)."""
+        pos = torch.tensor([len(self.tokens[r]) for r in self.active], dtype=torch.long)[:, None] + torch.arange(levels)
+        u = position_uniforms(self.keys[self.active], pos)
+        return u.to(device) if device is not None else u
 
     def drop_finished(self) -> torch.Tensor | None:
         """Remove the rows that finished at the last commit; returns the kept row indices (None when
@@ -211,19 +222,19 @@ def prefill(model: Transformer, prompts: list[list[int]], capacity: int, group_s
 
 
 def decode_one_token(model: Transformer, cache: KVCache, tokens: torch.Tensor, sampling: SamplingConfig,
-                     generators: list[torch.Generator], taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, Output]:
-    """One autoregressive step: run tokens (B,) and commit them, sample the next (B,) from each row's
-    generator. Returns the next tokens, their log-probabilities (B,) and the forward's output (its taps
+                     u: torch.Tensor, taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, Output]:
+    """One autoregressive step: run tokens (B,) and commit them, sample the next (B,) at uniforms u (B,)
+    (`Batch.uniforms`). Returns the next tokens, their log-probabilities (B,) and the forward's output (its taps
     feed a drafter)."""
     out = model(tokens[:, None], cache, taps=taps)
     cache.commit(n_keep=torch.ones(len(tokens), dtype=torch.long, device=tokens.device))
-    nxt, logp = sample_with_logprob(model.logits(out.hidden[:, -1]), sampling, generators)
+    nxt, logp = sample_with_logprob(model.logits(out.hidden[:, -1]), sampling, u)
     return nxt, logp, out
 
 
-def sample_with_logprob(logits: torch.Tensor, sampling: SamplingConfig, generators) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens (N,) sampled from logits (N, V) and their log-probabilities (N,)."""
-    nxt = sample(logits, sampling.temperature, sampling.top_p, generators)  # (N,)
+def sample_with_logprob(logits: torch.Tensor, sampling: SamplingConfig, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens (N,) sampled from logits (N, V) at uniforms u (N,), and their log-probabilities (N,)."""
+    nxt = sample(logits, sampling.temperature, sampling.top_p, u)  # (N,)
     return nxt, logprob_of(logits, nxt, sampling.temperature)
 
 
@@ -238,9 +249,9 @@ def generate(model: Transformer, prompts: list[list[int]], sampling: SamplingCon
     t0 = time.perf_counter()
     assert len(generators) == len(prompts) * group_size, "one generator per response"
     cache, logits, _ = prefill(model, prompts, max(map(len, prompts)) + sampling.max_new_tokens, group_size)
-    batch = Batch(len(generators), eos_ids, sampling.max_new_tokens)
+    batch = Batch(generators, eos_ids, sampling.max_new_tokens)
     stats = RoundStats()
-    nxt, logp = sample_with_logprob(logits, sampling, generators)  # (B,)
+    nxt, logp = sample_with_logprob(logits, sampling, batch.uniforms()[:, 0])  # (B,)
     batch.commit([[t] for t in nxt.tolist()], [[x] for x in logp.tolist()])  # host sync: tokens go to Python lists
     while True:
         if progress is not None:
@@ -252,7 +263,7 @@ def generate(model: Transformer, prompts: list[list[int]], sampling: SamplingCon
             keep = keep.to(nxt.device)
             cache.keep_rows(keep)
             nxt = nxt.index_select(0, keep)
-        nxt, logp, _ = decode_one_token(model, cache, nxt, sampling, [generators[r] for r in batch.active])
+        nxt, logp, _ = decode_one_token(model, cache, nxt, sampling, batch.uniforms()[:, 0])
         batch.commit([[t] for t in nxt.tolist()], [[x] for x in logp.tolist()])  # round r: round_of r
         batch.rounds += 1
         stats.policy_forwards += 1

@@ -56,12 +56,35 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torc
     return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(1, ids, probs)
 
 
-def uniforms(generators: list[torch.Generator], device=None) -> torch.Tensor:
-    """One U[0, 1) draw per row from that row's own generator: (N,) float64."""
-    u = torch.empty(len(generators), dtype=torch.float64)
-    for i, g in enumerate(generators):
-        u[i] = torch.rand((), generator=g, dtype=torch.float64)
-    return u.to(device) if device is not None else u
+def _signed(x: int) -> int:
+    """A 64-bit pattern as the int64 torch holds it."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _M1, _M2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (wrapping multiplication is uint64's; `(x >> k) & mask`
+    is the logical shift)."""
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _M1
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _M2
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def response_keys(generators: list[torch.Generator]) -> torch.Tensor:
+    """Each response's key (N,) int64: the seed its generator was made with."""
+    return torch.tensor([_signed(g.initial_seed()) for g in generators], dtype=torch.long)
+
+
+def position_uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """U[0, 1) for each response key (B,) at each token position (B, n): (B, n) float64, a counter-based
+    hash (splitmix64) of the pair. The token at position t of a response is sampled with the same uniform
+    whichever engine, round, batch or drafter commits it, so the rollout is the same tokens autoregressive
+    sampling would give (up to float noise; see `sample`), and two runs that differ only in how they
+    draft make the same rollouts."""
+    x = _mix(_mix(keys[:, None].to(positions.device) + _GOLDEN) ^ (positions + 1) * _GOLDEN)
+    return ((x >> 11) & ((1 << 53) - 1)).double() * 2.0 ** -53
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -85,10 +108,10 @@ def logprob_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -
     return z.gather(-1, tokens[:, None].to(z.device))[:, 0] - torch.logsumexp(z, -1)
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator]) -> torch.Tensor:
-    """Sample one token id per row of logits (N, V), row i with generators[i]: (N,) int64.
+def sample(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor) -> torch.Tensor:
+    """Sample one token id per row of logits (N, V), row i at uniform u[i] (N,) float64: (N,) int64.
 
-    Greedy (temperature 0) consumes no randomness.
+    Greedy (temperature 0) ignores u.
     The uniform is inverted over the nucleus in token-id order, not in order of probability: then
     logits that differ by float noise (another batch layout, another kernel) give the same token
     unless the uniform falls within that noise of a boundary, whereas in probability order a noise-sized
@@ -96,9 +119,13 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generators: l
     """
     if temperature == 0:
         return nucleus(logits, temperature, top_p)[1][:, 0]
-    u = uniforms(generators)
     if top_p >= 1.0:  # the whole vocabulary, already in id order
         return sample_from(torch.softmax(logits.float() / temperature, -1), u)
     probs, ids = nucleus(logits, temperature, top_p)
+    return sample_in_id_order(probs, ids, u)
+
+
+def sample_in_id_order(probs: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token (N,) at uniform u (N,) of sparse p (probs, ids (N, W), any order) taken in token-id order."""
     ids, by_id = ids.sort(-1)
-    return ids.gather(1, sample_from(probs.gather(1, by_id), u).to(ids.device)[:, None]).squeeze(1)
+    return ids.gather(1, sample_from(probs.gather(1, by_id), u).to(ids.device)[:, None])[:, 0]

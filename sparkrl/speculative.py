@@ -28,7 +28,7 @@ from sparkrl.model import KVCache, Transformer, pad_right
 from sparkrl.rollout import (HIT, MISS, UNDRAFTED, Batch, Round, RoundStats, decode_one_token, prefill,
                              sample_with_logprob)
 from sparkrl.sampling import target_probs
-from sparkrl.verify import Acceptance, accept_chain, accept_tree, uniforms_per_round
+from sparkrl.verify import Acceptance, accept_chain, accept_tree
 
 
 class NoAdaptation:
@@ -100,7 +100,9 @@ class Speculation:
         self.generators, self.adapter = generators, adapter
         self.taps = tuple(drafter.feature_layers)
         self.chain = shape.mode == "chain"
-        self.uniforms = 2 * shape.depth + 1 if self.chain else uniforms_per_round(shape.depth, shape.max_children)
+        # sampled chains draw their uniforms from the responses' generators (2 * depth + 1 a round: one per draft
+        # token, one per test, one for the residual), point-mass proposals one per level from `Batch.uniforms`
+        self.uniforms = 2 * shape.depth + 1
         self.vocab = drafter.vocab_ids if adapter.needs_targets else None  # targets for the adapter
         self.backlog = Backlog()
 
@@ -117,8 +119,8 @@ class Speculation:
         drafter.prefill(toks, lens, feats, self.dcache)
         rows = torch.arange(len(prompts), device=device).repeat_interleave(G)
         self.dcache.keep_rows(rows)
-        root, logp = sample_with_logprob(logits, self.sampling, self.generators)  # (N,)
-        self.batch = Batch(len(self.generators), eos_ids, self.sampling.max_new_tokens)
+        self.batch = Batch(self.generators, eos_ids, self.sampling.max_new_tokens)
+        root, logp = sample_with_logprob(logits, self.sampling, self.batch.uniforms()[:, 0])  # (N,)
         self.batch.commit([[t] for t in root.tolist()], [[x] for x in logp.tolist()])  # host sync
         last_feat = None if feats is None else feats[rows, lens[rows] - 1][:, None]  # (N, 1, d)
         self.state = catch_up(drafter, self.dcache, root[:, None], last_feat, torch.ones_like(root))
@@ -138,8 +140,8 @@ class Speculation:
     def autoregressive_round(self) -> Round:
         """A plain sampling step; the drafter catches up on it at the next drafted round."""
         t0 = time.perf_counter()
-        gens = [self.generators[r] for r in self.batch.active]
-        nxt, logp, out = decode_one_token(self.policy, self.pcache, self.state.root, self.sampling, gens, self.taps)
+        nxt, logp, out = decode_one_token(self.policy, self.pcache, self.state.root, self.sampling,
+                                          self.batch.uniforms()[:, 0], self.taps)
         self.batch.commit([[t] for t in nxt.tolist()], [[x] for x in logp.tolist()])  # host sync: tokens to lists
         self.backlog.add(nxt[:, None], self.drafter.features(out.taps))
         self.state.root = nxt
@@ -151,11 +153,15 @@ class Speculation:
         t1 = time.perf_counter()
         if self.backlog.tokens:
             self.state = catch_up(drafter, self.dcache, *self.backlog.pop())
-        u = torch.stack([torch.rand(self.uniforms, generator=self.generators[r], dtype=torch.float64)
-                         for r in self.batch.active]).to(self.state.root.device)  # (B, M)
+        dev = self.state.root.device
+        if self.chain:
+            u = torch.stack([torch.rand(self.uniforms, generator=self.generators[r], dtype=torch.float64)
+                             for r in self.batch.active]).to(dev)  # (B, 2D + 1)
+        else:
+            u = self.batch.uniforms(shape.depth + 1, dev)  # (B, 1 + D): the positions the round may commit
         self.adapter.select(self.batch.active)
-        prop = drafter.propose(self.dcache, self.state, shape, nodes, sampling.temperature, u[:, shape.depth + 1:],
-                               self.adapter.correct)
+        prop = drafter.propose(self.dcache, self.state, shape, nodes, sampling.temperature,
+                               u[:, shape.depth + 1:] if self.chain else None, self.adapter.correct)
         tree = prop.tree
         B = tree.tokens.shape[0]
         self.dcache.commit(n_keep=torch.zeros(B, dtype=torch.long, device=tree.tokens.device))  # roll back
@@ -171,7 +177,7 @@ class Speculation:
                                u[:, :shape.depth + 1], self.vocab)
         else:  # the LM head runs only on the nodes the acceptance walk visits
             acc = accept_tree(tree, lambda n: policy.logits(out.hidden[rows, n]), sampling.temperature,
-                              sampling.top_p, u, shape.depth, shape.max_children, self.vocab)
+                              sampling.top_p, u, shape.depth, self.vocab)
         n_acc = acc.n_accepted
         kept = torch.cat([torch.zeros_like(acc.path[:, :1]), acc.path.clamp(min=0)], 1)  # (B, 1+D) root + path
         self.pcache.commit(kept, n_acc + 1)
@@ -251,9 +257,10 @@ def generate_speculative(policy: Transformer, drafter, prompts: list[list[int]],
     optional drafter adapter (`spark.Spark`) correcting the proposals from earlier rounds' feedback
     (the A gradient it accumulates is left for the caller).
     The committed tokens follow the policy's sampling distribution exactly, whatever the drafter
-    proposes and whatever the budget chooses (which round is speculative may then depend on the
-    batch, so with a budget a response's exact realisation can depend on its batch; its
-    distribution does not).
+    proposes and whatever the budget chooses. With point-mass proposals (trees, blocks) they are the
+    tokens `rollout.generate` gives with the same generators, up to float noise in the logits: the
+    drafter, SPARK and the budget change how fast a rollout is made, not what it is. Sampled chains
+    draw per-round uniforms from the generators, so their realisation depends on the proposals.
     """
     t0 = time.perf_counter()
     assert len(generators) == len(prompts) * group_size, "one generator per response"

@@ -1,16 +1,20 @@
 """Exact acceptance of draft proposals: pure tensor functions (DESIGN "Exactness").
 
 Point-mass candidates (EAGLE trees, DFlash blocks), chosen deterministically from the draft: at the
-current node walk its distinct children x1, x2, ... in order; accept xj with probability p(xj); on
-rejection set p(xj) = 0 and renormalise; if no child is accepted, sample the committed token from
-the remaining p. Continue from an accepted child. The committed tokens follow p exactly.
+current node sample the committed token x from p with the uniform of its position; if a child of the
+node carries x, accept that child (the first such, in node order) and continue from it, otherwise
+commit x and stop. This is the sequential walk "accept child xj with probability p(xj); on rejection set
+p(xj) = 0, renormalise and try the next; with no child left, sample from what remains" in one draw:
+both accept some child with probability sum_j p(xj), and commit every token with probability p. The
+committed tokens are the ones autoregressive sampling draws with the same uniforms, whatever the tree.
 
 Sampled chains (the drafter drew x ~ q): accept with probability min(1, p(x) / q(x)); on rejection
 sample from normalise(max(p - q, 0)) (Leviathan et al. 2023).
 
-Randomness: every response brings its own row of uniforms `u`, drawn from its own generator in a
-fixed amount per round (`uniforms_per_round`), so what a response commits never depends on the rest
-of the batch. `p` is always the processed target distribution of `sampling.target_probs`.
+Randomness: every response brings its own row of uniforms `u`: one per level for point masses, keyed
+by the position that level commits (`rollout.Batch.uniforms`), and for chains a fixed amount per round
+from its own generator, so what a response commits never depends on the rest of the batch.
+`p` is always the processed target distribution of `sampling.target_probs`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparkrl.sampling import logprob_of, nucleus, sample_from, target_probs
+from sparkrl.sampling import logprob_of, nucleus, sample_from, sample_in_id_order, target_probs
 
 
 @dataclass
@@ -58,11 +62,6 @@ class Tree:
         ok = self.valid & (self.parents >= 0)
         return counts.scatter_add_(1, self.parents.clamp(min=0), ok.long())
 
-    def max_children(self) -> int:
-        if self.size <= 1:
-            return 0
-        return int(self.child_counts().max())  # host sync: loop bound
-
 
 @dataclass
 class Acceptance:
@@ -79,20 +78,15 @@ class Acceptance:
     # rejection, on the token ids `vocab` the caller asked for (None when it did not ask)
 
 
-def uniforms_per_round(max_depth: int, max_children: int) -> int:
-    """Uniforms each response draws per round: one per (depth, child) test, one per residual."""
-    return (max_depth + 1) * (max_children + 1)
-
-
-def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.Tensor,
-                max_depth: int, max_children: int, vocab: torch.Tensor | None = None) -> Acceptance:
+def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.Tensor, max_depth: int,
+                vocab: torch.Tensor | None = None) -> Acceptance:
     """Walk every row's tree with point-mass acceptance.
 
     logits: (B, N, V) policy logits at every node (the distribution of the token after the node),
     or a callable node (B,) -> (B, V) logits at those nodes (so the LM head runs only on the nodes
     the walk visits).
-    u: (B, uniforms_per_round(max_depth, max_children)) float64 in [0, 1).
-    No node may be deeper than max_depth or have more than max_children children.
+    u: (B, max_depth + 1) float64 in [0, 1): u[:, d] samples the token committed at level d.
+    No node may be deeper than max_depth.
     vocab: token ids (Vd,); when given, the result carries the target p on them at every visited
     node (SPARK's feedback).
     """
@@ -100,7 +94,6 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
     dev = tree.tokens.device
     rows = torch.arange(B, device=dev)
     u = u.to(dev)
-    K = max_children + 1
     cur = torch.zeros(B, dtype=torch.long, device=dev)
     active = torch.ones(B, dtype=torch.bool, device=dev)
     path = torch.full((B, max_depth), -1, dtype=torch.long, device=dev)
@@ -114,44 +107,25 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
     for level in range(max_depth + 1):
         lg = at(cur)  # (B, V)
         probs, ids = nucleus(lg, temperature, top_p)  # (B, W) p on its nucleus (a few hundred tokens), sparse
-        p = probs.double()
         visited.append(cur)
         if vocab is not None:
             dense = torch.zeros(lg.shape, dtype=torch.float32, device=dev).scatter_(1, ids, probs)
             targets.append(dense[:, vocab])  # (B, Vd)
-        # children of the current node, in node order
-        is_child = tree.children_of(cur)  # (B, N)
-        order = torch.where(is_child, node_ids, N).sort(-1).values[:, :max_children]  # (B, C) first C children
-        moved = torch.zeros(B, dtype=torch.bool, device=dev)
-        nxt = cur.clone()
-        # p stays unnormalised: after rejections, p(x) / p.sum() is the renormalised probability
-        for slot in range(order.shape[1]):
-            node = order[:, slot]
-            has = active & ~moved & (node < N)
-            if not bool(has.any()):  # host sync: no row has a child left to test
-                break
-            node_c = node.clamp(max=N - 1)
-            x = tree.tokens[rows, node_c]
-            at_x = ids == x[:, None]  # (B, W) where x sits in the nucleus (nowhere: p(x) = 0)
-            px = (p * at_x).sum(-1)
-            acc = has & (u[:, level * K + slot] * p.sum(-1) < px)
-            nxt = torch.where(acc, node_c, nxt)
-            moved |= acc
-            rej = has & ~acc
-            p = p.masked_fill(at_x & rej[:, None], 0.0)  # reject: remove x (renormalised implicitly)
-            rejected[rows[rej], node_c[rej]] = True
-        # rows that did not move sample their committed token from the remaining p
+        # in token-id order: which token a uniform picks depends on the row alone, not on how its
+        # probability ties were sorted (which can depend on the batch)
+        x = sample_in_id_order(probs.double(), ids, u[:, level])  # (B,) the token committed here
+        is_child = tree.children_of(cur) & active[:, None]  # (B, N)
+        match = is_child & (tree.tokens == x[:, None])
+        first = torch.where(match, node_ids, N).min(-1).values  # (B,) the first child carrying x, N if none
+        moved = first < N
+        nxt = torch.where(moved, first, cur)
+        rejected |= is_child & (node_ids < first[:, None])  # what the sequential walk tried before x
         stop = active & ~moved
-        if bool(stop.any()):
-            # in token-id order, as over the dense p: which token a uniform picks then depends on the row
-            # alone, not on how its probability ties were sorted (which can depend on the batch)
-            tok, by_id = ids[stop].sort(-1)  # (S, W)
-            col = sample_from(p[stop].gather(1, by_id), u[stop, level * K + max_children])  # (S,)
-            bonus[stop] = tok.gather(1, col[:, None])[:, 0]
-            last[stop] = cur[stop]
+        bonus = torch.where(stop, x, bonus)
+        last = torch.where(stop, cur, last)
         if level < max_depth:
             path[moved, level] = nxt[moved]
-        logps.append(logprob_of(lg, torch.where(moved, tree.tokens[rows, nxt], bonus), temperature))
+        logps.append(logprob_of(lg, x, temperature))
         n_acc += moved.long()
         active = moved
         cur = nxt

@@ -22,7 +22,7 @@ import torch
 
 from sparkrl import spark as spark_mod
 from sparkrl.drafters.tree import Contexts
-from sparkrl.verify import Acceptance, Tree, accept_chain, accept_tree, uniforms_per_round
+from sparkrl.verify import Acceptance, Tree, accept_chain, accept_tree
 
 D_FEAT, VD = 3, 6  # feature size and draft vocabulary of the hand-built contexts
 
@@ -335,7 +335,7 @@ def test_one_path_feedback_when_no_row_reaches_the_end(kind):
 OFF_TREE = 31  # a token no tree here proposes
 
 
-def walk(tree: Tree, path: list[list[int]], max_depth: int = 3, max_children: int = 3):
+def walk(tree: Tree, path: list[list[int]], max_depth: int = 3):
     """`accept_tree` with policy logits forcing each row's walk down `path`: at every node the policy
     puts (almost) all its mass on the next path node's token, or on a token off the tree."""
     B, N = tree.tokens.shape
@@ -347,8 +347,8 @@ def walk(tree: Tree, path: list[list[int]], max_depth: int = 3, max_children: in
             logits[b, cur] = 0.0
             logits[b, cur, tree.tokens[b, n]] = 60.0
             cur = n
-    u = torch.full((B, uniforms_per_round(max_depth, max_children)), 0.5, dtype=torch.float64)
-    return accept_tree(tree, logits, 1.0, 1.0, u, max_depth, max_children)
+    u = torch.full((B, max_depth + 1), 0.5, dtype=torch.float64)
+    return accept_tree(tree, logits, 1.0, 1.0, u, max_depth)
 
 
 def chain_walk(n_acc: list[int]):
@@ -375,7 +375,7 @@ def test_hand_built_rounds_are_real_walks(name):
     if name.startswith("chain"):
         res = chain_walk(acc.n_accepted)
     else:
-        res = walk(tree, acc.path, *((D, 1) if name.startswith("block") else (3, 3)))
+        res = walk(tree, acc.path, D if name.startswith("block") else 3)
     assert res.path.tolist() == acc.path
     assert res.n_accepted.tolist() == acc.n_accepted
     assert res.last.tolist() == acc.last

@@ -69,6 +69,43 @@ def chi2_ok(samples, exact):
 FAST = {(0.8, 0.7, "tree", True), (0.8, 0.7, "chain", True), (0.8, 0.7, "block", True), (1.0, 1.0, "tree", False)}
 
 
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.7)])
+@pytest.mark.parametrize("mode", ["tree", "block"])
+def test_point_mass_drafts_commit_the_autoregressive_tokens(temperature, top_p, mode):
+    """Trees and blocks, with and without SPARK: the tokens autoregressive sampling gives with
+    the same generators, so runs that differ only in drafting make the same rollouts."""
+    torch.manual_seed(0)
+    policy = small_policy()
+    drafter = (DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args)).bind(policy)
+    prompts, G = [[1, 2, 3, 4], [2, 0]], 40
+    sc = SamplingConfig(temperature, top_p, 12)
+    shape = TreeShape(3, 2, 6) if mode == "tree" else TreeShape.block(3)
+    ar = generate(policy, prompts, sc, (EOS,), response_generators(4, 2, G), group_size=G).tokens
+    spark = Spark(init_projection(policy.lm_head.weight, 4), V, k=2, eta=5.0, temperature=temperature)
+    for spark, budget in ((None, None), (spark, None), (None, EveryThirdAutoregressive(shape.nodes))):
+        r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(4, 2, G), shape,
+                                 group_size=G, spark=spark, budget=budget)
+        assert r.stats.aal > 1.0 and r.tokens == ar
+    assert 0 < r.stats.tree_rounds < r.stats.rounds  # the budget's rounds were mixed
+
+
+class EveryThirdAutoregressive:
+    """A budget that makes every third round an autoregressive step."""
+
+    def __init__(self, nodes: int):
+        self.nodes, self.calls = nodes, 0
+
+    def choose(self, rows: int) -> int:
+        self.calls += 1
+        return 0 if self.calls % 3 == 0 else self.nodes
+
+    def observe_round(self, *args):
+        pass
+
+    def observe(self, *args):
+        pass
+
+
 @pytest.mark.parametrize("temperature,top_p,mode,spark", [
     pytest.param(t, p, m, s, id=f"{t}-{p}-{m}-{'spark' if s else 'baseline'}",
                  marks=() if (t, p, m, s) in FAST else pytest.mark.slow)
@@ -86,10 +123,12 @@ def test_rollouts_are_exact_in_ragged_batches(temperature, top_p, mode, spark):
     r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G), shape, group_size=G,
                              spark=corr)
     assert r.stats.tree_rounds == r.stats.rounds and r.stats.aal > 1.0  # drafts were accepted, so verified
-    if spark:  # the correction changed proposals (and so which uniforms decided)
+    if spark:  # the correction changed the proposals: which drafts hit, and for sampled chains the tokens
         assert r.stats.adapter["spark_contexts"] > 0 and len(corr.store) > 0
-        assert r.tokens != generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G),
-                                                shape, group_size=G).tokens
+        plain = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G), shape,
+                                     group_size=G)
+        assert r.outcome != plain.outcome
+        assert (r.tokens != plain.tokens) if mode == "chain" else (r.tokens == plain.tokens)
     for i, prompt in enumerate(prompts):
         samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]
         assert chi2_ok(samples, exact_sequences(policy, prompt, L, temperature, top_p)) > 1e-3

@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 from sparkrl.sampling import target_probs
-from sparkrl.verify import Tree, accept_chain, accept_tree, uniforms_per_round
+from sparkrl.verify import Tree, accept_chain, accept_tree
 
 V, L = 4, 3  # vocabulary, committed tokens per sequence
 
@@ -78,8 +78,8 @@ def run_tree(target, draft, rows, temperature, top_p, depth=2, branch=2, keep_pr
             tok[b, :n], par[b, :n], dep[b, :n], val[b, :n] = torch.tensor(t), torch.tensor(p), torch.tensor(d), True
             for j in range(n):
                 logits[b, j] = target.logits(seqs[live[b]] + paths[j])
-        u = torch.rand(B, uniforms_per_round(depth, branch), generator=g, dtype=torch.float64)
-        acc = accept_tree(Tree(tok, par, val, dep), logits, temperature, top_p, u, depth, branch)
+        u = torch.rand(B, depth + 1, generator=g, dtype=torch.float64)
+        acc = accept_tree(Tree(tok, par, val, dep), logits, temperature, top_p, u, depth)
         for b, i in enumerate(live):
             path = [int(tok[b, n]) for n in acc.path[b, :int(acc.n_accepted[b])]]
             seqs[i] = (seqs[i] + tuple(path) + (int(acc.bonus[b]),))[:L]
@@ -169,4 +169,3 @@ def test_tree_masks():
              torch.tensor([[0, 1, 1, 2]]))
     m = t.ancestor_mask()[0].int().tolist()
     assert m == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
-    assert t.max_children() == 2
