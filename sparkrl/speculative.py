@@ -100,9 +100,6 @@ class Speculation:
         self.generators, self.adapter = generators, adapter
         self.taps = tuple(drafter.feature_layers)
         self.chain = shape.mode == "chain"
-        # sampled chains draw their uniforms from the responses' generators (2 * depth + 1 a round: one per draft
-        # token, one per test, one for the residual), point-mass proposals one per level from `Batch.uniforms`
-        self.uniforms = 2 * shape.depth + 1
         self.vocab = drafter.vocab_ids if adapter.needs_targets else None  # targets for the adapter
         self.backlog = Backlog()
 
@@ -154,8 +151,8 @@ class Speculation:
         if self.backlog.tokens:
             self.state = catch_up(drafter, self.dcache, *self.backlog.pop())
         dev = self.state.root.device
-        if self.chain:
-            u = torch.stack([torch.rand(self.uniforms, generator=self.generators[r], dtype=torch.float64)
+        if self.chain:  # from the generators: one per test, one for the residual, one per draft token
+            u = torch.stack([torch.rand(2 * shape.depth + 1, generator=self.generators[r], dtype=torch.float64)
                              for r in self.batch.active]).to(dev)  # (B, 2D + 1)
         else:
             u = self.batch.uniforms(shape.depth + 1, dev)  # (B, 1 + D): the positions the round may commit
