@@ -1,7 +1,7 @@
 """The acceptance walk of a verified tree (`verify.accept_tree`): this tree's version against another
 git revision's, side by side in one process, on the trees the engine really verifies.
 
-Default model (bfloat16, kernels as `--cpu-kernels auto` picks), the shipped EAGLE3-style drafter,
+Default model (`--dtype`, bfloat16 by default; kernels as `--cpu-kernels auto` picks), the shipped EAGLE3-style drafter,
 held-out GSM8K prompts, 16-node trees (depth 5, branch 4), T 1, top-p 0.95. For each row count the
 engine runs a few rounds (so the trees and caches are mid-rollout), then the same tree, policy
 hidden states and uniforms go through both walks in turn (LM head included, as the engine calls it),
@@ -50,14 +50,15 @@ def main():
     ap.add_argument("--rows", default="1,8,64")
     ap.add_argument("--data", default="../shared/data/gsm8k/train.jsonl")
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     walks = {"this tree": verify.accept_tree, args.against: module_at(args.against).accept_tree}
     per_child = {k: "max_children" in inspect.signature(w).parameters for k, w in walks.items()}
     dcfg = DraftConfig(draft="eagle3", draft_checkpoint="default", tree_depth=5, tree_branch=4, tree_nodes=16,
                        budget="fixed")
-    lm = load_model("default", dtype="bfloat16")
-    policy = pack(lm.model, use_packed("auto", torch.bfloat16, "cpu"))
+    lm = load_model("default", dtype=args.dtype)
+    policy = pack(lm.model, use_packed("auto", getattr(torch, args.dtype), "cpu"))
     drafter = pack(make_drafter(dcfg, policy), policy.lm_head.packed).bind(policy)
     shape, sc = dcfg.shape(), SamplingConfig(1.0, 0.95, 256)
     problems = [p for p in load_problems(args.data).problems if held_out(p, 0.05)]
@@ -77,6 +78,8 @@ def main():
             out = policy(tree.tokens, eng.pcache, tree_mask=tree.ancestor_mask(), depth=tree.depth, taps=eng.taps)
             eng.pcache.commit(n_keep=torch.zeros(B, dtype=torch.long))
             r = torch.arange(B)
+            # walks since the row-compacting one call head(rows, nodes); older ones head(nodes) for every row
+            head = lambda a, b=None: policy.logits(out.hidden[r, a] if b is None else out.hidden[a, b])
             layouts = {k: (u, shape.depth, shape.max_children) if per_child[k] else (u[:, :shape.depth + 1], shape.depth)
                        for k in walks}
             times = {k: [] for k in walks}
@@ -84,7 +87,7 @@ def main():
             for i in range(args.calls + 1):
                 for name in (list(walks) if i % 2 else list(walks)[::-1]):
                     t = time.perf_counter()
-                    acc = walks[name](tree, lambda n: policy.logits(out.hidden[r, n]), 1.0, 0.95, *layouts[name])
+                    acc = walks[name](tree, head, 1.0, 0.95, *layouts[name])
                     if i:  # the first call of each warms up
                         times[name].append(time.perf_counter() - t)
                     levels[name] = float(acc.n_accepted.double().mean()) + 1
@@ -95,7 +98,8 @@ def main():
                   f"({ratio:.2f}x), levels walked per row {levels['this tree']:.2f}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "accept_walk.json").write_text(json.dumps({"against": args.against, "torch": torch.__version__,
+    name = "accept_walk.json" if args.dtype == "bfloat16" else f"accept_walk_{args.dtype}.json"
+    (out / name).write_text(json.dumps({"against": args.against, "dtype": args.dtype, "torch": torch.__version__,
                                                       "threads": torch.get_num_threads(), "rows": rows}, indent=2))
 
 

@@ -165,7 +165,6 @@ class Speculation:
         t2 = time.perf_counter()
         out = policy(tree.tokens, self.pcache, tree_mask=tree.ancestor_mask(), depth=tree.depth, taps=self.taps)
         t3 = time.perf_counter()
-        rows = torch.arange(B, device=tree.tokens.device)
         if self.chain:  # every chain node's target is needed; q over the policy's vocabulary
             node_logits = policy.logits(out.hidden)  # (B, 1+D, V)
             q = torch.zeros(*prop.q.shape[:2], node_logits.shape[-1], device=node_logits.device)
@@ -173,7 +172,7 @@ class Speculation:
             acc = accept_chain(tree.tokens[:, 1:], q, node_logits, sampling.temperature, sampling.top_p,
                                u[:, :shape.depth + 1], self.vocab)
         else:  # the LM head runs only on the nodes the acceptance walk visits
-            acc = accept_tree(tree, lambda n: policy.logits(out.hidden[rows, n]), sampling.temperature,
+            acc = accept_tree(tree, lambda r, n: policy.logits(out.hidden[r, n]), sampling.temperature,
                               sampling.top_p, u, shape.depth, self.vocab)
         n_acc = acc.n_accepted
         kept = torch.cat([torch.zeros_like(acc.path[:, :1]), acc.path.clamp(min=0)], 1)  # (B, 1+D) root + path

@@ -83,8 +83,8 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
     """Walk every row's tree with point-mass acceptance.
 
     logits: (B, N, V) policy logits at every node (the distribution of the token after the node),
-    or a callable node (B,) -> (B, V) logits at those nodes (so the LM head runs only on the nodes
-    the walk visits).
+    or a callable (rows (n,), nodes (n,)) -> (n, V) logits at those nodes: then the LM head runs only
+    on the nodes the walk visits, and at each level only for the rows still walking.
     u: (B, max_depth + 1) float64 in [0, 1): u[:, d] samples the token committed at level d.
     No node may be deeper than max_depth.
     vocab: token ids (Vd,); when given, the result carries the target p on them at every visited
@@ -101,19 +101,22 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
     bonus = torch.zeros(B, dtype=torch.long, device=dev)
     last = torch.zeros(B, dtype=torch.long, device=dev)
     node_ids = torch.arange(N, device=dev)
-    at = logits if callable(logits) else (lambda nodes: logits[rows, nodes])
+    at = logits if callable(logits) else (lambda r, nodes: logits[r, nodes])
     visited, targets, logps = [], [], []
     rejected = torch.zeros(B, N, dtype=torch.bool, device=dev)
+    walking = rows  # the rows still walking (all at level 0)
     for level in range(max_depth + 1):
-        lg = at(cur)  # (B, V)
-        probs, ids = nucleus(lg, temperature, top_p)  # (B, W) p on its nucleus (a few hundred tokens), sparse
+        lg = at(walking, cur[walking])  # (n, V)
+        probs, ids = nucleus(lg, temperature, top_p)  # (n, W) p on its nucleus (a few hundred tokens), sparse
         visited.append(cur)
-        if vocab is not None:
-            dense = torch.zeros(lg.shape, dtype=torch.float32, device=dev).scatter_(1, ids, probs)
-            targets.append(dense[:, vocab])  # (B, Vd)
         # in token-id order: which token a uniform picks depends on the row alone, not on how its
         # probability ties were sorted (which can depend on the batch)
-        x = sample_in_id_order(probs.double(), ids, u[:, level])  # (B,) the token committed here
+        x = torch.zeros(B, dtype=torch.long, device=dev).index_copy_(
+            0, walking, sample_in_id_order(probs.double(), ids, u[walking, level]))  # (B,) the token committed here
+        logps.append(torch.zeros(B, device=dev).index_copy_(0, walking, logprob_of(lg, x[walking], temperature)))
+        if vocab is not None:  # rows that stopped earlier get zeros (never read: levels > n_accepted)
+            dense = torch.zeros(lg.shape, dtype=torch.float32, device=dev).scatter_(1, ids, probs)
+            targets.append(torch.zeros(B, vocab.numel(), device=dev).index_copy_(0, walking, dense[:, vocab]))
         is_child = tree.children_of(cur) & active[:, None]  # (B, N)
         match = is_child & (tree.tokens == x[:, None])
         first = torch.where(match, node_ids, N).min(-1).values  # (B,) the first child carrying x, N if none
@@ -125,11 +128,11 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
         last = torch.where(stop, cur, last)
         if level < max_depth:
             path[moved, level] = nxt[moved]
-        logps.append(logprob_of(lg, x, temperature))
         n_acc += moved.long()
         active = moved
         cur = nxt
-        if not bool(active.any()):  # host sync: every row has its bonus token
+        walking = active.nonzero()[:, 0]  # host sync: which rows go on
+        if walking.numel() == 0:  # every row has its bonus token
             break
     return Acceptance(path, n_acc, bonus, last, torch.stack(visited, 1), rejected, torch.stack(logps, 1),
                       torch.stack(targets, 1) if vocab is not None else None)
