@@ -394,7 +394,15 @@ class PretrainConfig(Checked):
     warmup: int = at_least(0, 50)
     """Linear warm-up steps."""
     draft_vocab: int = at_least(0, 8192)
-    """Draft vocabulary: the most frequent corpus tokens (0: the policy's whole vocabulary)."""
+    """Draft vocabulary: the most frequent corpus tokens (0: the policy's whole vocabulary); a drafter
+    started from --init keeps its own."""
+    init: str = ""
+    """Start from a drafter checkpoint instead of fresh weights (continued pretraining): 'default', each
+    --draft kind from the drafter shipped for the default model, or a file (one --draft kind)."""
+    feature_loss: float = at_least(0.0, 2.0)
+    """eagle3: weight of the feature-regression term (SmoothL1 to the policy's next hidden state) beside
+    0.1 x soft cross-entropy to its distribution; 2 is the paper's appendix-A loss (FastGRPO), 0 is
+    EAGLE-3's token-only loss."""
     train_positions: Literal["all", "response"] = "all"
     """Positions the drafter trains on: every position of a sequence, or only those from the last prompt
     token on (where rollouts draft). Measured on the default model (BENCHMARKS.md): response helps the
@@ -413,6 +421,11 @@ class PretrainConfig(Checked):
         kinds = self.kinds()
         _check(bool(kinds) and all(k in ("eagle3", "dflash") for k in kinds) and len(set(kinds)) == len(kinds),
                f"--draft {self.draft!r}: give drafter kinds from eagle3, dflash, comma-separated, each once")
+        _check(self.init != "fresh", "--init fresh: leave --init out to start from fresh weights")
+        if self.init not in ("", "default"):
+            _check(len(kinds) == 1, f"--init {self.init} is one drafter: pass one --draft kind, or --init default "
+                   "(each kind from its shipped drafter)")
+            _existing_checkpoint("--init", self.init)
 
     def kinds(self) -> list[str]:
         return [k.strip() for k in self.draft.split(",") if k.strip()]

@@ -31,7 +31,7 @@ from sparkrl.checkpoint import atomic_save
 from sparkrl.config import PretrainConfig, to_dict
 from sparkrl.data import INSTRUCTION, Problem, chat_prompt_ids, held_out, load_problems
 from sparkrl.draft_train import DraftTrainer
-from sparkrl.drafters import KINDS
+from sparkrl.drafters import KINDS, find_checkpoint, load_drafter
 from sparkrl.drafters.base import expected_length, policy_fingerprint, save_safetensors
 from sparkrl.errors import UserError
 from sparkrl.machine import set_threads
@@ -291,6 +291,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
     policy = RolloutCopy(master, dt, packed=use_packed(cfg.model.cpu_kernels, dt, master.lm_head.weight.device),
                          head_float32=cfg.model.rollout_head == "float32").model
     # ^ features and targets
+    inits = {kind: load_drafter(find_checkpoint(cfg.init, kind, master, "--init"), master.args, kind)
+             for kind in cfg.kinds()} if cfg.init else {}  # a wrong --init fails before the corpus is made
     train, test, sources = build_corpus(cfg, policy, tok, lm.eos_ids, problems)
     counts = Counter(t for s in train for t in s.ids)
     V = master.args.vocab_size
@@ -301,8 +303,11 @@ def pretrain(cfg: PretrainConfig) -> dict:
     for kind in cfg.kinds():
         torch.manual_seed(cfg.seed)
         settings = {"block_size": cfg.block_size} if kind == "dflash" else {}
-        drafter = KINDS[kind](master.args, vocab_ids=vocab_ids, **settings).to(device=w.device, dtype=w.dtype)
-        trainers[kind] = DraftTrainer(drafter.bind(master), lr=cfg.lr)
+        # --init: continued pretraining, from the checkpoint's weights and draft vocabulary
+        drafter = inits[kind] if kind in inits else KINDS[kind](master.args, vocab_ids=vocab_ids, **settings)
+        if kind == "eagle3":
+            drafter.feature_weight = cfg.feature_loss
+        trainers[kind] = DraftTrainer(drafter.to(device=w.device, dtype=w.dtype).bind(master), lr=cfg.lr)
     taps = tuple(sorted({i for t in trainers.values() for i in t.drafter.feature_layers}))
     plans = [batch_plan([len(s.ids) for s in train], cfg.micro_batch, cfg.seed, e) for e in range(cfg.epochs)]
     total = sum(map(len, plans))

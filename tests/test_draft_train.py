@@ -43,16 +43,21 @@ def test_draft_loss_decreases_and_top1_rises(tiny_llama):
     assert not any(p is tiny_llama.lm_head.weight for p in drafter.parameters())
 
 
-def test_draft_loss_by_hand(tiny_llama):
-    """The loss equals 2 * SmoothL1 + 0.1 * softCE computed position by position in float64."""
+@pytest.mark.parametrize("feature_weight", [2.0, 0.0])
+def test_draft_loss_by_hand(tiny_llama, feature_weight):
+    """The loss equals w * SmoothL1 + 0.1 * softCE computed position by position in float64 (w 2: the
+    paper's appendix A; w 0: EAGLE-3's token-only loss, what --feature-loss 0 trains with)."""
     torch.manual_seed(1)
     d = Eagle3Drafter(tiny_llama.args, vocab_ids=torch.arange(0, 97, 2)).bind(tiny_llama)
+    d.feature_weight = feature_weight
     toks = torch.randint(0, 97, (2, 6))
     mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     with torch.no_grad():
         out = tiny_llama(toks, taps=d.feature_layers)
         logits = tiny_llama.logits(out.hidden)
-        loss, _ = draft_loss(d, toks, out.taps, out.hidden, logits, mask, steps=1)
+        loss, _ = d.loss(toks, out.taps, out.hidden, logits, mask)
+        assert abs(loss.item() - draft_loss(d, toks, out.taps, out.hidden, logits, mask, feature_weight=feature_weight)[0].item()) < 1e-7
+        loss, _ = draft_loss(d, toks, out.taps, out.hidden, logits, mask, steps=1, feature_weight=feature_weight)
         step = d(toks[:, 1:], d.features({i: t[:, :-1] for i, t in out.taps.items()}))
     total, n = 0.0, 0
     for b in range(2):
@@ -63,7 +68,7 @@ def test_draft_loss_by_hand(tiny_llama):
             sl1 = torch.where(diff.abs() < 1, 0.5 * diff ** 2, diff.abs() - 0.5).mean()
             p = torch.softmax(logits[b, t + 1].double(), -1)[d.vocab_ids]
             ce = -(p * torch.log_softmax(step.z[b, t].double(), -1)).sum()
-            total += 2 * sl1 + 0.1 * ce
+            total += feature_weight * sl1 + 0.1 * ce
             n += 1
     assert abs(loss.item() - total.item() / n) < 1e-5
 

@@ -147,6 +147,38 @@ def test_pretrain_two_kinds_scores_held_out_and_resumes_exactly_after_a_crash(ti
     assert [r["step"] for r in rb] == [r["step"] for r in recs]
 
 
+def test_pretrain_continues_from_a_drafter_with_its_vocabulary(tiny_model_dir, tmp_path):
+    """--init FILE: training starts from that drafter (the step-0 snapshot is it) and keeps its draft
+    vocabulary whatever --draft-vocab says; --feature-loss reaches the EAGLE3-style loss."""
+    data = gsm8k_file(tmp_path)
+    first = pretrain(_cfg(tmp_path / "a", tiny_model_dir, data, draft="eagle3"))
+    init = first["drafters"]["eagle3"]["path"]
+    cfg = _cfg(tmp_path / "b", tiny_model_dir, data, draft="eagle3", init=init, draft_vocab=32, feature_loss=0.0)
+    again = pretrain(cfg)
+    start = read_checkpoint(tmp_path / "b" / "pre" / "eagle3" / "snapshots" / "step-000000.safetensors")["state"]
+    given = read_checkpoint(init)["state"]
+    assert all(torch.equal(start[k], given[k]) for k in given) and again["draft_vocab"] == 64
+    end = read_checkpoint(again["drafters"]["eagle3"]["path"])["state"]
+    assert not torch.equal(end["fuse.weight"], given["fuse.weight"])  # and it trained
+    recs = [json.loads(l) for l in (tmp_path / "b" / "pre" / "pretrain.jsonl").read_text().splitlines()]
+    assert json.loads((tmp_path / "b" / "pre" / "config.json").read_text())["config"]["feature_loss"] == 0.0
+    assert all(r["feat"] > 0 for r in recs if not r.get("heldout"))  # reported, though not trained on
+
+
+def test_pretrain_init_errors(tiny_model_dir, tmp_path):
+    data = gsm8k_file(tmp_path)
+    with pytest.raises(UserError, match="--init .* does not exist"):
+        _cfg(tmp_path, tiny_model_dir, data, draft="eagle3", init=str(tmp_path / "none.safetensors"))
+    (tmp_path / "d.safetensors").write_bytes(b"")
+    with pytest.raises(UserError, match="one --draft kind"):
+        _cfg(tmp_path, tiny_model_dir, data, init=str(tmp_path / "d.safetensors"))
+    with pytest.raises(UserError, match="--init fresh"):
+        _cfg(tmp_path, tiny_model_dir, data, init="fresh")
+    with pytest.raises(UserError, match="--init default: the shipped eagle3 drafter .* serves --model default"):
+        pretrain(_cfg(tmp_path, tiny_model_dir, data, init="default"))
+    assert not (tmp_path / "pre" / "corpus").exists() or not any((tmp_path / "pre" / "corpus").iterdir())  # before the corpus
+
+
 def test_safetensors_drafter_round_trip_and_checks(tiny_model_dir, tmp_path):
     from sparkrl.drafters import load_drafter
     from sparkrl.drafters.eagle3 import Eagle3Drafter

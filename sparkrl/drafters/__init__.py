@@ -25,7 +25,7 @@ def shipped_path(kind: str) -> Path:
     return SHIPPED / f"{DEFAULT_MODEL.lower()}-{kind}.safetensors"
 
 
-def find_checkpoint(choice: str, kind: str, policy) -> str | None:
+def find_checkpoint(choice: str, kind: str, policy, flag: str = "--draft-checkpoint") -> str | None:
     """The drafter checkpoint --draft-checkpoint `choice` names for a `kind` drafter serving `policy`
     (None: a freshly initialised drafter). '' picks the shipped drafter when it was made for this
     policy (same embedding, `same_policy`) and None otherwise; 'default' insists on the shipped one;
@@ -38,7 +38,7 @@ def find_checkpoint(choice: str, kind: str, policy) -> str | None:
     serves = path.is_file() and same_policy(read_description(path).get("fingerprint", []), policy_fingerprint(policy))
     if choice == "default" and not serves:
         why = "is not installed" if not path.is_file() else "was made for another policy"
-        raise UserError(f"--draft-checkpoint default: the shipped {kind} drafter {why}; it serves --model default "
+        raise UserError(f"{flag} default: the shipped {kind} drafter {why}; it serves --model default "
                         f"({DEFAULT_MODEL}); make one for this model with `sparkrl pretrain-draft --draft {kind}`")
     return str(path) if serves else None
 

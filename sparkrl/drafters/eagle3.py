@@ -11,7 +11,8 @@ a reduced draft vocabulary (the most frequent tokens; `vocab_ids` maps back to t
 At every drafted context it exposes `h` (the normed feature entering the head) and `z` (the logits),
 which is what SPARK corrects.
 
-Loss (paper appendix A, FastGRPO): 2 * SmoothL1(feature) + 0.1 * softCE(target distribution).
+Loss (paper appendix A, FastGRPO): 2 * SmoothL1(feature) + 0.1 * softCE(target distribution); the
+feature weight is a setting (`feature_weight`; 0 is EAGLE-3's token-only loss).
 Drafter position i reads token i+1 and the policy's fused features at i, and predicts token i+2; its
 pre-norm output is regressed on the policy's final normed hidden state at i+1, and its distribution
 (over the draft vocabulary) is pulled towards the policy's distribution at i+1 by soft cross-entropy,
@@ -39,6 +40,7 @@ KIND = "eagle3"
 
 class Eagle3Drafter(SharedHeadDrafter):
     kind = KIND
+    feature_weight = 2.0  # of the feature term in `draft_loss` (a training setting, not stored)
 
     def __init__(self, policy_args: ModelArgs, feature_layers: tuple[int, ...] | None = None,
                  vocab_ids: torch.Tensor | None = None):
@@ -69,10 +71,10 @@ class Eagle3Drafter(SharedHeadDrafter):
 
     def loss(self, tokens, taps, hidden, target_logits, mask, generator=None) -> tuple[torch.Tensor, dict]:
         """The online/pretraining loss (`draft_loss`; deterministic, `generator` unused)."""
-        return draft_loss(self, tokens, taps, hidden, target_logits, mask)
+        return draft_loss(self, tokens, taps, hidden, target_logits, mask, feature_weight=self.feature_weight)
 
 
-FEATURE_WEIGHT, CE_WEIGHT = 2.0, 0.1
+CE_WEIGHT = 0.1
 
 
 def unrolled_mask(n: int, steps: int, device) -> torch.Tensor:
@@ -105,11 +107,13 @@ def unrolled(drafter, tokens: torch.Tensor, feats: torch.Tensor, steps: int) -> 
 
 
 def draft_loss(drafter, tokens: torch.Tensor, taps: dict[int, torch.Tensor], hidden: torch.Tensor,
-               target_logits: torch.Tensor, mask: torch.Tensor, steps: int = 3) -> tuple[torch.Tensor, dict]:
+               target_logits: torch.Tensor, mask: torch.Tensor, steps: int = 3, feature_weight: float = 2.0
+               ) -> tuple[torch.Tensor, dict]:
     """tokens (B, T); taps: policy layer outputs (B, T, d); hidden (B, T, d) policy final normed
     hidden; target_logits (B, T, V) policy logits; mask (B, T): position t is trained to predict
     token t + 2 from token t + 1 (targets at t + 1).
 
+    feature_weight: of the SmoothL1 feature term (2: the paper's appendix A; 0: EAGLE-3's token-only loss).
     Training-time test (EAGLE-3): besides the teacher-forced step, `steps - 1` unrolled steps feed
     the drafter its own previous output as the feature, as at tree depth >= 2 (segment s, position j:
     token j + s, feature = segment s-1's output at j, targets at j + s, RoPE position j + s - 1).
@@ -131,7 +135,7 @@ def draft_loss(drafter, tokens: torch.Tensor, taps: dict[int, torch.Tensor], hid
         feat = F.smooth_l1_loss(a, hid_p[:, s:s + n], reduction="none").mean(-1)  # (B, n)
         p = p_p[:, s:s + n]  # (B, n, Vd) the policy's distribution on the draft vocabulary
         ce = -(p * torch.log_softmax(z, -1)).sum(-1)
-        total = total + ((FEATURE_WEIGHT * feat + CE_WEIGHT * ce) * m).sum() / cnt
+        total = total + ((feature_weight * feat + CE_WEIGHT * ce) * m).sum() / cnt
         with torch.no_grad():
             top1 = float(((z.argmax(-1) == p.argmax(-1)).float() * m).sum() / cnt)
             stats[f"top1_{s}"] = top1
