@@ -169,3 +169,35 @@ def test_tree_masks():
              torch.tensor([[0, 1, 1, 2]]))
     m = t.ancestor_mask()[0].int().tolist()
     assert m == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+
+
+def test_tree_walk_asks_for_logits_only_where_rows_still_walk():
+    """With a callable, level d's logits are computed only for the rows whose walk reached it, and the
+    result equals the walk over the full logits table."""
+    g = torch.Generator().manual_seed(0)
+    B, depth = 32, 2
+    target, draft = ToyLM(1), ToyLM(2)
+    trees = [build_tree(draft, (), depth, 2, 1.0, g) for _ in range(B)]
+    tok = torch.tensor([t[0] for t in trees])
+    N = tok.shape[1]
+    par, dep = torch.tensor([t[1] for t in trees]), torch.tensor([t[2] for t in trees])
+    logits = torch.stack([torch.stack([target.logits(p) for p in t[3]]) for t in trees])  # (B, N, V)
+    tree = Tree(tok, par, torch.ones(B, N, dtype=torch.bool), dep)
+    u = torch.rand(B, depth + 1, generator=g, dtype=torch.float64)
+    asked = []
+
+    def head(rows, nodes):
+        asked.append(rows.tolist())
+        return logits[rows, nodes]
+
+    lazy = accept_tree(tree, head, 1.0, 1.0, u, depth, vocab=torch.arange(V))
+    full = accept_tree(tree, logits, 1.0, 1.0, u, depth, vocab=torch.arange(V))
+    for f in ("path", "n_accepted", "bonus", "last", "rejected"):
+        assert torch.equal(getattr(lazy, f), getattr(full, f)), f
+    walked = (lazy.n_accepted + 1).clamp(max=depth + 1)
+    assert asked[0] == list(range(B)) and 0 < len(asked[1]) < B  # some rows stopped at level 0
+    assert sum(map(len, asked)) == int(walked.sum())  # one LM-head row per (row, level walked)
+    for d, rows in enumerate(asked):
+        assert rows == (walked > d).nonzero()[:, 0].tolist()
+        lv = torch.tensor(rows)
+        assert torch.allclose(lazy.targets[lv, d], full.targets[lv, d]) and torch.equal(lazy.logp[lv, d], full.logp[lv, d])
