@@ -34,17 +34,18 @@ def nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> tuple[tor
         probs = vals.exp()
         before = probs.double().cumsum(-1) - probs.double()  # mass strictly above each candidate
         keep = before < top_p
-        short = keep[:, -1]  # rows whose nucleus may extend past the K candidates
+        short = keep[:, -1].clone()  # rows whose nucleus may extend past the K candidates (a copy:
+        # keep[short] is written below)
         if not bool(short.any()):  # host sync: is the nucleus inside the candidates?
             break
     if bool(short.any()):  # host sync: rare fallback to the full sort
-        k = ids.shape[1]
         full_p, full_ids = logp[short].exp().sort(-1, descending=True)
         full_keep = (full_p.double().cumsum(-1) - full_p.double()) < top_p
-        width = int(full_keep.sum(-1).max())
-        k = max(k, width)
-        pad = lambda t, fill: torch.cat([t, t.new_full((N, k - t.shape[1]), fill)], 1) if t.shape[1] < k else t
-        probs, ids, keep = pad(probs, 0.0), pad(ids, 0), pad(keep, False)
+        k = max(ids.shape[1], int(full_keep.sum(-1).max()))
+        if k > ids.shape[1]:  # wider candidates for every row (not padding: a row's ids stay distinct)
+            vals, ids = logp.topk(k, dim=-1)
+            probs = vals.exp()
+            keep = (probs.double().cumsum(-1) - probs.double()) < top_p
         probs[short], ids[short], keep[short] = full_p[:, :k], full_ids[:, :k], full_keep[:, :k]
     probs = probs * keep
     return probs / probs.sum(-1, keepdim=True), ids

@@ -56,6 +56,24 @@ def test_target_probs_match_float64_reference(scale, temperature, top_p):
     assert torch.allclose(got, ref, atol=1e-3)
 
 
+@pytest.mark.parametrize("width", [256, 4096])  # the pre-selection sizes
+@pytest.mark.parametrize("flat_row", [False, True])
+def test_a_nucleus_exactly_as_wide_as_the_candidates(width, flat_row):
+    """A nucleus of exactly K tokens reaches the last of K candidates, so the full-sort fallback runs and
+    finds no wider nucleus (it crashed on this once: a mask that was a view of the tensor it wrote);
+    beside a flat row whose nucleus is wider than every candidate set, the other rows keep their own
+    distinct ids (they were once padded with token 0, which then lost its probability)."""
+    logits = torch.full((2 + flat_row, 8192), -40.0)
+    logits[0, :width] = 0.0  # K equal tokens hold all but ~1e-14 of the mass
+    logits[1, 0] = 5.0
+    p = target_probs(logits, 1.0, 0.9999).double()
+    ref = reference_p(logits, 1.0, 0.9999)
+    assert (p[0] > 0).sum() == width and torch.allclose(p[0, :width], torch.full((width,), 1 / width, dtype=torch.double))
+    assert p[1, 0] > 0.999 and torch.allclose(p.sum(-1), torch.ones(len(p), dtype=torch.double))
+    assert torch.allclose(p, ref, atol=1e-6)
+    assert torch.allclose(target_probs(logits[:1], 1.0, 0.9999).double(), p[:1])  # alone, as a walk's last row
+
+
 def test_greedy_is_argmax_whatever_the_uniform():
     logits = torch.randn(4, 50)
     for u in (torch.zeros(4), torch.rand(4), torch.full((4,), 1 - 1e-16)):
