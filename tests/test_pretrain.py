@@ -148,6 +148,9 @@ def test_pretrain_two_kinds_scores_held_out_and_resumes_exactly_after_a_crash(ti
 
 
 def test_pretrain_continues_from_a_drafter_with_its_vocabulary(tiny_model_dir, tmp_path):
+    from sparkrl.drafters import load_drafter
+    from sparkrl.weights import load_model
+
     """--init FILE: training starts from that drafter (the step-0 snapshot is it) and keeps its draft
     vocabulary whatever --draft-vocab says; --feature-loss reaches the EAGLE3-style loss."""
     data = gsm8k_file(tmp_path)
@@ -163,6 +166,10 @@ def test_pretrain_continues_from_a_drafter_with_its_vocabulary(tiny_model_dir, t
     recs = [json.loads(l) for l in (tmp_path / "b" / "pre" / "pretrain.jsonl").read_text().splitlines()]
     assert json.loads((tmp_path / "b" / "pre" / "config.json").read_text())["config"]["feature_loss"] == 0.0
     assert all(r["feat"] > 0 for r in recs if not r.get("heldout"))  # reported, though not trained on
+    # the drafter keeps the loss it was trained with (online training goes on with it); older files: 2
+    assert load_drafter(again["drafters"]["eagle3"]["path"], load_model(str(tiny_model_dir)).model.args).feature_weight == 0
+    older = {**read_checkpoint(init), "settings": {}}  # a file from before the setting was saved
+    assert load_drafter(older, load_model(str(tiny_model_dir)).model.args).feature_weight == 2
 
 
 def test_pretrain_init_errors(tiny_model_dir, tmp_path):

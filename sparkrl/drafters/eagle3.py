@@ -40,11 +40,12 @@ KIND = "eagle3"
 
 class Eagle3Drafter(SharedHeadDrafter):
     kind = KIND
-    feature_weight = 2.0  # of the feature term in `draft_loss` (a training setting, not stored)
 
     def __init__(self, policy_args: ModelArgs, feature_layers: tuple[int, ...] | None = None,
-                 vocab_ids: torch.Tensor | None = None):
+                 vocab_ids: torch.Tensor | None = None, feature_weight: float = 2.0):
         super().__init__(policy_args, feature_layers, vocab_ids)
+        self.feature_weight = feature_weight  # of the feature term in `draft_loss`; saved with the
+        # checkpoint, so online training goes on with the loss the drafter was pretrained with
         d = policy_args.hidden_size
         self.fuse = Linear(2 * d, d, bias=False)
         self.stack = Stack(dataclasses.replace(policy_args, num_layers=1))
@@ -66,6 +67,9 @@ class Eagle3Drafter(SharedHeadDrafter):
         if prompts.shape[1] > 1:
             self(prompts[:, 1:], feats[:, :-1], cache)
         cache.commit(n_keep=lens - 1)
+
+    def settings(self) -> dict:
+        return {"feature_weight": self.feature_weight}
 
     propose = propose  # trees or sampled chains (drafters/tree.py)
 
