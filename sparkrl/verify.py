@@ -105,18 +105,24 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
     visited, targets, logps = [], [], []
     rejected = torch.zeros(B, N, dtype=torch.bool, device=dev)
     walking = rows  # the rows still walking (all at level 0)
+
+    def spread(t: torch.Tensor, walking: torch.Tensor) -> torch.Tensor:
+        """Values (n, ...) of the walking rows into a batch (B, ...): rows that stopped earlier get zeros
+        (never read: levels past n_accepted)."""
+        return t.new_zeros((B, *t.shape[1:])).index_copy_(0, walking, t)
+
     for level in range(max_depth + 1):
         lg = at(walking, cur[walking])  # (n, V)
         probs, ids = nucleus(lg, temperature, top_p)  # (n, W) p on its nucleus (a few hundred tokens), sparse
         visited.append(cur)
         # in token-id order: which token a uniform picks depends on the row alone, not on how its
         # probability ties were sorted (which can depend on the batch)
-        x = torch.zeros(B, dtype=torch.long, device=dev).index_copy_(
-            0, walking, sample_in_id_order(probs.double(), ids, u[walking, level]))  # (B,) the token committed here
-        logps.append(torch.zeros(B, device=dev).index_copy_(0, walking, logprob_of(lg, x[walking], temperature)))
-        if vocab is not None:  # rows that stopped earlier get zeros (never read: levels > n_accepted)
+        x_w = sample_in_id_order(probs.double(), ids, u[walking, level])  # the tokens committed here
+        x = spread(x_w, walking)  # (B,)
+        logps.append(spread(logprob_of(lg, x_w, temperature), walking))
+        if vocab is not None:
             dense = torch.zeros(lg.shape, dtype=torch.float32, device=dev).scatter_(1, ids, probs)
-            targets.append(torch.zeros(B, vocab.numel(), device=dev).index_copy_(0, walking, dense[:, vocab]))
+            targets.append(spread(dense[:, vocab], walking))
         is_child = tree.children_of(cur) & active[:, None]  # (B, N)
         match = is_child & (tree.tokens == x[:, None])
         first = torch.where(match, node_ids, N).min(-1).values  # (B,) the first child carrying x, N if none
