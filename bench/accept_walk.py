@@ -30,7 +30,7 @@ from sparkrl.build import make_drafter
 from sparkrl.config import DraftConfig, SamplingConfig
 from sparkrl.data import build_prompts, held_out, load_problems
 from sparkrl.kernels import pack
-from sparkrl.precision import use_packed
+from sparkrl.precision import use_packed, use_weight_major, weight_major_pays
 from sparkrl.rollout import response_generators
 from sparkrl.speculative import NoAdaptation, Speculation
 from sparkrl.weights import load_model
@@ -59,7 +59,8 @@ def main():
                        budget="fixed")
     lm = load_model("default", dtype=args.dtype)
     policy = pack(lm.model, use_packed("auto", getattr(torch, args.dtype), "cpu"))
-    drafter = pack(make_drafter(dcfg, policy), policy.lm_head.packed).bind(policy)
+    use_weight_major(policy, weight_major_pays(policy))
+    drafter = use_weight_major(pack(make_drafter(dcfg, policy), policy.lm_head.packed), policy.lm_head.weight_major).bind(policy)
     shape, sc = dcfg.shape(), SamplingConfig(1.0, 0.95, 256)
     problems = [p for p in load_problems(args.data).problems if held_out(p, 0.05)]
     prompts = build_prompts(lm.tokenizer, problems[:64], 512, "skip").prompt_ids

@@ -27,7 +27,7 @@ from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
 from sparkrl.data import build_prompts, held_out, load_problems
 from sparkrl.build import make_budget, make_drafter
 from sparkrl.kernels import pack
-from sparkrl.precision import use_packed
+from sparkrl.precision import use_packed, use_weight_major, weight_major_pays
 from sparkrl.rollout import RoundStats, generate, response_generators
 from sparkrl.speculative import generate_speculative
 from sparkrl.weights import load_model
@@ -63,7 +63,9 @@ def main():
                        tree_nodes=nodes, budget=args.budget, block_size=args.block_size)
     lm = load_model("default", dtype=args.dtype)
     pack(lm.model, use_packed(args.cpu_kernels, lm.model.lm_head.weight.dtype, "cpu"))
-    drafter = pack(make_drafter(dcfg, lm.model), lm.model.lm_head.packed)  # in the policy's dtype and kernels
+    use_weight_major(lm.model, args.cpu_kernels == "auto" and weight_major_pays(lm.model))  # as sparkrl's rollout copy
+    drafter = use_weight_major(pack(make_drafter(dcfg, lm.model), lm.model.lm_head.packed),
+                               lm.model.lm_head.weight_major)  # in the policy's dtype and kernels
     budget = make_budget(dcfg, lm.model, drafter)
     problems = load_problems(args.data).problems
     problems = [p for p in problems if held_out(p, args.heldout)] if args.heldout else problems[args.skip:]

@@ -105,7 +105,8 @@ def make_drafting(cfg: DraftConfig, policy: Transformer, rollout_policy: Transfo
     drafter = make_drafter(cfg, policy, seed, resolved)
     if drafter is None:
         return Drafting()
-    rollout = RolloutCopy(drafter, rollout_policy.lm_head.weight.dtype, packed=rollout_policy.lm_head.packed)
+    rollout = RolloutCopy(drafter, rollout_policy.lm_head.weight.dtype, packed=rollout_policy.lm_head.packed,
+                          weight_major=rollout_policy.lm_head.weight_major)  # the drafter's kernels follow the policy's
     rollout.model.bind(rollout_policy)
     projection, spark = make_spark(cfg, policy, drafter, temperature, resolved)
     return Drafting(drafter, rollout, projection, spark, make_budget(cfg, rollout_policy, rollout.model))

@@ -134,9 +134,10 @@ class ModelConfig(Checked):
     """LM head of a half-precision rollout copy: in the rollout dtype, or float32 (the master's head weights
     in float32 on the upcast hidden states: logits without half-precision rounding; costs time, BENCHMARKS.md)."""
     cpu_kernels: Literal["auto", "packed", "plain"] = "auto"
-    """Linear layers of a half-precision rollout on a CPU: packed (oneDNN-prepacked weights, 1.5-2.3x faster
-    per product here), plain (F.linear, the reference), auto = packed where a measurement (once, cached)
-    finds it faster."""
+    """Linear layers of the rollout model on a CPU: packed (half precision on oneDNN-prepacked weights,
+    1.5-2.3x faster per product here), plain (F.linear, the reference), auto = packed where a measurement
+    (once, cached) finds it faster, and the other layers as weight-major products where a measurement of
+    the decode step finds those faster (1.1-1.3x at 8-64 rows in float32 here)."""
     threads: int = at_least(0, 0)
     """CPU threads for torch (0: torch's default)."""
 

@@ -1,4 +1,5 @@
-"""Linear layers on prepacked oneDNN weights: the CPU's fast path for half-precision inference.
+"""Linear layers with two inference fast paths on a CPU: prepacked oneDNN weights (half precision) and
+weight-major products (decode-sized products whose weights come from memory).
 
 A bfloat16 `F.linear` on a CPU hands oneDNN a plain row-major weight, which it reorders into its
 blocked layout on every call; at decode sizes (a few rows) that reorder costs more than the product.
@@ -10,6 +11,16 @@ since (its version counter), so a refreshed rollout copy or an optimizer step is
 stale. Training forwards (gradients on) always run the plain `F.linear`, which stays the reference.
 Whether packing pays is measured once per machine and dtype (`precision.packing_pays`, cached);
 float32 is never packed (MKL's sgemm is faster unpacked: measured 0.2-1.1x).
+
+A weight-major product computes `F.linear(x, W)` as `(W @ x^T)^T`, copied back to row-major: the same
+sums, with the weight as the large left operand that the BLAS streams once in its own row order. At
+decode sizes a model's weights come from memory, not the caches, and on this project's AMD CPU MKL's
+sgemm reads them faster that way: the LM head (49152 x 576) 1.9x at 8 rows and 1.6x at 64, the
+default model's decode step 1.1-1.3x at 8-64 rows (BENCHMARKS.md "Weight-major products"). At one row
+both forms are matrix-vector products and `F.linear` measured 4% faster, so one row stays on it.
+The row-major copy matters: left as a transposed view, the attention and elementwise passes after it
+made a 64-row step 2.6x slower. Whether it pays is measured once per machine on the policy's own
+decode steps (`precision.weight_major_pays`).
 """
 
 from __future__ import annotations
@@ -26,21 +37,35 @@ class Linear(nn.Linear):
     inference (`pack`)."""
 
     packed = False  # set per instance by `pack`
+    weight_major = False  # set per instance by `precision.use_weight_major`
     _pack = None  # (prepacked weight, the weight's (tensor id, version) it was made from)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if self.packed and not torch.is_grad_enabled() and x.dtype == w.dtype and x.device.type == "cpu":
+        if torch.is_grad_enabled() or x.dtype != w.dtype:
+            return F.linear(x, w, self.bias)
+        if self.packed and x.device.type == "cpu":
             key = (id(w), w._version)
             if self._pack is None or self._pack[1] != key:
                 self._pack = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), key)
             return torch.ops.mkldnn._linear_pointwise(x, self._pack[0], self.bias, "none", [], "")
+        if self.weight_major and x.numel() > x.shape[-1]:  # two rows or more (at one row both forms are
+            # matrix-vector products, and F.linear's measured 4% faster)
+            return weight_major_linear(x, w, self.bias)
         return F.linear(x, w, self.bias)
 
     def __getstate__(self):  # copies (deepcopy, pickling) leave the prepacked weight behind
         state = self.__dict__.copy()
         state.pop("_pack", None)
         return state
+
+
+def weight_major_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, w, bias)` as `(w @ x^T)^T` (see the module doc): x (..., in) -> (..., out), row-major."""
+    y = torch.mm(w, x.reshape(-1, x.shape[-1]).t()).t().contiguous()  # (N, out)
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 def packable(dtype: torch.dtype, device: torch.device | str) -> bool:

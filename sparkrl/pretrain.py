@@ -36,7 +36,7 @@ from sparkrl.drafters.base import expected_length, policy_fingerprint, save_safe
 from sparkrl.errors import UserError
 from sparkrl.machine import set_threads
 from sparkrl.model import pad_right
-from sparkrl.precision import RolloutCopy, rollout_dtype, use_packed
+from sparkrl.precision import RolloutCopy, rollout_dtype, use_packed, weight_major_choice
 from sparkrl.rollout import generate, response_generators
 from sparkrl.weights import load_model
 
@@ -289,7 +289,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
     master, tok = lm.model, lm.tokenizer
     dt = rollout_dtype(cfg.model.rollout_dtype, master)
     policy = RolloutCopy(master, dt, packed=use_packed(cfg.model.cpu_kernels, dt, master.lm_head.weight.device),
-                         head_float32=cfg.model.rollout_head == "float32").model
+                         head_float32=cfg.model.rollout_head == "float32",
+                         weight_major=weight_major_choice(cfg.model.cpu_kernels)).model
     # ^ features and targets
     inits = {kind: load_drafter(find_checkpoint(cfg.init, kind, master, "--init"), master.args, kind)
              for kind in cfg.kinds()} if cfg.init else {}  # a wrong --init fails before the corpus is made

@@ -39,7 +39,7 @@ from sparkrl.export import export_model
 from sparkrl.grpo import grpo_loss, group_advantages, mismatch
 from sparkrl.machine import RateWatch, set_threads
 from sparkrl.model import Transformer, pad_right
-from sparkrl.precision import RolloutCopy, rollout_dtype, use_packed
+from sparkrl.precision import RolloutCopy, rollout_dtype, use_packed, use_weight_major, weight_major_choice, weight_major_pays
 from sparkrl.rewards import Grader
 from sparkrl.rollout import Rollout, RoundStats, generate, response_generators
 from sparkrl.sharding import sharding
@@ -247,15 +247,21 @@ class GRPORun:
                                                                   frozen=True)
         # what samples; a resumed run keeps the dtype its start measured (another machine may measure otherwise)
         dt, packed = resolved.get("rollout_dtype"), resolved.get("packed_kernels")
+        weight_major = resolved.get("weight_major_kernels")
         if not dt and world.is_main:
             dt = str(rollout_dtype(cfg.model.rollout_dtype, policy)).removeprefix("torch.")
         if packed is None and world.is_main:
             packed = use_packed(cfg.model.cpu_kernels, getattr(torch, dt), policy.lm_head.weight.device)
         dt, packed = world.broadcast((dt, packed))  # every rank samples in rank 0's choice
-        if world.is_main:
-            write_run_config(cfg, {**resolved, "rollout_dtype": dt, "packed_kernels": packed})
         self.rollout = RolloutCopy(policy, getattr(torch, dt), separate=shards.sharded, packed=packed,  # unsharded
-                                   head_float32=cfg.model.rollout_head == "float32")
+                                   head_float32=cfg.model.rollout_head == "float32", weight_major=False)
+        if weight_major is None and world.is_main:  # measured on the copy itself, by rank 0 alone
+            weight_major = weight_major_choice(cfg.model.cpu_kernels) is None and weight_major_pays(self.rollout.model)
+        weight_major = world.broadcast(weight_major)
+        use_weight_major(self.rollout.model, weight_major)
+        if world.is_main:
+            write_run_config(cfg, {**resolved, "rollout_dtype": dt, "packed_kernels": packed,
+                                   "weight_major_kernels": weight_major})
         with world.main_first():  # rank 0 times the machine for the budget (cached), the others read its timing
             d = make_drafting(cfg.draft, policy, self.rollout.model, cfg.sampling.temperature, cfg.seed)
         shards.wrap(policy)  # after the rollout copy and the drafter were made from the whole policy

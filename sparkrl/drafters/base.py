@@ -5,8 +5,10 @@ serve.
 A drafter kind owns its model, its proposals (`propose(cache, state, shape, nodes, temperature, u,
 correct) -> drafters.tree.Proposal`) and its loss (`loss(tokens, taps, hidden, target_logits, mask)`).
 The engine also needs `bind(policy)`, `features(taps)`, `feature_layers`, `prefill(...)`,
-`forward(tokens, feats, cache, tree_mask=, depth=) -> DraftStep` (its catch-up over committed
-positions), `new_cache(batch, capacity)`, `logits(h)` and `vocab_ids`.
+`forward(tokens, feats, cache, tree_mask=, depth=, head=) -> DraftStep` (its catch-up over committed
+positions; head=False: without the logits), `root_logits` (whether a round drafts from the logits at
+the root, computed by the catch-up at the last position only), `new_cache(batch, capacity)`,
+`logits(h)` and `vocab_ids`.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class SharedHeadDrafter(nn.Module):
     vocabulary `vocab_ids`, and the policy's embedding and head, shared (not trained here)."""
 
     kind = ""
+    root_logits = True  # a round's first draft level comes from the logits at the root (trees, chains)
 
     def __init__(self, policy_args: ModelArgs, feature_layers: tuple[int, ...] | None = None,
                  vocab_ids: torch.Tensor | None = None):
@@ -78,8 +81,9 @@ class SharedHeadDrafter(nn.Module):
         self._shared = (policy.model.embed_tokens,)
         head = Linear(policy.lm_head.in_features, len(self.vocab_ids), bias=False, device="meta")
         head.weight = nn.Parameter(policy.lm_head.weight.detach()[self.vocab_ids].contiguous(), requires_grad=False)
-        self._head = (pack(head, policy.lm_head.packed),)  # (Vd, d) rows of the policy's head, packed as the policy
-        # is; a tuple, so it is not a submodule
+        head.weight_major = policy.lm_head.weight_major and not policy.lm_head.packed
+        self._head = (pack(head, policy.lm_head.packed),)  # (Vd, d) rows of the policy's head, packed or weight-major
+        # as the policy's is; a tuple, so it is not a submodule
         return self
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
