@@ -18,10 +18,12 @@ The cost model times whole rounds of the engine itself (`speculative.time_rounds
 drafter's catch-up, the verify forward, the acceptance walk, commit; an autoregressive round with its
 drafter bookkeeping) for every size on a grid of row counts at start-up, once per machine, model,
 thread count, tree shape and kernels (cached under the user cache dir), and interpolates. The timed
-rounds run on random prompts, where few drafts are accepted; each draft more walks one more level
-(the LM head and the target distribution on B rows, timed too), which the prediction adds at the
-acceptance the budget expects. (It timed only the verify forward and the drafting until it was
-measured that the rest is 20-30% of a round and made trees look cheaper than they are.)
+rounds run on a text the policy sampled itself (sampling's cost depends on the nucleus's width, and
+random tokens make it thousands of tokens wide); each draft accepted more or fewer than there walks
+one more or one fewer level (the LM head and the target distribution on B rows, timed too), which
+the prediction corrects at the acceptance the budget expects. (It timed only the verify forward and
+the drafting until it was measured that the rest is 20-30% of a round and made trees look cheaper
+than they are.)
 
 The acceptance estimates only move in rounds that draft, so once a run of unlucky rounds pushes an
 estimate just below break-even the budget would stay autoregressive for good, however well the
@@ -43,9 +45,10 @@ from sparkrl.config import TreeShape
 from sparkrl.machine import measurement_path
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-ENGINE = 3  # part of the timing cache's key: bumped when a round's work or its timing changes (2: a tree
+ENGINE = 4  # part of the timing cache's key: bumped when a round's work or its timing changes (2: a tree
 # of n nodes drafts min(depth, n) levels; sizes timed in turn, 3 repeats, 7 row counts; 3: the
-# acceptance walk runs the LM head only for the rows still walking)
+# acceptance walk runs the LM head only for the rows still walking; 4: timed on the policy's own text,
+# not random tokens; the drafter's catch-up runs its head at one position per row)
 GAIN = 0.9  # a tree is chosen when predicted at least 10% faster per committed token than an AR step: the
 # cost model's error (measured at 8 rows: 1-node trees predicted 1.08x ran at 0.96x) must not turn a
 # predicted gain into a loss
@@ -92,7 +95,8 @@ class CostModel:
         w = policy.lm_head.weight
         path = measurement_path("rounds", str(w.device), str(w.dtype), policy.args.__dict__, drafter.kind,
                                 int(drafter.vocab_ids.numel()), shape.__dict__, ROWS, CONTEXT,
-                                {"packed": policy.lm_head.packed, "engine": ENGINE})
+                                {"packed": policy.lm_head.packed, "weight_major": policy.lm_head.weight_major,
+                                 "engine": ENGINE})
         if path.exists():
             d = json.loads(path.read_text())
         else:

@@ -25,8 +25,8 @@ from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.base import DraftState
 from sparkrl.drafters.tree import Proposal
 from sparkrl.model import KVCache, Transformer, pad_right
-from sparkrl.rollout import (HIT, MISS, UNDRAFTED, Batch, Round, RoundStats, decode_one_token, prefill,
-                             sample_with_logprob)
+from sparkrl.rollout import (HIT, MISS, UNDRAFTED, Batch, Round, RoundStats, decode_one_token, generate,
+                             prefill, sample_with_logprob)
 from sparkrl.sampling import target_probs
 from sparkrl.verify import Acceptance, accept_chain, accept_tree
 
@@ -81,13 +81,16 @@ class Backlog:
 
 def catch_up(drafter, cache: KVCache, tokens: torch.Tensor, feats, n: torch.Tensor) -> DraftState:
     """Drafter forward over newly committed positions: tokens (B, T) are the tokens after each
-    position, feats (B, T, d) the policy's features there, n (B,) how many are real (>= 1)."""
-    step = drafter(tokens, feats, cache)
+    position, feats (B, T, d) the policy's features there, n (B,) how many are real (>= 1). The draft
+    logits only at each row's last real position, the root the next round drafts from (a block
+    drafter needs none)."""
+    step = drafter(tokens, feats, cache, head=False)
     cache.commit(n_keep=n)
     last = (n - 1)[:, None, None]
     pick = lambda t: t.gather(1, last.expand(-1, 1, t.shape[-1]))[:, 0]
-    z = None if step.z is None else pick(step.z)  # a block drafter computes no logits on its context
-    return DraftState(tokens.gather(1, (n - 1)[:, None])[:, 0], z, pick(step.a), pick(step.h))
+    h = pick(step.h)
+    z = drafter.logits(h) if drafter.root_logits else None
+    return DraftState(tokens.gather(1, (n - 1)[:, None])[:, 0], z, pick(step.a), h)
 
 
 class Speculation:
@@ -203,18 +206,25 @@ class Speculation:
 @torch.no_grad()
 def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, context: int, repeats: int) -> dict:
     """Seconds of whole engine rounds for the budget's cost model (`budget.CostModel.measure`): for each
-    row count B in `rows`, B random prompts of `context` tokens, then `repeats` timed rounds (after one
-    untimed) of every size in `sizes` (0: an autoregressive round), sizes in turn, the fastest kept; also the drafts
-    those rounds accepted per row, and what one more accepted level costs (LM head + target p, B rows).
-    Sampling at temperature 1, top-p 0.95; random numbers from a fixed generator (the global RNG is
-    left alone)."""
-    g = torch.Generator().manual_seed(0)
+    row count B in `rows`, B copies of a `context`-token text the policy sampled itself, then `repeats`
+    timed rounds (after one untimed) of every size in `sizes` (0: an autoregressive round), sizes in
+    turn, the fastest kept; also the drafts those rounds accepted per row, and what one more accepted
+    level costs (LM head + target p on B rows of the policy's hidden states in that text).
+    Sampling at temperature 1, top-p 0.95; random numbers from fixed generators (the global RNG is
+    left alone).
+
+    The text is the policy's own, not random tokens: sampling's cost depends on how wide the nucleus
+    is (top-p within 256 candidates, else 4096, else a full sort), and after random tokens the
+    default model's nucleus was 9,000-20,000 tokens wide (full sorts: 1.6x the AR round measured in
+    rollouts at 8 rows) against a median of 38 in its own text (20-115 in GSM8K rollouts)."""
     dev = policy.lm_head.weight.device
+    text = [0] + generate(policy, [[0]], SamplingConfig(1.0, 0.95, context - 1), (), [torch.Generator().manual_seed(0)]).tokens[0]
+    hidden = policy(torch.tensor([text], device=dev)).hidden[0]  # (context, d) the policy's states in its text
     room = (repeats + 1) * len(sizes) * (shape.depth + 1) + 2  # every timed round commits at most depth + 1
     sampling = SamplingConfig(1.0, 0.95, room)
     out = {"rounds": {n: [] for n in sizes}, "accepted": {n: [] for n in sizes}, "level": []}
     for B in rows:
-        prompts = torch.randint(0, policy.args.vocab_size, (B, context), generator=g).tolist()
+        prompts = [text] * B
         gens = [torch.Generator().manual_seed(1000 + i) for i in range(B)]
         eng = Speculation(policy, drafter.bind(policy), sampling, shape, gens, NoAdaptation())
         eng.start(prompts, 1, ())
@@ -232,7 +242,7 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
             s, a = min(timed[n][1:])  # the first round of each size warms up
             out["rounds"][n].append(s)
             out["accepted"][n].append(a)
-        h = torch.randn(B, policy.args.hidden_size, generator=g).to(device=dev, dtype=policy.lm_head.weight.dtype)
+        h = hidden[torch.arange(context - B, context) % context]  # (B, d) the text's last B positions
         level = []
         for _ in range(repeats + 1):
             t = time.perf_counter()

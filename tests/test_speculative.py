@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -17,7 +18,7 @@ from sparkrl.kernels import is_packed, pack, packable
 from sparkrl.precision import RolloutCopy
 from sparkrl.config import TreeShape
 from sparkrl.rollout import generate, response_generators
-from sparkrl.speculative import generate_speculative
+from sparkrl.speculative import catch_up, generate_speculative
 from sparkrl.sampling import target_probs
 from sparkrl.spark import Spark, init_projection
 
@@ -222,6 +223,50 @@ def test_bfloat16_rollouts_are_exact_for_the_bfloat16_model(mode, packed, head32
     for i, prompt in enumerate(prompts):
         samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]
         assert chi2_ok(samples, exact_sequences(policy, prompt, L, 0.8, 0.7)) > 1e-3
+
+
+def test_catch_up_computes_draft_logits_only_at_each_rows_last_position():
+    """The drafter's head runs on one position per row (the root the next round drafts from), and its
+    logits there equal the full forward's (float64)."""
+    torch.manual_seed(0)
+    policy = small_policy().double()
+    drafter = Eagle3Drafter(policy.args).double().bind(policy)
+    B, T, d = 2, 4, policy.args.hidden_size
+    tokens, feats, n = torch.randint(0, V, (B, T)), torch.randn(B, T, d, dtype=torch.float64), torch.tensor([4, 2])
+    full = drafter(tokens, feats, drafter.new_cache(B, 8))  # every position's logits
+    seen, head = [], drafter.logits
+    drafter.logits = lambda h: seen.append(tuple(h.shape)) or head(h)
+    state = catch_up(drafter, drafter.new_cache(B, 8), tokens, feats, n)
+    assert seen == [(B, d)]
+    assert torch.allclose(state.z, full.z[torch.arange(B), n - 1], rtol=1e-12, atol=1e-12)
+    assert torch.equal(state.root, tokens[torch.arange(B), n - 1])
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain", "block"])
+def test_a_weight_major_head_samples_what_the_plain_head_does(mode):
+    """The LM head as a weight-major product (`kernels.weight_major_linear`: the same sums, logits as a
+    transposed view) in the policy and the drafter: trees and blocks commit the plain policy's
+    autoregressive tokens; sampled chains pass the chi-square test against the plain policy's sequence
+    probabilities."""
+    torch.manual_seed(0)
+    plain = small_policy()
+    policy = copy.deepcopy(plain)
+    policy.lm_head.weight_major = True
+    drafter = (DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args)).bind(policy)
+    assert drafter._head[0].weight_major  # the drafter's head follows the policy's
+    shape = {"tree": TreeShape(3, 2, 6), "chain": TreeShape.chain(2), "block": TreeShape.block(3)}[mode]
+    if mode == "chain":
+        prompts, G, L = [[1, 2, 3, 4]], 3000, 3
+        sc = SamplingConfig(0.8, 0.7, L)
+        r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 1, G), shape, group_size=G)
+        assert r.stats.aal > 1.0
+        assert chi2_ok([tuple(t) for t in r.tokens], exact_sequences(plain, prompts[0], L, 0.8, 0.7)) > 1e-3
+        return
+    prompts, G = [[1, 2, 3, 4], [2, 0]], 40
+    sc = SamplingConfig(1.0, 0.9, 12)
+    ar = generate(plain, prompts, sc, (EOS,), response_generators(4, 2, G), group_size=G).tokens
+    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(4, 2, G), shape, group_size=G)
+    assert r.stats.aal > 1.0 and r.tokens == ar
 
 
 @pytest.mark.parametrize("packed", [False, True])

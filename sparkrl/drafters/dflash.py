@@ -41,6 +41,7 @@ ANCHORS = 8  # training blocks per sequence
 
 class DFlashDrafter(SharedHeadDrafter):
     kind = KIND
+    root_logits = False  # a block drafts from its own forward after the root
 
     def __init__(self, policy_args: ModelArgs, feature_layers: tuple[int, ...] | None = None,
                  vocab_ids: torch.Tensor | None = None, block_size: int = 16, num_layers: int = 3):
@@ -59,8 +60,9 @@ class DFlashDrafter(SharedHeadDrafter):
                             f"pass --block-size {self.block_size} or less")
 
     def forward(self, tokens, feats: torch.Tensor, cache: KVCache | None = None, *, tree_mask=None, depth=None,
-                mask=None) -> DraftStep:
-        """Context positions: feats (B, T, d) fused policy features (tokens unused). No logits."""
+                mask=None, head: bool = False) -> DraftStep:
+        """Context positions: feats (B, T, d) fused policy features (tokens unused). No logits (a block
+        drafts from its own forward, `block`)."""
         out = self.stack(feats, cache, tree_mask=tree_mask, depth=depth, mask=mask)
         return DraftStep(out.hidden, out.hidden, None)
 

@@ -65,7 +65,7 @@ class Eagle3Drafter(SharedHeadDrafter):
         with the first sampled token later, by the engine's catch-up step.
         """
         if prompts.shape[1] > 1:
-            self(prompts[:, 1:], feats[:, :-1], cache)
+            self(prompts[:, 1:], feats[:, :-1], cache, head=False)
         cache.commit(n_keep=lens - 1)
 
     def settings(self) -> dict:

@@ -17,6 +17,7 @@ from sparkrl.model import KVCache, Transformer
 class SelfDrafter:
     kind = "self"
     feature_layers = ()
+    root_logits = True
 
     propose = propose  # trees or sampled chains (drafters/tree.py)
 
@@ -32,12 +33,12 @@ class SelfDrafter:
         return None
 
     def prefill(self, prompts, lens, feats, cache: KVCache) -> None:
-        self(prompts, None, cache)
+        self(prompts, None, cache, head=False)
         cache.commit(n_keep=lens)
 
-    def __call__(self, tokens, feats, cache=None, *, tree_mask=None, depth=None) -> DraftStep:
+    def __call__(self, tokens, feats, cache=None, *, tree_mask=None, depth=None, head: bool = True) -> DraftStep:
         out = self.policy(tokens, cache, tree_mask=tree_mask, depth=depth)
-        return DraftStep(out.hidden, out.hidden, self.policy.logits(out.hidden))
+        return DraftStep(out.hidden, out.hidden, self.policy.logits(out.hidden) if head else None)
 
     def logits(self, h):
         return self.policy.logits(h)
