@@ -15,9 +15,10 @@ float32 is never packed (MKL's sgemm is faster unpacked: measured 0.2-1.1x).
 A weight-major product computes `F.linear(x, W)` as `(W @ x^T)^T`, copied back to row-major: the same
 sums, with the weight as the large left operand that the BLAS streams once in its own row order. At
 decode sizes a model's weights come from memory, not the caches, and on this project's AMD CPU MKL's
-sgemm reads them faster that way: the LM head (49152 x 576) 1.9x at 8 rows and 1.6x at 64, the
-default model's decode step 1.1-1.3x at 8-64 rows (BENCHMARKS.md "Weight-major products"). At one row
-both forms are matrix-vector products and `F.linear` measured 4% faster, so one row stays on it.
+sgemm reads them faster that way: the LM head (49152 x 576) 1.9-2.1x at 8 rows and 1.5-1.6x at 64,
+the default model's decode step 1.4-1.8x at 2-8 rows and 1.05-1.2x at 64 (BENCHMARKS.md "Weight-major
+products"). It serves 2 to `WEIGHT_MAJOR_ROWS` rows (decode steps, small verify forwards, the
+acceptance walk's LM head).
 The row-major copy matters: left as a transposed view, the attention and elementwise passes after it
 made a 64-row step 2.6x slower. Whether it pays is measured once per machine on the policy's own
 decode steps (`precision.weight_major_pays`).
@@ -30,6 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 HALF = (torch.bfloat16, torch.float16)
+WEIGHT_MAJOR_ROWS = 128  # weight-major products for 2..128 rows: at one row both forms are matrix-vector
+# products (F.linear measured up to 4% faster); past 128 rows they did not pay (0.93x-1.08x at 136 rows,
+# 0.89x for a 512-token prefill), so prefills, large trees and training-sized forwards stay on F.linear
 
 
 class Linear(nn.Linear):
@@ -49,8 +53,7 @@ class Linear(nn.Linear):
             if self._pack is None or self._pack[1] != key:
                 self._pack = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), key)
             return torch.ops.mkldnn._linear_pointwise(x, self._pack[0], self.bias, "none", [], "")
-        if self.weight_major and x.numel() > x.shape[-1]:  # two rows or more (at one row both forms are
-            # matrix-vector products, and F.linear's measured 4% faster)
+        if self.weight_major and 2 <= x.numel() // x.shape[-1] <= WEIGHT_MAJOR_ROWS:
             return weight_major_linear(x, w, self.bias)
         return F.linear(x, w, self.bias)
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from sparkrl import precision
-from sparkrl.kernels import Linear, is_packed, pack, packable, weight_major_linear
+from sparkrl.kernels import WEIGHT_MAJOR_ROWS, Linear, is_packed, pack, packable, weight_major_linear
 from sparkrl.precision import RolloutCopy, use_packed
 
 BF16 = torch.bfloat16
@@ -142,7 +142,7 @@ def test_the_packing_decision_is_measured_once_and_cached(monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(96,), (1, 96), (17, 96), (2, 17, 96), (0, 96)])
+@pytest.mark.parametrize("shape", [(96,), (1, 96), (17, 96), (2, 17, 96), (0, 96), (3, 50, 96)])
 def test_weight_major_product_matches_a_float64_reference(shape, bias):
     torch.manual_seed(0)
     lin = Linear(96, 160, bias=bias).requires_grad_(False)
@@ -154,9 +154,9 @@ def test_weight_major_product_matches_a_float64_reference(shape, bias):
     ref = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
     assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
     rows = x.numel() // 96
-    if rows > 1:
+    if 2 <= rows <= WEIGHT_MAJOR_ROWS:
         assert torch.equal(y, weight_major_linear(x, lin.weight, lin.bias))  # the weight-major path ran
-    else:  # one row (or none): F.linear, faster there
+    else:  # one row (or none), or a prefill-sized product: F.linear
         assert torch.equal(y, F.linear(x, lin.weight, lin.bias))
     assert y.is_contiguous()  # row-major, as F.linear's (a transposed view slowed what follows)
 
