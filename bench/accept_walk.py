@@ -60,7 +60,8 @@ def main():
     lm = load_model("default", dtype=args.dtype)
     policy = pack(lm.model, use_packed("auto", getattr(torch, args.dtype), "cpu"))
     use_weight_major(policy, weight_major_pays(policy))
-    drafter = use_weight_major(pack(make_drafter(dcfg, policy), policy.lm_head.packed), policy.lm_head.weight_major).bind(policy)
+    drafter = pack(make_drafter(dcfg, policy), policy.lm_head.packed)
+    drafter = use_weight_major(drafter, policy.lm_head.weight_major).bind(policy)
     shape, sc = dcfg.shape(), SamplingConfig(1.0, 0.95, 256)
     problems = [p for p in load_problems(args.data).problems if held_out(p, 0.05)]
     prompts = build_prompts(lm.tokenizer, problems[:64], 512, "skip").prompt_ids

@@ -77,13 +77,15 @@ def main():
                     step[name] += _step_seconds(policy, rows=M, reps=4)
                     f = (lambda: weight_major_linear(x, W)) if name == "weight_major" else (lambda: F.linear(x, W))
                     head[name] += head_seconds(f)
-            med = {k: {n: statistics.median(v) * 1e3 for n, v in d.items()} for k, d in (("step", step), ("head", head))}
+            med = {k: {n: statistics.median(v) * 1e3 for n, v in d.items()}
+                   for k, d in (("step", step), ("head", head))}
             rows.append({"rows": M, "step_ms": med["step"], "head_ms": med["head"],
                          "step_speedup": med["step"]["plain"] / med["step"]["weight_major"],
                          "head_speedup": med["head"]["plain"] / med["head"]["weight_major"]})
             r = rows[-1]
             print(f"{M:3d} rows: decode step {r['step_ms']['plain']:6.1f} -> {r['step_ms']['weight_major']:6.1f} ms "
-                  f"({r['step_speedup']:.2f}x); LM head {r['head_ms']['plain']:5.1f} -> {r['head_ms']['weight_major']:5.1f} ms "
+                  f"({r['step_speedup']:.2f}x); LM head {r['head_ms']['plain']:5.1f} -> "
+                  f"{r['head_ms']['weight_major']:5.1f} ms "
                   f"({r['head_speedup']:.2f}x)", flush=True)
         kernels.WEIGHT_MAJOR_ROWS = 1 << 30  # forced, to measure past the cap
         forwards = []

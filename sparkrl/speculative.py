@@ -218,7 +218,8 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
     default model's nucleus was 9,000-20,000 tokens wide (full sorts: 1.6x the AR round measured in
     rollouts at 8 rows) against a median of 38 in its own text (20-115 in GSM8K rollouts)."""
     dev = policy.lm_head.weight.device
-    text = [0] + generate(policy, [[0]], SamplingConfig(1.0, 0.95, context - 1), (), [torch.Generator().manual_seed(0)]).tokens[0]
+    own = generate(policy, [[0]], SamplingConfig(1.0, 0.95, context - 1), (), [torch.Generator().manual_seed(0)])
+    text = [0] + own.tokens[0]
     hidden = policy(torch.tensor([text], device=dev)).hidden[0]  # (context, d) the policy's states in its text
     room = (repeats + 1) * len(sizes) * (shape.depth + 1) + 2  # every timed round commits at most depth + 1
     sampling = SamplingConfig(1.0, 0.95, room)

@@ -39,7 +39,8 @@ from sparkrl.export import export_model
 from sparkrl.grpo import grpo_loss, group_advantages, mismatch
 from sparkrl.machine import RateWatch, set_threads
 from sparkrl.model import Transformer, pad_right
-from sparkrl.precision import RolloutCopy, rollout_dtype, use_packed, use_weight_major, weight_major_choice, weight_major_pays
+from sparkrl.precision import (RolloutCopy, rollout_dtype, use_packed, use_weight_major, weight_major_choice,
+                               weight_major_pays)
 from sparkrl.rewards import Grader
 from sparkrl.rollout import Rollout, RoundStats, generate, response_generators
 from sparkrl.sharding import sharding

@@ -258,7 +258,8 @@ def test_a_weight_major_head_samples_what_the_plain_head_does(mode):
     if mode == "chain":
         prompts, G, L = [[1, 2, 3, 4]], 3000, 3
         sc = SamplingConfig(0.8, 0.7, L)
-        r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 1, G), shape, group_size=G)
+        r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 1, G), shape,
+                                 group_size=G)
         assert r.stats.aal > 1.0
         assert chi2_ok([tuple(t) for t in r.tokens], exact_sequences(plain, prompts[0], L, 0.8, 0.7)) > 1e-3
         return
