@@ -2,7 +2,9 @@
 model's whole decode step (every linear layer one way or the other; weights come from memory, as in a
 rollout) and its LM head alone, per row count; then multi-token forwards (verify trees, a prefill) with
 weight-major products forced past `kernels.WEIGHT_MAJOR_ROWS`, to show where they stop paying.
-Interleaved, medians; also the largest logit difference.
+Three systems: plain `F.linear`; weight-major in one block (the form before the split); weight-major
+split into one block of output rows per thread (the default). Interleaved, medians; also the largest
+logit difference.
 
     .venv/bin/python bench/weight_major.py --dtype float32 --out bench/results
 """
@@ -23,6 +25,8 @@ from sparkrl.kernels import weight_major_linear
 from sparkrl.precision import _step_seconds, use_weight_major
 from sparkrl.weights import load_model
 
+SYSTEMS = {"plain": (False, None), "weight_major_1": (True, 1), "weight_major_split": (True, None)}  # (on, parts)
+
 
 def head_seconds(f, reps: int = 5) -> list[float]:
     f()
@@ -34,24 +38,19 @@ def head_seconds(f, reps: int = 5) -> list[float]:
     return out
 
 
-def forward_seconds(policy, B: int, T: int, context: int = 160, reps: int = 3) -> list[float]:
-    """Seconds of a cached forward of T new tokens on B rows (a verify or a prefill), rolled back."""
-    cache = policy.new_cache(B, context + T + 2)
-    cache.lengths += context
-    tok = torch.randint(0, policy.args.vocab_size, (B, T))
-    out = []
-    for _ in range(reps + 1):
-        t = time.perf_counter()
-        policy(tok, cache)
-        cache.commit(n_keep=torch.zeros(B, dtype=torch.long))
-        out.append(time.perf_counter() - t)
-    return out[1:]
+def use(policy, name: str) -> None:
+    on, kernels.WEIGHT_MAJOR_PARTS = SYSTEMS[name]
+    use_weight_major(policy, on)
+
+
+def product(name: str, x, W):
+    return F.linear(x, W) if name == "plain" else weight_major_linear(x, W, parts=SYSTEMS[name][1])
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--rows", default="1,2,8,16,64")
+    ap.add_argument("--rows", default="1,2,4,8,16,64")
     ap.add_argument("--forwards", default="8x17,16x17,64x3,1x512",
                     help="ROWSxTOKENS cached forwards (beside a 160-token context), weight-major forced at any size")
     ap.add_argument("--repeats", type=int, default=3)
@@ -63,43 +62,44 @@ def main():
     rows = []
     with torch.no_grad():
         toks = torch.randint(0, policy.args.vocab_size, (4, 9), generator=g)
-        use_weight_major(policy, False)
+        use(policy, "plain")
         ref = policy.logits(policy(toks).hidden)
-        use_weight_major(policy, True)
+        use(policy, "weight_major_split")
         diff = float((policy.logits(policy(toks).hidden) - ref).abs().max())
         for M in map(int, args.rows.split(",")):
-            step = {"plain": [], "weight_major": []}
-            head = {"plain": [], "weight_major": []}
+            step = {n: [] for n in SYSTEMS}
+            head = {n: [] for n in SYSTEMS}
             x = torch.randn(M, W.shape[1], generator=g).to(W.dtype)
-            for _ in range(args.repeats):  # interleaved: drift hits both alike
-                for name in step:
-                    use_weight_major(policy, name == "weight_major")
+            for _ in range(args.repeats):  # interleaved: drift hits all alike
+                for name in SYSTEMS:
+                    use(policy, name)
                     step[name] += _step_seconds(policy, rows=M, reps=4)
-                    f = (lambda: weight_major_linear(x, W)) if name == "weight_major" else (lambda: F.linear(x, W))
-                    head[name] += head_seconds(f)
+                    head[name] += head_seconds(lambda: product(name, x, W))
             med = {k: {n: statistics.median(v) * 1e3 for n, v in d.items()}
                    for k, d in (("step", step), ("head", head))}
             rows.append({"rows": M, "step_ms": med["step"], "head_ms": med["head"],
-                         "step_speedup": med["step"]["plain"] / med["step"]["weight_major"],
-                         "head_speedup": med["head"]["plain"] / med["head"]["weight_major"]})
+                         **{f"{k}_speedup_{n}": med[k]["plain"] / med[k][n] for k in ("step", "head")
+                            for n in SYSTEMS if n != "plain"}})
             r = rows[-1]
-            print(f"{M:3d} rows: decode step {r['step_ms']['plain']:6.1f} -> {r['step_ms']['weight_major']:6.1f} ms "
-                  f"({r['step_speedup']:.2f}x); LM head {r['head_ms']['plain']:5.1f} -> "
-                  f"{r['head_ms']['weight_major']:5.1f} ms "
-                  f"({r['head_speedup']:.2f}x)", flush=True)
+            print(f"{M:3d} rows: decode step plain {r['step_ms']['plain']:6.1f} ms, one block "
+                  f"{r['step_speedup_weight_major_1']:.2f}x, split {r['step_speedup_weight_major_split']:.2f}x; "
+                  f"LM head plain {r['head_ms']['plain']:5.1f} ms, one block {r['head_speedup_weight_major_1']:.2f}x, "
+                  f"split {r['head_speedup_weight_major_split']:.2f}x", flush=True)
         kernels.WEIGHT_MAJOR_ROWS = 1 << 30  # forced, to measure past the cap
         forwards = []
         for spec in args.forwards.split(","):
             B, T = map(int, spec.split("x"))
-            t = {"plain": [], "weight_major": []}
+            t = {n: [] for n in SYSTEMS}
             for _ in range(args.repeats):
                 for name in t:
-                    use_weight_major(policy, name == "weight_major")
-                    t[name] += forward_seconds(policy, B, T)
+                    use(policy, name)
+                    t[name] += _step_seconds(policy, rows=B, context=160, reps=3, tokens=T, head=False)
             med = {n: statistics.median(v) * 1e3 for n, v in t.items()}
-            forwards.append({"rows": B, "tokens": T, "ms": med, "speedup": med["plain"] / med["weight_major"]})
-            print(f"{B}x{T} forward ({B * T} rows): {med['plain']:.0f} -> {med['weight_major']:.0f} ms "
-                  f"({forwards[-1]['speedup']:.2f}x)", flush=True)
+            forwards.append({"rows": B, "tokens": T, "ms": med,
+                             **{f"speedup_{n}": med["plain"] / med[n] for n in SYSTEMS if n != "plain"}})
+            f = forwards[-1]
+            print(f"{B}x{T} forward ({B * T} rows): plain {med['plain']:.0f} ms, one block "
+                  f"{f['speedup_weight_major_1']:.2f}x, split {f['speedup_weight_major_split']:.2f}x", flush=True)
     print(f"largest logit difference, weight-major against F.linear: {diff:.1e}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -17,8 +17,12 @@ sums, with the weight as the large left operand that the BLAS streams once in it
 decode sizes a model's weights come from memory, not the caches, and on this project's AMD CPU MKL's
 sgemm reads them faster that way: the LM head (49152 x 576) 1.9-2.1x at 8 rows and 1.5-1.6x at 64,
 the default model's decode step 1.4-1.8x at 2-8 rows and 1.05-1.2x at 64 (BENCHMARKS.md "Weight-major
-products"). It serves 2 to `WEIGHT_MAJOR_ROWS` rows (decode steps, small verify forwards, the
-acceptance walk's LM head).
+products"). The weight is split into one block of output rows per thread and the blocks run as one
+batched product (`torch.bmm` hands each thread its blocks): MKL runs a one-row product (a matrix-vector
+product, a whole decode step at one response) on a single thread, which read the weights at 6.5-7.5
+GB/s here against 11-16 GB/s split in two (BENCHMARKS.md "Weight-major products split per thread").
+It serves 1 to `WEIGHT_MAJOR_ROWS` rows (decode steps, small verify forwards, the acceptance walk's LM
+head, the drafter).
 The row-major copy matters: left as a transposed view, the attention and elementwise passes after it
 made a 64-row step 2.6x slower. Whether it pays is measured once per machine on the policy's own
 decode steps (`precision.weight_major_pays`).
@@ -31,9 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 HALF = (torch.bfloat16, torch.float16)
-WEIGHT_MAJOR_ROWS = 128  # weight-major products for 2..128 rows: at one row both forms are matrix-vector
-# products (F.linear measured up to 4% faster); past 128 rows they did not pay (0.93x-1.08x at 136 rows,
-# 0.89x for a 512-token prefill), so prefills, large trees and training-sized forwards stay on F.linear
+WEIGHT_MAJOR_ROWS = 128  # weight-major products for 1..128 rows; past 128 rows they did not pay (0.93x-1.08x
+# at 136 rows, 0.89x for a 512-token prefill), so prefills, large trees and training-sized forwards stay on F.linear
+WEIGHT_MAJOR_PARTS: int | None = None  # blocks per weight-major product; None: torch's thread count
 
 
 class Linear(nn.Linear):
@@ -53,7 +57,7 @@ class Linear(nn.Linear):
             if self._pack is None or self._pack[1] != key:
                 self._pack = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), key)
             return torch.ops.mkldnn._linear_pointwise(x, self._pack[0], self.bias, "none", [], "")
-        if self.weight_major and 2 <= x.numel() // x.shape[-1] <= WEIGHT_MAJOR_ROWS:
+        if self.weight_major and 1 <= x.numel() // x.shape[-1] <= WEIGHT_MAJOR_ROWS:
             return weight_major_linear(x, w, self.bias)
         return F.linear(x, w, self.bias)
 
@@ -63,12 +67,27 @@ class Linear(nn.Linear):
         return state
 
 
-def weight_major_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, w, bias)` as `(w @ x^T)^T` (see the module doc): x (..., in) -> (..., out), row-major."""
-    y = torch.mm(w, x.reshape(-1, x.shape[-1]).t()).t().contiguous()  # (N, out)
+def weight_major_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                        parts: int | None = None) -> torch.Tensor:
+    """`F.linear(x, w, bias)` as `(w @ x^T)^T` (see the module doc): x (..., in) -> (..., out), row-major.
+    The weight's output rows are split into `parts` blocks (default: `WEIGHT_MAJOR_PARTS`, else torch's
+    thread count; one block where they do not divide evenly), one batched product. One row in one block
+    (a single thread) is `F.linear`: both are matrix-vector products, and `F.linear` measured up to 4%
+    faster."""
+    out, inp = w.shape
+    x2 = x.reshape(-1, inp)
+    rows = x2.shape[0]
+    parts = parts or WEIGHT_MAJOR_PARTS or torch.get_num_threads()
+    if out % parts or not w.is_contiguous():
+        parts = 1
+    if rows == 0 or (rows == 1 and parts == 1):  # one row in one block: F.linear's matrix-vector product
+        return F.linear(x, w, bias)
+    blocks = w.view(parts, out // parts, inp) if parts > 1 else w.unsqueeze(0)
+    y = torch.bmm(blocks, x2.t().expand(parts, inp, rows))  # (parts, out / parts, rows)
+    y = y.permute(2, 0, 1).reshape(rows, out).contiguous()  # row-major: a copy, except at one row
     if bias is not None:
         y += bias
-    return y.view(*x.shape[:-1], w.shape[0])
+    return y.view(*x.shape[:-1], out)
 
 
 def packable(dtype: torch.dtype, device: torch.device | str) -> bool:

@@ -31,18 +31,24 @@ from sparkrl.sharding import full
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _step_seconds(model: Transformer, rows: int = 8, context: int = 128, reps: int = 5) -> list[float]:
+def _step_seconds(model: Transformer, rows: int = 8, context: int = 128, reps: int = 5, tokens: int = 1,
+                  head: bool = True) -> list[float]:
+    """Seconds of `reps` cached forwards of `tokens` new tokens on `rows` rows beside a `context`-token
+    prefix (rolled back after each), with the LM head on each row's last position (head); after one
+    untimed warm-up."""
     dev = model.lm_head.weight.device
     g = torch.Generator(device=dev).manual_seed(0)
-    cache = model.new_cache(rows, context + 2)
+    cache = model.new_cache(rows, context + tokens + 1)
     cache.lengths += context
-    tok = torch.randint(0, model.args.vocab_size, (rows, 1), device=dev, generator=g)
+    tok = torch.randint(0, model.args.vocab_size, (rows, tokens), device=dev, generator=g)
     zeros = torch.zeros(rows, dtype=torch.long, device=dev)
     out = []
     with torch.no_grad():
         for _ in range(reps + 1):
             t = time.perf_counter()
-            model.logits(model(tok, cache).hidden[:, -1])
+            hidden = model(tok, cache).hidden
+            if head:
+                model.logits(hidden[:, -1])
             cache.commit(n_keep=zeros)
             out.append(time.perf_counter() - t)
     return out[1:]
@@ -117,7 +123,7 @@ def packing_pays(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool
 
 
 def weight_major_pays(policy: Transformer) -> bool:
-    """Whether this policy's decode step (2, 8 and 64 rows) runs faster with every linear layer as a
+    """Whether this policy's decode step (1, 2, 8 and 64 rows) runs faster with every linear layer as a
     weight-major product (`kernels.weight_major_linear`) than with `F.linear` on this machine: faster
     overall by 5% and not slower at any row count by 3% (medians of 12 interleaved steps each).
     Measured once per machine, model and dtype, and cached; never on a GPU, whose BLAS reads either
@@ -125,11 +131,13 @@ def weight_major_pays(policy: Transformer) -> bool:
     w = policy.lm_head.weight
     if w.device.type != "cpu":
         return False
-    path = measurement_path("weight-major", str(w.dtype), policy.args.__dict__)
+    rows = (1, 2, 8, 64)
+    path = measurement_path("weight-major", str(w.dtype), policy.args.__dict__,
+                            {"rows": rows, "form": "a block per thread; one row on one thread: F.linear"})
     if path.exists():
         return json.loads(path.read_text())["pays"]
     print("sparkrl: timing weight-major products on this machine (once; cached)", file=sys.stderr, flush=True)
-    rows, was = (2, 8, 64), [m.weight_major for m in policy.modules() if isinstance(m, Linear)]
+    was = [m.weight_major for m in policy.modules() if isinstance(m, Linear)]
     times = {r: {"plain": [], "weight_major": []} for r in rows}
     try:
         for _ in range(3):  # interleaved: drift hits both alike

@@ -154,11 +154,28 @@ def test_weight_major_product_matches_a_float64_reference(shape, bias):
     ref = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
     assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
     rows = x.numel() // 96
-    if 2 <= rows <= WEIGHT_MAJOR_ROWS:
+    if 1 <= rows <= WEIGHT_MAJOR_ROWS:
         assert torch.equal(y, weight_major_linear(x, lin.weight, lin.bias))  # the weight-major path ran
-    else:  # one row (or none), or a prefill-sized product: F.linear
+    else:  # no rows, or a prefill-sized product: F.linear
         assert torch.equal(y, F.linear(x, lin.weight, lin.bias))
     assert y.is_contiguous()  # row-major, as F.linear's (a transposed view slowed what follows)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 5, 7])
+@pytest.mark.parametrize("rows", [1, 2, 9])
+def test_a_weight_major_product_split_into_blocks_matches_a_float64_reference(parts, rows):
+    """The weight's output rows in `parts` blocks (one batched product); 160 rows do not split in 3 or 7,
+    which then run as one block; a transposed (non-contiguous) weight runs as one block too."""
+    torch.manual_seed(0)
+    w, b, x = torch.randn(160, 48), torch.randn(160), torch.randn(rows, 48)
+    ref = F.linear(x.double(), w.double(), b.double())
+    for weight in (w, w.t().contiguous().t()):
+        y = weight_major_linear(x, weight, b, parts=parts)
+        assert y.shape == (rows, 160) and y.is_contiguous()
+        assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
+        if rows == 1 and (parts == 1 or 160 % parts or weight is not w):  # one row, one block: F.linear
+            assert torch.equal(y, F.linear(x, weight, b))
+    assert torch.allclose(weight_major_linear(x, w, b).double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_weight_major_serves_only_no_gradient_forwards():
@@ -182,13 +199,13 @@ def test_the_weight_major_decision_is_measured_once_on_decode_steps_and_cached(m
 
     monkeypatch.setattr(precision, "_step_seconds", fake_steps)
     copy_ = RolloutCopy(tiny_llama, torch.float32)  # auto: measured on the copy (here the model itself)
-    assert {r for r, _, _ in calls} == {2, 8, 64} and {(a, b) for _, a, b in calls} == {(True, True), (False, False)}
+    assert {r for r, _, _ in calls} == {1, 2, 8, 64} and {(a, b) for _, a, b in calls} == {(True, True), (False, False)}
     layers = [m for m in copy_.model.modules() if isinstance(m, Linear)]
     assert layers and all(m.weight_major for m in layers)
     n = len(calls)
     assert precision.weight_major_pays(tiny_llama) and len(calls) == n  # cached
     stored = json.loads(next((tmp_path / "costs").glob("weight-major-*.json")).read_text())
-    assert stored["pays"] and stored["speedup"] == 2.0 and set(stored["by_rows"]) == {"2", "8", "64"}
+    assert stored["pays"] and stored["speedup"] == 2.0 and set(stored["by_rows"]) == {"1", "2", "8", "64"}
     assert not any(m.weight_major for m in RolloutCopy(tiny_llama, torch.float32, weight_major=False).model.modules()
                    if isinstance(m, Linear))  # --cpu-kernels plain / packed
     assert precision.weight_major_choice("auto") is None and precision.weight_major_choice("plain") is False
