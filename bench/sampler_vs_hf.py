@@ -98,7 +98,7 @@ def main():
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine(), "new_tokens": args.new_tokens,
             "repeats": args.repeats, "prompt_tokens": len(prompt), "dtype": args.dtype, "packed_weights": packed,
-            "weight_major_head": lm.model.lm_head.weight_major}
+            "weight_major_kernels": lm.model.lm_head.weight_major}
     name = "sampler_vs_hf" + ("" if args.dtype == "float32" else f"_{args.dtype}") + ("_packed" if packed else "")
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     _plot(rows, out / f"{name}.png", args.dtype)

@@ -2,9 +2,9 @@
 model's whole decode step (every linear layer one way or the other; weights come from memory, as in a
 rollout) and its LM head alone, per row count; then multi-token forwards (verify trees, a prefill) with
 weight-major products forced past `kernels.WEIGHT_MAJOR_ROWS`, to show where they stop paying.
-Three systems: plain `F.linear`; weight-major in one block (the form before the split); weight-major
-split into one block of output rows per thread (the default). Interleaved, medians; also the largest
-logit difference.
+Three systems: plain `F.linear`; weight-major split into one block of output rows per thread, each
+layer its own product (the form before fusing); the same with q/k/v and gate/up as one product each
+(`kernels.linears`, the default). Interleaved, medians; also the largest logit difference.
 
     .venv/bin/python bench/weight_major.py --dtype float32 --out bench/results
 """
@@ -25,7 +25,7 @@ from sparkrl.kernels import weight_major_linear
 from sparkrl.precision import _step_seconds, use_weight_major
 from sparkrl.weights import load_model
 
-SYSTEMS = {"plain": (False, None), "weight_major_1": (True, 1), "weight_major_split": (True, None)}  # (on, parts)
+SYSTEMS = {"plain": (False, False), "split": (True, False), "split_fused": (True, True)}  # (weight-major, fused)
 
 
 def head_seconds(f, reps: int = 5) -> list[float]:
@@ -39,12 +39,16 @@ def head_seconds(f, reps: int = 5) -> list[float]:
 
 
 def use(policy, name: str) -> None:
-    on, kernels.WEIGHT_MAJOR_PARTS = SYSTEMS[name]
+    on, kernels.FUSE_LINEARS = SYSTEMS[name]
     use_weight_major(policy, on)
 
 
 def product(name: str, x, W):
-    return F.linear(x, W) if name == "plain" else weight_major_linear(x, W, parts=SYSTEMS[name][1])
+    return F.linear(x, W) if name == "plain" else weight_major_linear(x, W)
+
+
+def speedups(r: dict, key: str) -> str:
+    return ", ".join(f"{n} {r[f'{key}_{n}']:.2f}x" for n in SYSTEMS if n != "plain")
 
 
 def main():
@@ -64,7 +68,7 @@ def main():
         toks = torch.randint(0, policy.args.vocab_size, (4, 9), generator=g)
         use(policy, "plain")
         ref = policy.logits(policy(toks).hidden)
-        use(policy, "weight_major_split")
+        use(policy, "split_fused")
         diff = float((policy.logits(policy(toks).hidden) - ref).abs().max())
         for M in map(int, args.rows.split(",")):
             step = {n: [] for n in SYSTEMS}
@@ -81,10 +85,8 @@ def main():
                          **{f"{k}_speedup_{n}": med[k]["plain"] / med[k][n] for k in ("step", "head")
                             for n in SYSTEMS if n != "plain"}})
             r = rows[-1]
-            print(f"{M:3d} rows: decode step plain {r['step_ms']['plain']:6.1f} ms, one block "
-                  f"{r['step_speedup_weight_major_1']:.2f}x, split {r['step_speedup_weight_major_split']:.2f}x; "
-                  f"LM head plain {r['head_ms']['plain']:5.1f} ms, one block {r['head_speedup_weight_major_1']:.2f}x, "
-                  f"split {r['head_speedup_weight_major_split']:.2f}x", flush=True)
+            print(f"{M:3d} rows: decode step plain {r['step_ms']['plain']:6.1f} ms, {speedups(r, 'step_speedup')}; "
+                  f"LM head plain {r['head_ms']['plain']:5.1f} ms, {speedups(r, 'head_speedup')}", flush=True)
         kernels.WEIGHT_MAJOR_ROWS = 1 << 30  # forced, to measure past the cap
         forwards = []
         for spec in args.forwards.split(","):
@@ -98,8 +100,7 @@ def main():
             forwards.append({"rows": B, "tokens": T, "ms": med,
                              **{f"speedup_{n}": med["plain"] / med[n] for n in SYSTEMS if n != "plain"}})
             f = forwards[-1]
-            print(f"{B}x{T} forward ({B * T} rows): plain {med['plain']:.0f} ms, one block "
-                  f"{f['speedup_weight_major_1']:.2f}x, split {f['speedup_weight_major_split']:.2f}x", flush=True)
+            print(f"{B}x{T} forward ({B * T} rows): plain {med['plain']:.0f} ms, {speedups(f, 'speedup')}", flush=True)
     print(f"largest logit difference, weight-major against F.linear: {diff:.1e}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -137,7 +137,8 @@ class ModelConfig(Checked):
     """Linear layers of the rollout model on a CPU: packed (half precision on oneDNN-prepacked weights,
     1.5-2.3x faster per product here), plain (F.linear, the reference), auto = packed where a measurement
     (once, cached) finds it faster, and the other layers as weight-major products where a measurement of
-    the decode step finds those faster (1.06-1.8x at 1-64 rows in float32 here)."""
+    the decode step finds those faster (1.07-2.1x at 1-64 rows in float32 here; q/k/v and gate/up as one
+    product each over a concatenated copy of their weights, which costs their memory once more)."""
     threads: int = at_least(0, 0)
     """CPU threads for torch (0: torch's default)."""
 

@@ -22,7 +22,8 @@ batched product (`torch.bmm` hands each thread its blocks): MKL runs a one-row p
 product, a whole decode step at one response) on a single thread, which read the weights at 6.5-7.5
 GB/s here against 11-16 GB/s split in two (BENCHMARKS.md "Weight-major products split per thread").
 It serves 1 to `WEIGHT_MAJOR_ROWS` rows (decode steps, small verify forwards, the acceptance walk's LM
-head, the drafter).
+head, the drafter). Layers that read the same input (q/k/v, gate/up) run as one such product over their
+weights concatenated (`linears`).
 The row-major copy matters: left as a transposed view, the attention and elementwise passes after it
 made a 64-row step 2.6x slower. Whether it pays is measured once per machine on the policy's own
 decode steps (`precision.weight_major_pays`).
@@ -38,6 +39,7 @@ HALF = (torch.bfloat16, torch.float16)
 WEIGHT_MAJOR_ROWS = 128  # weight-major products for 1..128 rows; past 128 rows they did not pay (0.93x-1.08x
 # at 136 rows, 0.89x for a 512-token prefill), so prefills, large trees and training-sized forwards stay on F.linear
 WEIGHT_MAJOR_PARTS: int | None = None  # blocks per weight-major product; None: torch's thread count
+FUSE_LINEARS = True  # `linears` as one product; False (a bench knob) runs the layers one by one
 
 
 class Linear(nn.Linear):
@@ -47,6 +49,7 @@ class Linear(nn.Linear):
     packed = False  # set per instance by `pack`
     weight_major = False  # set per instance by `precision.use_weight_major`
     _pack = None  # (prepacked weight, the weight's (tensor id, version) it was made from)
+    _fused = None  # `linears`' concatenation of this layer's weight with others' (on the first layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -57,14 +60,44 @@ class Linear(nn.Linear):
             if self._pack is None or self._pack[1] != key:
                 self._pack = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), key)
             return torch.ops.mkldnn._linear_pointwise(x, self._pack[0], self.bias, "none", [], "")
-        if self.weight_major and 1 <= x.numel() // x.shape[-1] <= WEIGHT_MAJOR_ROWS:
+        if self.serves_weight_major(x):
             return weight_major_linear(x, w, self.bias)
         return F.linear(x, w, self.bias)
 
-    def __getstate__(self):  # copies (deepcopy, pickling) leave the prepacked weight behind
+    def serves_weight_major(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x)` is a weight-major product."""
+        return (self.weight_major and not self.packed and not torch.is_grad_enabled()
+                and x.dtype == self.weight.dtype and 1 <= x.numel() // x.shape[-1] <= WEIGHT_MAJOR_ROWS)
+
+    def __getstate__(self):  # copies (deepcopy, pickling) leave the prepacked and fused weights behind
         state = self.__dict__.copy()
         state.pop("_pack", None)
+        state.pop("_fused", None)
         return state
+
+
+def linears(x: torch.Tensor, *layers: Linear) -> tuple[torch.Tensor, ...]:
+    """`tuple(layer(x) for layer in layers)`: several `Linear`s over one input (q/k/v, gate/up). Where
+    weight-major products serve x, one product over their weights concatenated: one call streams them
+    all, and at a decode step's sizes the calls' fixed costs are a large part of the time (the default
+    model's float32 decode step 1.07-1.13x faster at one row and 1.09-1.11x at 8, no change at 16-64:
+    BENCHMARKS.md "Fused projections"). The concatenation is a copy kept on the first layer and remade
+    whenever a weight or bias is another tensor or has changed in place (its version counter, as for a
+    prepacked weight), so an optimizer step or a refresh is never served stale; it costs the layers'
+    memory once more (the default model's q/k/v and gate/up: 279 MB in float32). The outputs are views
+    of one tensor."""
+    first = layers[0]
+    if len(layers) == 1 or not FUSE_LINEARS or not all(
+            l.serves_weight_major(x) and (l.bias is None) == (first.bias is None) for l in layers):
+        return tuple(l(x) for l in layers)
+    tensors = tuple(t for l in layers for t in (l.weight, l.bias) if t is not None)
+    versions = tuple(t._version for t in tensors)
+    f = first._fused
+    if f is None or f[1] != versions or any(a is not b for a, b in zip(f[0], tensors)):
+        w = torch.cat([l.weight.detach() for l in layers])
+        b = None if first.bias is None else torch.cat([l.bias.detach() for l in layers])
+        first._fused = f = (tensors, versions, w, b)
+    return weight_major_linear(x, f[2], f[3]).split([l.out_features for l in layers], dim=-1)
 
 
 def weight_major_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparkrl.kernels import Linear
+from sparkrl.kernels import Linear, linears
 from sparkrl.logprobs import head_logprobs
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -219,9 +219,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, layer: int, cache: KVCache | None, ctx: "_Context"):
         B, T, _ = x.shape
         a = self.args
-        q = self.q_proj(x).view(B, T, a.num_heads, a.head_dim)
-        k = self.k_proj(x).view(B, T, a.num_kv_heads, a.head_dim)
-        v = self.v_proj(x).view(B, T, a.num_kv_heads, a.head_dim)
+        q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, a.num_heads, a.head_dim)
+        k = k.view(B, T, a.num_kv_heads, a.head_dim)
+        v = v.view(B, T, a.num_kv_heads, a.head_dim)
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
@@ -249,7 +250,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(f, d, bias=b)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linears(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

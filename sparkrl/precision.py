@@ -133,7 +133,8 @@ def weight_major_pays(policy: Transformer) -> bool:
         return False
     rows = (1, 2, 8, 64)
     path = measurement_path("weight-major", str(w.dtype), policy.args.__dict__,
-                            {"rows": rows, "form": "a block per thread; one row on one thread: F.linear"})
+                            {"rows": rows,
+                             "form": "a block per thread; one row on one thread: F.linear; q/k/v, gate/up fused"})
     if path.exists():
         return json.loads(path.read_text())["pays"]
     print("sparkrl: timing weight-major products on this machine (once; cached)", file=sys.stderr, flush=True)
@@ -165,10 +166,12 @@ def weight_major_choice(choice: str) -> bool | None:
 
 def use_weight_major(module: torch.nn.Module, on: bool = True) -> torch.nn.Module:
     """Run every unpacked `Linear` of `module` as a weight-major product (on) or as `F.linear` (no-gradient
-    forwards only, like packing)."""
+    forwards only, like packing); off frees the fused weights of `kernels.linears`."""
     for m in module.modules():
         if isinstance(m, Linear):
             m.weight_major = on and not m.packed
+            if not m.weight_major:
+                m._fused = None
     return module
 
 

@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from sparkrl import precision
-from sparkrl.kernels import WEIGHT_MAJOR_ROWS, Linear, is_packed, pack, packable, weight_major_linear
+from sparkrl.kernels import WEIGHT_MAJOR_ROWS, Linear, is_packed, linears, pack, packable, weight_major_linear
 from sparkrl.precision import RolloutCopy, use_packed
 
 BF16 = torch.bfloat16
@@ -176,6 +177,71 @@ def test_a_weight_major_product_split_into_blocks_matches_a_float64_reference(pa
         if rows == 1 and (parts == 1 or 160 % parts or weight is not w):  # one row, one block: F.linear
             assert torch.equal(y, F.linear(x, weight, b))
     assert torch.allclose(weight_major_linear(x, w, b).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, WEIGHT_MAJOR_ROWS + 1])
+def test_fused_linears_match_a_float64_reference_and_are_never_served_stale(rows, bias):
+    """q/k/v-like layers (48, 16, 16 outputs) over one input: one weight-major product over a cached
+    concatenation of their weights, remade after an in-place change (an optimizer step, a refresh) or a
+    replaced weight; a prefill-sized input, a gradient-recording forward or a layer without weight-major
+    products runs each layer on its own."""
+    torch.manual_seed(0)
+    layers = [Linear(40, n, bias=bias).requires_grad_(False) for n in (48, 16, 16)]
+    precision.use_weight_major(nn.Sequential(*layers))
+    x = torch.randn(rows, 40)
+
+    def check():
+        with torch.no_grad():
+            ys = linears(x, *layers)
+        for y, lin in zip(ys, layers):
+            ref = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
+            assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
+        return ys
+
+    check()
+    fused = rows <= WEIGHT_MAJOR_ROWS
+    assert (layers[0]._fused is not None) == fused and layers[1]._fused is None
+    with torch.no_grad():
+        layers[1].weight.mul_(-2)  # in place: its version counter moves
+        if bias:
+            layers[2].bias.add_(1)
+    check()
+    layers[2].weight = nn.Parameter(torch.randn(16, 40), requires_grad=False)  # another tensor
+    check()
+    twin = copy.deepcopy(layers[0])
+    assert twin._fused is None and twin.weight_major
+    with torch.enable_grad():
+        x.requires_grad_(True)
+        assert all(torch.equal(y, F.linear(x, lin.weight, lin.bias)) for y, lin in zip(linears(x, *layers), layers))
+        x.requires_grad_(False)
+    precision.use_weight_major(nn.Sequential(*layers), False)  # off: F.linear each, the fused copy freed
+    assert layers[0]._fused is None
+    with torch.no_grad():
+        assert all(torch.equal(y, F.linear(x, lin.weight, lin.bias)) for y, lin in zip(linears(x, *layers), layers))
+    assert layers[0]._fused is None
+
+
+def test_a_model_with_fused_weight_major_products_follows_the_plain_one(tiny_llama):
+    """The whole decode step (q/k/v and gate/up fused) against the plain model, after a weight update."""
+    torch.manual_seed(0)
+    plain = tiny_llama.requires_grad_(False)
+    fast = precision.use_weight_major(copy.deepcopy(plain))
+    tokens = torch.randint(0, plain.args.vocab_size, (3, 5))
+    for step in range(2):
+        outs = []
+        for model in (plain, fast):
+            cache = model.new_cache(3, 8)
+            with torch.no_grad():
+                model(tokens[:, :4], cache)
+                cache.commit(n_keep=torch.full((3,), 4))
+                outs.append(model.logits(model(tokens[:, 4:], cache).hidden[:, -1]))
+        assert torch.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+        assert fast.model.layers[0].self_attn.q_proj._fused is not None
+        with torch.no_grad():
+            for p, q in zip(plain.parameters(), fast.parameters()):
+                p.mul_(1.5)
+                q.mul_(1.5)
 
 
 def test_weight_major_serves_only_no_gradient_forwards():
