@@ -401,10 +401,10 @@ class PretrainConfig(Checked):
     init: str = ""
     """Start from a drafter checkpoint instead of fresh weights (continued pretraining): 'default', each
     --draft kind from the drafter shipped for the default model, or a file (one --draft kind)."""
-    feature_loss: float = at_least(0.0, 2.0)
+    feature_loss: float = -1.0
     """eagle3: weight of the feature-regression term (SmoothL1 to the policy's next hidden state) beside
     0.1 x soft cross-entropy to its distribution; 2 is the paper's appendix-A loss (FastGRPO), 0 is
-    EAGLE-3's token-only loss."""
+    EAGLE-3's token-only loss; -1: 2 for a fresh drafter, and a drafter started from --init keeps its own."""
     train_positions: Literal["all", "response"] = "all"
     """Positions the drafter trains on: every position of a sequence, or only those from the last prompt
     token on (where rollouts draft). Measured on the default model (BENCHMARKS.md): response helps the
@@ -423,6 +423,9 @@ class PretrainConfig(Checked):
         kinds = self.kinds()
         _check(bool(kinds) and all(k in ("eagle3", "dflash") for k in kinds) and len(set(kinds)) == len(kinds),
                f"--draft {self.draft!r}: give drafter kinds from eagle3, dflash, comma-separated, each once")
+        _check(self.feature_loss >= 0 or self.feature_loss == -1,
+               f"--feature-loss {self.feature_loss} must be >= 0 (or -1: 2 for a fresh drafter, an --init "
+               "drafter's own)")
         _check(self.init != "fresh", "--init fresh: leave --init out to start from fresh weights")
         if self.init not in ("", "default"):
             _check(len(kinds) == 1, f"--init {self.init} is one drafter: pass one --draft kind, or --init default "

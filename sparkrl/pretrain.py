@@ -306,7 +306,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
         settings = {"block_size": cfg.block_size} if kind == "dflash" else {}
         # --init: continued pretraining, from the checkpoint's weights and draft vocabulary
         drafter = inits[kind] if kind in inits else KINDS[kind](master.args, vocab_ids=vocab_ids, **settings)
-        if kind == "eagle3":
+        if kind == "eagle3" and cfg.feature_loss >= 0:  # else a fresh drafter's 2, an --init drafter's own
             drafter.feature_weight = cfg.feature_loss
         trainers[kind] = DraftTrainer(drafter.to(device=w.device, dtype=w.dtype).bind(master), lr=cfg.lr)
     taps = tuple(sorted({i for t in trainers.values() for i in t.drafter.feature_layers}))

@@ -152,10 +152,13 @@ def test_pretrain_continues_from_a_drafter_with_its_vocabulary(tiny_model_dir, t
     from sparkrl.weights import load_model
 
     """--init FILE: training starts from that drafter (the step-0 snapshot is it) and keeps its draft
-    vocabulary whatever --draft-vocab says; --feature-loss reaches the EAGLE3-style loss."""
+    vocabulary whatever --draft-vocab says; --feature-loss reaches the EAGLE3-style loss, and without it
+    a fresh drafter trains with 2 and an --init drafter keeps its own."""
+    args = load_model(str(tiny_model_dir)).model.args
     data = gsm8k_file(tmp_path)
     first = pretrain(_cfg(tmp_path / "a", tiny_model_dir, data, draft="eagle3"))
     init = first["drafters"]["eagle3"]["path"]
+    assert load_drafter(init, args).feature_weight == 2
     cfg = _cfg(tmp_path / "b", tiny_model_dir, data, draft="eagle3", init=init, draft_vocab=32, feature_loss=0.0)
     again = pretrain(cfg)
     start = read_checkpoint(tmp_path / "b" / "pre" / "eagle3" / "snapshots" / "step-000000.safetensors")["state"]
@@ -167,9 +170,14 @@ def test_pretrain_continues_from_a_drafter_with_its_vocabulary(tiny_model_dir, t
     assert json.loads((tmp_path / "b" / "pre" / "config.json").read_text())["config"]["feature_loss"] == 0.0
     assert all(r["feat"] > 0 for r in recs if not r.get("heldout"))  # reported, though not trained on
     # the drafter keeps the loss it was trained with (online training goes on with it); older files: 2
-    assert load_drafter(again["drafters"]["eagle3"]["path"], load_model(str(tiny_model_dir)).model.args).feature_weight == 0
+    assert load_drafter(again["drafters"]["eagle3"]["path"], args).feature_weight == 0
     older = {**read_checkpoint(init), "settings": {}}  # a file from before the setting was saved
-    assert load_drafter(older, load_model(str(tiny_model_dir)).model.args).feature_weight == 2
+    assert load_drafter(older, args).feature_weight == 2
+    kept = pretrain(_cfg(tmp_path / "c", tiny_model_dir, data, draft="eagle3",
+                         init=again["drafters"]["eagle3"]["path"]))
+    assert load_drafter(kept["drafters"]["eagle3"]["path"], args).feature_weight == 0
+    recs = [json.loads(l) for l in (tmp_path / "c" / "pre" / "pretrain.jsonl").read_text().splitlines()]
+    assert recs and all(r["feat"] > 0 for r in recs if not r.get("heldout"))
 
 
 def test_pretrain_init_errors(tiny_model_dir, tmp_path):
@@ -179,6 +187,8 @@ def test_pretrain_init_errors(tiny_model_dir, tmp_path):
     (tmp_path / "d.safetensors").write_bytes(b"")
     with pytest.raises(UserError, match="one --draft kind"):
         _cfg(tmp_path, tiny_model_dir, data, init=str(tmp_path / "d.safetensors"))
+    with pytest.raises(UserError, match="--feature-loss -0.5 must be >= 0"):
+        _cfg(tmp_path, tiny_model_dir, data, feature_loss=-0.5)
     with pytest.raises(UserError, match="--init fresh"):
         _cfg(tmp_path, tiny_model_dir, data, init="fresh")
     with pytest.raises(UserError, match="--init default: the shipped eagle3 drafter .* serves --model default"):
