@@ -28,6 +28,24 @@ FAMILIES = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cost_cache(tmp_path_factory):
+    """The whole run's `SPARKRL_CACHE` is a temporary folder whose `models` is the user's: converted models
+    are shared, but the one-off timings of this machine (`machine.measurement_path`: packing, dtype,
+    weight-major, the budget's rounds) are measured afresh and thrown away. Timed on a CPU busy with
+    the tests (or under one thread), they must not become the decisions the user's own runs read."""
+    from sparkrl.weights import cache_dir
+
+    models = cache_dir() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    root = tmp_path_factory.mktemp("sparkrl-cache")
+    (root / "models").symlink_to(models, target_is_directory=True)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SPARKRL_CACHE", str(root))
+    yield root
+    patch.undo()
+
+
 def hf_model(family: str, seed: int = 0, **overrides):
     """A transformers model of `family` with random weights (bias and norms randomised too)."""
     from transformers import AutoConfig, AutoModelForCausalLM
