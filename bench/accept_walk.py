@@ -58,7 +58,7 @@ def main():
     dcfg = DraftConfig(draft="eagle3", draft_checkpoint="default", tree_depth=5, tree_branch=4, tree_nodes=16,
                        budget="fixed")
     lm = load_model("default", dtype=args.dtype)
-    policy = pack(lm.model, use_packed("auto", getattr(torch, args.dtype), "cpu"))
+    policy = pack(lm.model, use_packed("auto", getattr(torch, args.dtype), lm.model))
     use_weight_major(policy, weight_major_pays(policy))
     drafter = pack(make_drafter(dcfg, policy), policy.lm_head.packed)
     drafter = use_weight_major(drafter, policy.lm_head.weight_major).bind(policy)

@@ -50,7 +50,7 @@ def main():
     sc = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=args.new_tokens)
 
     plain = copy.deepcopy(lm.model)  # F.linear everywhere: the eager reference
-    packed = use_packed("auto", lm.model.lm_head.weight.dtype, "cpu")  # what sparkrl runs with by default
+    packed = use_packed("auto", lm.model.lm_head.weight.dtype, lm.model)  # what sparkrl runs with by default
     pack(lm.model, packed)
     use_weight_major(lm.model, weight_major_pays(lm.model))  # weight-major where measured faster, as sparkrl runs it
     fast = packed or lm.model.lm_head.weight_major

@@ -62,7 +62,7 @@ def main():
     dcfg = DraftConfig(draft=args.draft, draft_checkpoint=args.draft_checkpoint, tree_depth=depth, tree_branch=branch,
                        tree_nodes=nodes, budget=args.budget, block_size=args.block_size)
     lm = load_model("default", dtype=args.dtype)
-    pack(lm.model, use_packed(args.cpu_kernels, lm.model.lm_head.weight.dtype, "cpu"))
+    pack(lm.model, use_packed(args.cpu_kernels, lm.model.lm_head.weight.dtype, lm.model))
     use_weight_major(lm.model, args.cpu_kernels == "auto" and weight_major_pays(lm.model))  # as sparkrl's rollout copy
     drafter = use_weight_major(pack(make_drafter(dcfg, lm.model), lm.model.lm_head.packed),
                                lm.model.lm_head.weight_major)  # in the policy's dtype and kernels

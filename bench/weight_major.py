@@ -1,10 +1,12 @@
-"""Weight-major products (`kernels.weight_major_linear`) against `F.linear`, in one script: the default
-model's whole decode step (every linear layer one way or the other; weights come from memory, as in a
-rollout) and its LM head alone, per row count; then multi-token forwards (verify trees, a prefill) with
-weight-major products forced past `kernels.WEIGHT_MAJOR_ROWS`, to show where they stop paying.
-Three systems: plain `F.linear`; weight-major split into one block of output rows per thread, each
-layer its own product (the form before fusing); the same with q/k/v and gate/up as one product each
-(`kernels.linears`, the default). Interleaved, medians; also the largest logit difference.
+"""Weight-major products (`kernels.weight_major_linear`) and prepacked weights against `F.linear`, in one
+script: the default model's whole decode step (every linear layer one way or the other; weights come
+from memory, as in a rollout) and its LM head alone, per row count; then multi-token forwards (verify
+trees, a prefill) with weight-major products forced past `kernels.WEIGHT_MAJOR_ROWS`, to show where
+they stop paying. Four systems: plain `F.linear`; weight-major split into one block of output rows per
+thread, each layer its own product (the form before fusing); the same with q/k/v and gate/up as one
+product each (`kernels.linears`); prepacked oneDNN weights, with weight-major products up to
+`kernels.PACKED_WEIGHT_MAJOR_ROWS` rows (in float32 the default where packing pays). Interleaved,
+medians; also the largest logit difference against plain.
 
     .venv/bin/python bench/weight_major.py --dtype float32 --out bench/results
 """
@@ -18,14 +20,14 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from sparkrl import kernels
-from sparkrl.kernels import weight_major_linear
+from sparkrl.kernels import pack, packable
 from sparkrl.precision import _step_seconds, use_weight_major
 from sparkrl.weights import load_model
 
-SYSTEMS = {"plain": (False, False), "split": (True, False), "split_fused": (True, True)}  # (weight-major, fused)
+SYSTEMS = {"plain": (False, False, False), "split": (True, False, False), "split_fused": (True, True, False),
+           "packed": (True, True, True)}  # (weight-major, fused, packed)
 
 
 def head_seconds(f, reps: int = 5) -> list[float]:
@@ -39,12 +41,8 @@ def head_seconds(f, reps: int = 5) -> list[float]:
 
 
 def use(policy, name: str) -> None:
-    on, kernels.FUSE_LINEARS = SYSTEMS[name]
-    use_weight_major(policy, on)
-
-
-def product(name: str, x, W):
-    return F.linear(x, W) if name == "plain" else weight_major_linear(x, W)
+    on, kernels.FUSE_LINEARS, packed = SYSTEMS[name]
+    use_weight_major(pack(policy, packed), on)
 
 
 def speedups(r: dict, key: str) -> str:
@@ -61,6 +59,8 @@ def main():
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     policy = load_model("default", dtype=args.dtype, with_tokenizer=False).model
+    if not packable(policy.lm_head.weight.dtype, "cpu"):
+        SYSTEMS.pop("packed")
     W = policy.lm_head.weight.detach()
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -68,8 +68,10 @@ def main():
         toks = torch.randint(0, policy.args.vocab_size, (4, 9), generator=g)
         use(policy, "plain")
         ref = policy.logits(policy(toks).hidden)
-        use(policy, "split_fused")
-        diff = float((policy.logits(policy(toks).hidden) - ref).abs().max())
+        diff = {}
+        for name in SYSTEMS:
+            use(policy, name)
+            diff[name] = float((policy.logits(policy(toks).hidden) - ref).abs().max())
         for M in map(int, args.rows.split(",")):
             step = {n: [] for n in SYSTEMS}
             head = {n: [] for n in SYSTEMS}
@@ -78,7 +80,7 @@ def main():
                 for name in SYSTEMS:
                     use(policy, name)
                     step[name] += _step_seconds(policy, rows=M, reps=4)
-                    head[name] += head_seconds(lambda: product(name, x, W))
+                    head[name] += head_seconds(lambda: policy.lm_head(x))
             med = {k: {n: statistics.median(v) * 1e3 for n, v in d.items()}
                    for k, d in (("step", step), ("head", head))}
             rows.append({"rows": M, "step_ms": med["step"], "head_ms": med["head"],
@@ -101,7 +103,7 @@ def main():
                              **{f"speedup_{n}": med["plain"] / med[n] for n in SYSTEMS if n != "plain"}})
             f = forwards[-1]
             print(f"{B}x{T} forward ({B * T} rows): plain {med['plain']:.0f} ms, {speedups(f, 'speedup')}", flush=True)
-    print(f"largest logit difference, weight-major against F.linear: {diff:.1e}")
+    print("largest logit difference against F.linear: " + ", ".join(f"{n} {d:.1e}" for n, d in diff.items()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "weight_major" + ("" if args.dtype == "float32" else f"_{args.dtype}")

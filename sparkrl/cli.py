@@ -84,7 +84,7 @@ def run_generate(cfg: GenerateConfig) -> None:
     set_threads(cfg.model.threads)
     lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
     dt = rollout_dtype(cfg.model.rollout_dtype, lm.model)
-    lm.model = RolloutCopy(lm.model, dt, packed=use_packed(cfg.model.cpu_kernels, dt, lm.model.lm_head.weight.device),
+    lm.model = RolloutCopy(lm.model, dt, packed=use_packed(cfg.model.cpu_kernels, dt, lm.model),
                            head_float32=cfg.model.rollout_head == "float32",
                            weight_major=weight_major_choice(cfg.model.cpu_kernels)).model  # nothing trains here
     tok = lm.tokenizer

@@ -134,11 +134,12 @@ class ModelConfig(Checked):
     """LM head of a half-precision rollout copy: in the rollout dtype, or float32 (the master's head weights
     in float32 on the upcast hidden states: logits without half-precision rounding; costs time, BENCHMARKS.md)."""
     cpu_kernels: Literal["auto", "packed", "plain"] = "auto"
-    """Linear layers of the rollout model on a CPU: packed (half precision on oneDNN-prepacked weights,
-    1.5-2.3x faster per product here), plain (F.linear, the reference), auto = packed where a measurement
-    (once, cached) finds it faster, and the other layers as weight-major products where a measurement of
-    the decode step finds those faster (1.07-2.1x at 1-64 rows in float32 here; q/k/v and gate/up as one
-    product each over a concatenated copy of their weights, which costs their memory once more)."""
+    """Linear layers of the rollout model on a CPU: packed (oneDNN-prepacked weights: bfloat16 1.5-2.3x
+    faster per product; float32 products of 5+ rows, the decode step 1.1-1.25x faster at 8-32 rows),
+    plain (F.linear, the reference), auto = packed where a measurement (once, cached) finds it faster,
+    and weight-major products where a measurement of the decode step finds those faster (in float32
+    1.07-2.1x at 1-64 rows unpacked, kept for 1-4 rows packed; q/k/v and gate/up as one product each over
+    a concatenated copy of their weights). Each fast path keeps another copy of the weights in memory."""
     threads: int = at_least(0, 0)
     """CPU threads for torch (0: torch's default)."""
 

@@ -1,5 +1,5 @@
-"""Linear layers with two inference fast paths on a CPU: prepacked oneDNN weights (half precision) and
-weight-major products (decode-sized products whose weights come from memory).
+"""Linear layers with two inference fast paths on a CPU: prepacked oneDNN weights and weight-major
+products (decode-sized products whose weights come from memory).
 
 A bfloat16 `F.linear` on a CPU hands oneDNN a plain row-major weight, which it reorders into its
 blocked layout on every call; at decode sizes (a few rows) that reorder costs more than the product.
@@ -9,8 +9,13 @@ accumulation. `Linear` is `nn.Linear` that, once `pack`ed, keeps a prepacked cop
 uses it when no gradient is recorded; the copy is remade the first time the weight has changed
 since (its version counter), so a refreshed rollout copy or an optimizer step is never served
 stale. Training forwards (gradients on) always run the plain `F.linear`, which stays the reference.
-Whether packing pays is measured once per machine and dtype (`precision.packing_pays`, cached);
-float32 is never packed (MKL's sgemm is faster unpacked: measured 0.2-1.1x).
+Whether packing pays is measured once per machine and dtype (`precision.packing_pays`, cached).
+A float32 weight needs no reorder per call, but oneDNN's float32 kernels on a prepacked weight ran the
+products of 8 to 512 rows faster than MKL's sgemm either way round on this project's AMD CPU: the
+default model's decode step 1.1-1.25x at 8-32 rows and a 17-token verify forward 1.18x over
+weight-major products (BENCHMARKS.md "Prepacked float32 weights"). A packed float32 layer leaves 1 to
+`PACKED_WEIGHT_MAJOR_ROWS` rows to weight-major products, faster there; whether float32 packing pays is
+measured on the policy's own forwards (`precision.float32_packing_pays`).
 
 A weight-major product computes `F.linear(x, W)` as `(W @ x^T)^T`, copied back to row-major: the same
 sums, with the weight as the large left operand that the BLAS streams once in its own row order. At
@@ -36,6 +41,12 @@ import torch.nn.functional as F
 from torch import nn
 
 HALF = (torch.bfloat16, torch.float16)
+PACK_ROWS_HINT = {torch.float32: 16}  # oneDNN's batch-size hint when it reorders a weight (else 1): in float32
+# the layout made for 16 rows ran 8-64-row products 1.0-1.3x faster than the one made for 1 row
+PACKED_WEIGHT_MAJOR_ROWS = 4  # a packed float32 layer runs weight-major products up to this many rows: here they
+# were 1.3-1.45x faster than prepacked oneDNN products at one row, as fast or up to 1.2x faster at 2-4 rows and
+# slower from 8 (BENCHMARKS.md "Prepacked float32 weights"); a packed half-precision layer never does (prepacked
+# was faster at every size)
 WEIGHT_MAJOR_ROWS = 128  # weight-major products for 1..128 rows; past 128 rows they did not pay (0.93x-1.08x
 # at 136 rows, 0.89x for a 512-token prefill), so prefills, large trees and training-sized forwards stay on F.linear
 WEIGHT_MAJOR_PARTS: int | None = None  # blocks per weight-major product; None: torch's thread count
@@ -55,19 +66,22 @@ class Linear(nn.Linear):
         w = self.weight
         if torch.is_grad_enabled() or x.dtype != w.dtype:
             return F.linear(x, w, self.bias)
+        if self.serves_weight_major(x):
+            return weight_major_linear(x, w, self.bias)
         if self.packed and x.device.type == "cpu":
             key = (id(w), w._version)
             if self._pack is None or self._pack[1] != key:
-                self._pack = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), key)
+                self._pack = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT.get(w.dtype, 1)), key)
             return torch.ops.mkldnn._linear_pointwise(x, self._pack[0], self.bias, "none", [], "")
-        if self.serves_weight_major(x):
-            return weight_major_linear(x, w, self.bias)
         return F.linear(x, w, self.bias)
 
     def serves_weight_major(self, x: torch.Tensor) -> bool:
-        """Whether `forward(x)` is a weight-major product."""
-        return (self.weight_major and not self.packed and not torch.is_grad_enabled()
-                and x.dtype == self.weight.dtype and 1 <= x.numel() // x.shape[-1] <= WEIGHT_MAJOR_ROWS)
+        """Whether `forward(x)` is a weight-major product: 1 to `WEIGHT_MAJOR_ROWS` rows, or to
+        `PACKED_WEIGHT_MAJOR_ROWS` where a packed float32 layer's prepacked product serves the larger ones."""
+        if not self.weight_major or torch.is_grad_enabled() or x.dtype != self.weight.dtype:
+            return False
+        most = WEIGHT_MAJOR_ROWS if not self.packed else PACKED_WEIGHT_MAJOR_ROWS if x.dtype == torch.float32 else 0
+        return 1 <= x.numel() // x.shape[-1] <= most
 
     def __getstate__(self):  # copies (deepcopy, pickling) leave the prepacked and fused weights behind
         state = self.__dict__.copy()
@@ -125,7 +139,8 @@ def weight_major_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
 
 def packable(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether this torch can prepack weights of `dtype` on `device` at all."""
-    return (torch.device(device).type == "cpu" and dtype in HALF and torch.backends.mkldnn.is_available()
+    return (torch.device(device).type == "cpu" and dtype in (*HALF, torch.float32)
+            and torch.backends.mkldnn.is_available()
             and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
             and (dtype != torch.float16 or torch.ops.mkldnn._is_mkldnn_fp16_supported()))
 

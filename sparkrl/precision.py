@@ -56,7 +56,7 @@ def _step_seconds(model: Transformer, rows: int = 8, context: int = 128, reps: i
 
 def bf16_speedup(policy: Transformer) -> float:
     """float32 / bfloat16 seconds of this policy's decode step (8 rows) on this machine, measured once
-    and cached; bfloat16 on prepacked weights where they pay (`packing_pays`)."""
+    and cached; bfloat16 on prepacked weights where they pay (`packing_pays`), float32 on `F.linear`."""
     dev = policy.lm_head.weight.device
     packed = packing_pays(torch.bfloat16, dev)
     path = measurement_path("dtype", str(dev), policy.args.__dict__, {"packed": packed})
@@ -64,7 +64,7 @@ def bf16_speedup(policy: Transformer) -> float:
         return json.loads(path.read_text())["speedup"]
     print("sparkrl: timing float32 against bfloat16 decode steps on this machine (once; cached)", file=sys.stderr,
           flush=True)
-    models = {dt: pack(copy.deepcopy(policy).to(DTYPES[dt]), packed) for dt in DTYPES}  # float32 never packs
+    models = {dt: pack(copy.deepcopy(policy).to(DTYPES[dt]), packed and dt != "float32") for dt in DTYPES}
     times = {dt: [] for dt in DTYPES}
     for _ in range(2):  # interleaved: drift hits both alike
         for dt, m in models.items():
@@ -96,11 +96,14 @@ def _seconds(layer: Linear, x: torch.Tensor, reps: int) -> float:
     return (time.perf_counter() - t) / reps
 
 
-def packing_pays(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+def packing_pays(dtype: torch.dtype, device: torch.device | str = "cpu", policy: Transformer | None = None) -> bool:
     """Whether prepacked weights make a decode-sized product (1 and 16 rows, 1024 x 2048) faster than
-    plain `F.linear` in `dtype` on this machine: measured once (interleaved, medians) and cached."""
+    plain `F.linear` in `dtype` on this machine: measured once (interleaved, medians) and cached.
+    float32 is measured on `policy`'s own forwards instead (`float32_packing_pays`; False without one)."""
     if not packable(dtype, device):
         return False
+    if dtype == torch.float32:
+        return policy is not None and float32_packing_pays(policy)
     path = measurement_path("packing", str(dtype), str(torch.device(device)))
     if path.exists():
         return json.loads(path.read_text())["pays"]
@@ -122,19 +125,63 @@ def packing_pays(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool
     return pays
 
 
+PACKING_SIZES = ((8, 1), (32, 1), (1, 17))  # (rows, new tokens) of the forwards `float32_packing_pays` times
+
+
+def float32_packing_pays(policy: Transformer) -> bool:
+    """Whether this policy's float32 forwards of more than `kernels.PACKED_WEIGHT_MAJOR_ROWS` rows (decode
+    steps of 8 and 32 rows, a 17-token verify forward of one row) run faster on prepacked oneDNN weights
+    than on the faster of plain `F.linear` and weight-major products, by 5% overall (medians of 6
+    interleaved forwards each). The policy itself is timed if it is float32, else a float32 copy.
+    Measured once per machine and model, and cached."""
+    path = measurement_path("packing", str(torch.float32), str(policy.lm_head.weight.device), policy.args.__dict__,
+                            {"sizes": PACKING_SIZES})
+    if path.exists():
+        return json.loads(path.read_text())["pays"]
+    print("sparkrl: timing prepacked float32 weights on this machine (once; cached)", file=sys.stderr, flush=True)
+    model = policy if policy.lm_head.weight.dtype == torch.float32 else copy.deepcopy(policy).float()
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    was = [(m.packed, m.weight_major) for m in layers]
+    systems = ("plain", "weight_major", "packed")  # packed: weight-major up to PACKED_WEIGHT_MAJOR_ROWS rows
+    times = {name: {str(size): [] for size in PACKING_SIZES} for name in systems}
+    try:
+        for _ in range(2):  # interleaved: drift hits all alike
+            for rows, tokens in PACKING_SIZES:
+                for name in systems:
+                    use_weight_major(pack(model, name == "packed"), name != "plain")
+                    times[name][str((rows, tokens))] += _step_seconds(model, rows=rows, tokens=tokens, reps=3)
+    finally:
+        for m, (packed, weight_major) in zip(layers, was):
+            m.packed, m.weight_major, m._pack, m._fused = packed, weight_major, None, None
+    total = {name: sum(statistics.median(t) for t in by_size.values()) for name, by_size in times.items()}
+    ratio = min(total["plain"], total["weight_major"]) / total["packed"]
+    pays = ratio > 1.05
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"pays": pays, "speedup": ratio, "seconds": times}))
+    return pays
+
+
 def weight_major_pays(policy: Transformer) -> bool:
     """Whether this policy's decode step (1, 2, 8 and 64 rows) runs faster with every linear layer as a
     weight-major product (`kernels.weight_major_linear`) than with `F.linear` on this machine: faster
     overall by 5% and not slower at any row count by 3% (medians of 12 interleaved steps each).
-    Measured once per machine, model and dtype, and cached; never on a GPU, whose BLAS reads either
-    operand order alike. A half-precision copy on prepacked weights (`pack`) keeps those."""
+    A packed float32 policy is timed at 1, 2 and 4 rows, the sizes weight-major products take from its
+    prepacked ones (`kernels.PACKED_WEIGHT_MAJOR_ROWS`), and faster overall suffices: at 2-4 rows the two
+    are level on this project's CPU, so a floor per row count flipped the choice on noise (off at one row
+    too, where weight-major products are 1.3-1.45x faster). Measured once per machine, model,
+    dtype and packing, and cached; never on a GPU, whose BLAS reads either operand order alike. A
+    half-precision copy on prepacked weights (`pack`) keeps those."""
     w = policy.lm_head.weight
     if w.device.type != "cpu":
         return False
-    rows = (1, 2, 8, 64)
+    packed = policy.lm_head.packed
+    if packed and w.dtype != torch.float32:
+        return False
+    rows = (1, 2, 4) if packed else (1, 2, 8, 64)
     path = measurement_path("weight-major", str(w.dtype), policy.args.__dict__,
                             {"rows": rows,
-                             "form": "a block per thread; one row on one thread: F.linear; q/k/v, gate/up fused"})
+                             "form": "a block per thread; one row on one thread: F.linear; q/k/v, gate/up fused"},
+                            *([{"packed": True}] if packed else []))
     if path.exists():
         return json.loads(path.read_text())["pays"]
     print("sparkrl: timing weight-major products on this machine (once; cached)", file=sys.stderr, flush=True)
@@ -152,7 +199,7 @@ def weight_major_pays(policy: Transformer) -> bool:
     med = {r: {k: statistics.median(v) for k, v in t.items()} for r, t in times.items()}
     ratio = {r: m["plain"] / m["weight_major"] for r, m in med.items()}
     overall = sum(m["plain"] for m in med.values()) / sum(m["weight_major"] for m in med.values())
-    pays = overall > 1.05 and min(ratio.values()) > 0.97
+    pays = overall > 1.05 and (packed or min(ratio.values()) > 0.97)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"pays": pays, "speedup": overall, "by_rows": ratio, "seconds": times}))
     return pays
@@ -165,24 +212,27 @@ def weight_major_choice(choice: str) -> bool | None:
 
 
 def use_weight_major(module: torch.nn.Module, on: bool = True) -> torch.nn.Module:
-    """Run every unpacked `Linear` of `module` as a weight-major product (on) or as `F.linear` (no-gradient
-    forwards only, like packing); off frees the fused weights of `kernels.linears`."""
+    """Run every `Linear` of `module` as a weight-major product (on) where it serves the product
+    (`Linear.serves_weight_major`: up to 128 rows, up to 4 in a packed float32 layer, never in a packed
+    half-precision one), else as before (no-gradient forwards only, like packing); off frees the fused
+    weights of `kernels.linears`."""
     for m in module.modules():
         if isinstance(m, Linear):
-            m.weight_major = on and not m.packed
+            m.weight_major = on
             if not m.weight_major:
                 m._fused = None
     return module
 
 
-def use_packed(choice: str, dtype: torch.dtype, device: torch.device | str) -> bool:
-    """--cpu-kernels `choice` for a rollout model in `dtype` on `device`: packed, plain, or auto (packed
-    where it can be and a measurement on this machine finds it faster)."""
+def use_packed(choice: str, dtype: torch.dtype, policy: Transformer) -> bool:
+    """--cpu-kernels `choice` for a rollout copy of `policy` in `dtype`: packed, plain, or auto (packed
+    where it can be and a measurement on this machine finds it faster; in float32, of this policy)."""
+    device = policy.lm_head.weight.device
     if choice == "plain":
         return False
     if choice == "packed":
         return packable(dtype, device)
-    return packing_pays(dtype, device)
+    return packing_pays(dtype, device, policy)
 
 
 class RolloutCopy:

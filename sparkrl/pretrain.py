@@ -288,7 +288,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
     master, tok = lm.model, lm.tokenizer
     dt = rollout_dtype(cfg.model.rollout_dtype, master)
-    policy = RolloutCopy(master, dt, packed=use_packed(cfg.model.cpu_kernels, dt, master.lm_head.weight.device),
+    policy = RolloutCopy(master, dt, packed=use_packed(cfg.model.cpu_kernels, dt, master),
                          head_float32=cfg.model.rollout_head == "float32",
                          weight_major=weight_major_choice(cfg.model.cpu_kernels)).model
     # ^ features and targets

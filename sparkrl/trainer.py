@@ -37,6 +37,7 @@ from sparkrl.draft_train import DraftTrainer, row_generators
 from sparkrl.errors import UserError
 from sparkrl.export import export_model
 from sparkrl.grpo import grpo_loss, group_advantages, mismatch
+from sparkrl.kernels import pack
 from sparkrl.machine import RateWatch, set_threads
 from sparkrl.model import Transformer, pad_right
 from sparkrl.precision import (RolloutCopy, rollout_dtype, use_packed, use_weight_major, weight_major_choice,
@@ -252,10 +253,12 @@ class GRPORun:
         if not dt and world.is_main:
             dt = str(rollout_dtype(cfg.model.rollout_dtype, policy)).removeprefix("torch.")
         if packed is None and world.is_main:
-            packed = use_packed(cfg.model.cpu_kernels, getattr(torch, dt), policy.lm_head.weight.device)
+            packed = use_packed(cfg.model.cpu_kernels, getattr(torch, dt), policy)
         dt, packed = world.broadcast((dt, packed))  # every rank samples in rank 0's choice
         self.rollout = RolloutCopy(policy, getattr(torch, dt), separate=shards.sharded, packed=packed,  # unsharded
                                    head_float32=cfg.model.rollout_head == "float32", weight_major=False)
+        if self.ref is not None and not shards.sharded and self.ref.lm_head.weight.dtype == getattr(torch, dt):
+            pack(self.ref, packed)  # its no-grad forwards, as the rollout's; its weights never change: packed once
         if weight_major is None and world.is_main:  # measured on the copy itself, by rank 0 alone
             weight_major = weight_major_choice(cfg.model.cpu_kernels) is None and weight_major_pays(self.rollout.model)
         weight_major = world.broadcast(weight_major)

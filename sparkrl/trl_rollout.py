@@ -194,7 +194,7 @@ class SparkRollout:
         self.policy = policy
         self.sync(trainer)
         dt = w.dtype if self.cfg.rollout_dtype == "model" else rollout_dtype(self.cfg.rollout_dtype, policy)
-        self.rollout = RolloutCopy(policy, dt, packed=use_packed(self.cfg.cpu_kernels, dt, w.device),
+        self.rollout = RolloutCopy(policy, dt, packed=use_packed(self.cfg.cpu_kernels, dt, policy),
                                    weight_major=weight_major_choice(self.cfg.cpu_kernels))
         sampling = sampling_config(trainer.args)
         self.drafting = make_drafting(self.cfg.draft, policy, self.rollout.model, sampling.temperature, self.cfg.seed)

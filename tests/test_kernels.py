@@ -12,51 +12,55 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkrl import precision
-from sparkrl.kernels import WEIGHT_MAJOR_ROWS, Linear, is_packed, linears, pack, packable, weight_major_linear
+from sparkrl.kernels import (PACKED_WEIGHT_MAJOR_ROWS, WEIGHT_MAJOR_ROWS, Linear, is_packed, linears, pack, packable,
+                             weight_major_linear)
 from sparkrl.precision import RolloutCopy, use_packed
 
-BF16 = torch.bfloat16
+BF16, F32 = torch.bfloat16, torch.float32
 needs_packing = pytest.mark.skipif(not packable(BF16, "cpu"), reason="this torch/CPU cannot prepack bfloat16 weights")
+needs_f32_packing = pytest.mark.skipif(not packable(F32, "cpu"), reason="no oneDNN in this torch")
+PACKED_DTYPES = [pytest.param(BF16, marks=needs_packing), pytest.param(F32, marks=needs_f32_packing)]
 
 
-def _layer(n_in, n_out, bias, seed=0):
+def _layer(n_in, n_out, bias, seed=0, dtype=BF16):
     torch.manual_seed(seed)
     lin = Linear(n_in, n_out, bias=bias)
     with torch.no_grad():
         lin.weight.normal_()
         if bias:
             lin.bias.normal_()
-    return lin.to(BF16).requires_grad_(False)
+    return lin.to(dtype).requires_grad_(False)
 
 
 def _close_to_float64(y, x, lin):
-    """y within bfloat16 rounding of the float64 product (accumulation error scaled by |x| |w|)."""
+    """y within the dtype's rounding of the float64 product (accumulation error scaled by |x| |w|)."""
     ref = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
     scale = F.linear(x.double().abs(), lin.weight.double().abs(),
                      None if lin.bias is None else lin.bias.double().abs())
     err = (y.double() - ref).abs()
-    assert bool((err <= 2 ** -7 * scale + 1e-6).all()), float((err / scale).max())
+    tol = 2 ** -7 if y.dtype == BF16 else 2 ** -20
+    assert bool((err <= tol * scale + 1e-6).all()), float((err / scale).max())
 
 
-@needs_packing
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 96), (17, 96), (2, 17, 96), (8, 8, 96)])
-def test_packed_linear_matches_a_float64_reference(shape, bias):
-    lin = pack(_layer(96, 160, bias))
-    x = torch.randn(*shape).to(BF16)
+def test_packed_linear_matches_a_float64_reference(shape, bias, dtype):
+    lin = pack(_layer(96, 160, bias, dtype=dtype))
+    x = torch.randn(*shape).to(dtype)
     with torch.no_grad():
         y = lin(x)
     assert lin.packed and lin._pack is not None  # the packed path ran
-    assert y.shape == (*shape[:-1], 160) and y.dtype == BF16
+    assert y.shape == (*shape[:-1], 160) and y.dtype == dtype
     _close_to_float64(y, x, lin)
     plain = F.linear(x, lin.weight, lin.bias)
-    assert (y.float() - plain.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()  # plain bf16 agrees
+    assert (y.float() - plain.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()  # plain F.linear agrees
 
 
-@needs_packing
-def test_a_changed_weight_is_repacked_never_served_stale():
-    lin = pack(_layer(64, 32, True))
-    x = torch.randn(3, 64).to(BF16)
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+def test_a_changed_weight_is_repacked_never_served_stale(dtype):
+    lin = pack(_layer(64, 32, True, dtype=dtype))
+    x = torch.randn(5, 64).to(dtype)
     with torch.no_grad():
         before = lin(x)
         lin.weight.mul_(-1)  # in place: the version counter moves
@@ -84,10 +88,10 @@ def test_a_refreshed_rollout_copy_samples_from_the_new_master_weights():
     assert torch.allclose(y1.float(), 2 * y0.float(), rtol=2 ** -6, atol=1e-2)
 
 
-@needs_packing
-def test_gradients_take_the_plain_path_and_copies_leave_the_pack_behind():
-    lin = pack(_layer(32, 16, True).requires_grad_(True))
-    x = torch.randn(4, 32).to(BF16).requires_grad_(True)
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+def test_gradients_take_the_plain_path_and_copies_leave_the_pack_behind(dtype):
+    lin = pack(_layer(32, 16, True, dtype=dtype).requires_grad_(True))
+    x = torch.randn(5, 32).to(dtype).requires_grad_(True)
     y = lin(x)  # gradients on: plain F.linear, bit for bit
     assert torch.equal(y, F.linear(x, lin.weight, lin.bias))
     y.float().sum().backward()
@@ -100,33 +104,53 @@ def test_gradients_take_the_plain_path_and_copies_leave_the_pack_behind():
         assert torch.equal(twin(x), lin(x))
 
 
-def test_float32_is_never_packed_and_pack_off_restores_the_plain_layer():
-    lin = pack(Linear(8, 8))
-    assert not lin.packed and not is_packed(lin)  # float32: MKL's sgemm is faster unpacked
-    assert not packable(torch.float32, "cpu") and not packable(BF16, "meta")
-    half = pack(Linear(8, 8).to(BF16), packable(BF16, "cpu"))
-    assert half.packed == packable(BF16, "cpu")
-    pack(half, False)
-    assert not half.packed and half._pack is None
+def test_pack_off_restores_the_plain_layer():
+    assert not packable(BF16, "meta") and not packable(torch.int8, "cpu")
+    for dtype in (F32, BF16):
+        lin = pack(Linear(8, 8).to(dtype), packable(dtype, "cpu"))
+        assert lin.packed == is_packed(lin) == packable(dtype, "cpu")
+        with torch.no_grad():
+            lin(torch.randn(8, 8).to(dtype))
+        pack(lin, False)
+        assert not lin.packed and lin._pack is None
 
 
-@needs_packing
-def test_packed_model_and_drafter_follow_the_plain_ones(tiny_llama):
+@needs_f32_packing
+@pytest.mark.parametrize("rows", sorted({1, PACKED_WEIGHT_MAJOR_ROWS, PACKED_WEIGHT_MAJOR_ROWS + 1, 40}))
+def test_a_packed_float32_layer_leaves_the_fewest_rows_to_weight_major_products(rows):
+    """Up to `PACKED_WEIGHT_MAJOR_ROWS` rows a weight-major product (and no packed copy made), from there
+    the prepacked one; both within float32 rounding of float64; a packed bfloat16 layer never runs
+    weight-major."""
+    lin = precision.use_weight_major(pack(_layer(96, 160, True, dtype=F32)))
+    x = torch.randn(rows, 96)
+    with torch.no_grad():
+        y = lin(x)
+        _close_to_float64(y, x, lin)
+        assert lin.serves_weight_major(x) == (rows <= PACKED_WEIGHT_MAJOR_ROWS) == (lin._pack is None)
+        if rows <= PACKED_WEIGHT_MAJOR_ROWS:
+            assert torch.equal(y, weight_major_linear(x, lin.weight, lin.bias))
+        half = precision.use_weight_major(_layer(96, 160, True, dtype=BF16))
+        half.packed = True  # as `pack` sets it where bfloat16 packs
+        assert half.weight_major and not half.serves_weight_major(x.to(BF16))
+
+
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+def test_packed_model_and_drafter_follow_the_plain_ones(tiny_llama, dtype):
     from sparkrl.drafters.eagle3 import Eagle3Drafter
 
-    plain = tiny_llama.to(BF16)
+    plain = tiny_llama.to(dtype)
     packed = pack(copy.deepcopy(plain))
     toks = torch.tensor([[1, 2, 3, 4, 5, 6]])
     with torch.no_grad():
         a, b = plain.logits(plain(toks).hidden), packed.logits(packed(toks).hidden)
     assert is_packed(packed) and packed.lm_head.packed and not is_packed(plain)
     assert (a - b).abs().max() < 0.05 * a.abs().max()
-    d = Eagle3Drafter(plain.args).to(BF16)
+    d = Eagle3Drafter(plain.args).to(dtype)
     assert d.bind(packed)._head[0].packed and not d.bind(plain)._head[0].packed  # the head follows the policy
 
 
 @needs_packing
-def test_the_packing_decision_is_measured_once_and_cached(monkeypatch, tmp_path):
+def test_the_packing_decision_is_measured_once_and_cached(monkeypatch, tmp_path, tiny_llama):
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
     calls = []
     real = precision._seconds
@@ -137,9 +161,58 @@ def test_the_packing_decision_is_measured_once_and_cached(monkeypatch, tmp_path)
     assert precision.packing_pays(BF16) is True and len(calls) == n  # cached
     stored = json.loads(next((tmp_path / "costs").glob("packing-*.json")).read_text())
     assert stored["pays"] and stored["speedup"] == 2.0
-    assert use_packed("plain", BF16, "cpu") is False and use_packed("packed", BF16, "cpu") is True
-    assert use_packed("auto", torch.float32, "cpu") is False
+    policy = tiny_llama.to(BF16)
+    assert use_packed("plain", BF16, policy) is False and use_packed("packed", BF16, policy) is True
     assert real is not None
+
+
+@needs_f32_packing
+def test_a_packed_float32_policy_times_weight_major_products_at_the_rows_they_take(monkeypatch, tmp_path,
+                                                                                  tiny_llama):
+    """1 to `PACKED_WEIGHT_MAJOR_ROWS` rows, and faster overall suffices (a level row count does not veto)."""
+    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_steps(model, rows=8, context=128, reps=5):  # weight-major 1.5x faster at one row, 3% slower at 2
+        calls.append(rows)
+        wm = {1: 1.0, 2: 2.06, 4: 2.0}, {1: 1.5, 2: 2.0, 4: 2.0}
+        return [wm[not model.lm_head.weight_major][rows]] * reps
+
+    monkeypatch.setattr(precision, "_step_seconds", fake_steps)
+    assert precision.weight_major_pays(pack(tiny_llama)) and sorted(set(calls)) == [1, 2, PACKED_WEIGHT_MAJOR_ROWS]
+    monkeypatch.setattr(precision, "_step_seconds", lambda model, rows=8, context=128, reps=5: [1.0] * reps)
+    assert precision.weight_major_pays(tiny_llama)  # cached per packing: the packed policy's decision
+    assert not precision.weight_major_pays(pack(tiny_llama, False))  # measured apart: a tie
+
+
+@needs_f32_packing
+def test_the_float32_packing_decision_is_measured_on_the_policy_and_cached(monkeypatch, tmp_path, tiny_llama):
+    """Prepacked (weight-major for the fewest rows) against the faster of F.linear and weight-major products, on
+    the policy's own forwards of more rows; the policy's kernels are left as they were."""
+    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_steps(model, rows=8, context=128, reps=5, tokens=1):  # packed 1.25x faster than weight-major
+        up = model.model.layers[0].mlp.up_proj
+        calls.append((rows, tokens, up.packed, up.weight_major, model.lm_head.weight.dtype))
+        return [1.0 if up.packed else 1.25 if up.weight_major else 2.0] * reps
+
+    monkeypatch.setattr(precision, "_step_seconds", fake_steps)
+    assert use_packed("auto", F32, tiny_llama) is True
+    assert {(r * t) > PACKED_WEIGHT_MAJOR_ROWS for r, t, *_ in calls} == {True}  # only sizes packing would serve
+    assert {c[2:4] for c in calls} == {(False, False), (False, True), (True, True)}
+    layers = [m for m in tiny_llama.modules() if isinstance(m, Linear)]
+    assert not any(m.packed or m.weight_major or m._pack is not None for m in layers)  # left as it was
+    n = len(calls)
+    assert use_packed("auto", F32, tiny_llama) and len(calls) == n  # cached
+    stored = json.loads(next((tmp_path / "costs").glob("packing-*.json")).read_text())
+    assert stored["pays"] and stored["speedup"] == 1.25
+    assert use_packed("plain", F32, tiny_llama) is False and use_packed("packed", F32, tiny_llama) is True
+    half = copy.deepcopy(tiny_llama).to(BF16)  # a half-precision master: timed on a float32 copy
+    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "other"))
+    monkeypatch.setattr(precision, "_step_seconds", lambda model, rows=8, context=128, reps=5, tokens=1: [1.0] * reps)
+    assert precision.packing_pays(F32, "cpu", half) is False  # a tie
+    assert half.lm_head.weight.dtype == BF16 and precision.packing_pays(F32, "cpu") is False  # no policy: unpacked
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -15,7 +15,7 @@ from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.selfdraft import SelfDrafter
 from sparkrl.kernels import is_packed, pack, packable
-from sparkrl.precision import RolloutCopy
+from sparkrl.precision import RolloutCopy, use_weight_major
 from sparkrl.config import TreeShape
 from sparkrl.rollout import generate, response_generators
 from sparkrl.speculative import catch_up, generate_speculative
@@ -200,20 +200,22 @@ def test_rollouts_record_the_rollout_models_logprob_of_every_token(tiny_llama, m
         assert torch.allclose(torch.tensor(r.logp[i]), want, atol=1e-4), (i, r.logp[i], want.tolist())
 
 
-@pytest.mark.parametrize("packed,head32", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("dtype,packed,head32", [(torch.bfloat16, False, False), (torch.bfloat16, True, False),
+                                                  (torch.bfloat16, True, True), (torch.float32, True, False)])
 @pytest.mark.parametrize("mode", ["tree", "chain", "block"])
-def test_bfloat16_rollouts_are_exact_for_the_bfloat16_model(mode, packed, head32):
+def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32):
     """Exactness is relative to the rollout model: a bf16 policy and drafter sample from the bf16
     policy's own distribution (computed here from the bf16 model's full-sequence forward), also on
     prepacked weights (whose products round differently from the plain ones: the reference is then
-    the packed model's own forward) and with a float32 LM head."""
-    if packed and not packable(torch.bfloat16, "cpu"):
-        pytest.skip("this torch/CPU cannot prepack bfloat16 weights")
+    the packed model's own forward) and with a float32 LM head; so do a float32 policy and drafter on
+    prepacked weights (weight-major products for the fewest rows)."""
+    if packed and not packable(dtype, "cpu"):
+        pytest.skip(f"this torch/CPU cannot prepack {dtype} weights")
     torch.manual_seed(0)
     master = small_policy()
-    policy = pack(RolloutCopy(master, torch.bfloat16, head_float32=head32).model, packed)
+    policy = pack(RolloutCopy(master, dtype, head_float32=head32, weight_major=dtype == torch.float32).model, packed)
     drafter = (DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args))
-    drafter = pack(drafter.to(torch.bfloat16), packed).bind(policy)
+    drafter = use_weight_major(pack(drafter.to(dtype), packed), dtype == torch.float32).bind(policy)
     assert is_packed(policy) == packed == is_packed(drafter)
     prompts, G, L = [[1, 2, 3, 4], [2, 0]], 3000, 3
     sc = SamplingConfig(0.8, 0.7, L)

@@ -273,6 +273,38 @@ def test_bfloat16_rollouts_of_float32_weights(tiny_model_dir, tmp_path):
     assert strip(_metrics(tmp_path / "a")) == strip(_metrics(tmp_path / "b"))
 
 
+@pytest.mark.skipif(not packable(torch.float32, "cpu"), reason="no oneDNN in this torch")
+def test_packed_float32_rollouts_sample_from_the_updated_policy_and_the_reference_stays_packed(tiny_model_dir,
+                                                                                              tmp_path):
+    """float32 rollouts on prepacked weights: the rollout model is the policy itself, its packed copies are
+    remade after the update (logits as plain F.linear's of the new weights), the reference's are made once."""
+    import copy
+
+    import sparkrl.trainer as trainer_mod
+    from sparkrl.kernels import pack
+
+    kw = dict(rollout_dtype="float32", cpu_kernels="packed", draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3,
+              budget="fixed")
+    run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
+    assert run.rollout.model is run.policy and run.policy.lm_head.packed and run.ref.lm_head.packed
+    assert run.draft_rollout.model._head[0].packed
+    toks = torch.randint(0, run.policy.args.vocab_size, (2, 7))
+    with torch.no_grad():
+        run.ref(toks)
+        ref_pack = run.ref.model.layers[0].mlp.up_proj._pack[0]
+        before = run.policy.logits(run.policy(toks).hidden)
+    run.step(0)
+    run.grader.close()
+    plain = pack(copy.deepcopy(run.policy), False)
+    with torch.no_grad():
+        after = run.policy.logits(run.policy(toks).hidden)  # 14 rows: the prepacked path
+        want = plain.logits(plain(toks).hidden)
+        run.ref(toks)
+    assert run.policy.lm_head._pack is not None and not torch.allclose(after, before, atol=1e-4)
+    assert torch.allclose(after, want, rtol=1e-4, atol=1e-4)
+    assert run.ref.model.layers[0].mlp.up_proj._pack[0] is ref_pack  # the reference never changes: packed once
+
+
 @pytest.mark.skipif(not packable(torch.bfloat16, "cpu"), reason="this torch/CPU cannot prepack bfloat16 weights")
 def test_packed_bfloat16_rollouts_with_a_float32_head_follow_the_updates_and_resume_exactly(tiny_model_dir, tmp_path,
                                                                                          monkeypatch):
