@@ -135,7 +135,7 @@ class ModelConfig(Checked):
     in float32 on the upcast hidden states: logits without half-precision rounding; costs time, BENCHMARKS.md)."""
     cpu_kernels: Literal["auto", "packed", "plain"] = "auto"
     """Linear layers of the rollout model on a CPU: packed (oneDNN-prepacked weights: bfloat16 1.5-2.3x
-    faster per product; float32 products of 5+ rows, the decode step 1.1-1.25x faster at 8-32 rows),
+    faster per product; float32 products of 5+ rows, the decode step 1.0-1.26x faster at 8-64 rows),
     plain (F.linear, the reference), auto = packed where a measurement (once, cached) finds it faster,
     and weight-major products where a measurement of the decode step finds those faster (in float32
     1.07-2.1x at 1-64 rows unpacked, kept for 1-4 rows packed; q/k/v and gate/up as one product each over

@@ -12,7 +12,7 @@ stale. Training forwards (gradients on) always run the plain `F.linear`, which s
 Whether packing pays is measured once per machine and dtype (`precision.packing_pays`, cached).
 A float32 weight needs no reorder per call, but oneDNN's float32 kernels on a prepacked weight ran the
 products of 8 to 512 rows faster than MKL's sgemm either way round on this project's AMD CPU: the
-default model's decode step 1.1-1.25x at 8-32 rows and a 17-token verify forward 1.18x over
+default model's decode step 1.0-1.26x at 8-64 rows and a 17-token verify forward 1.18-1.33x over
 weight-major products (BENCHMARKS.md "Prepacked float32 weights"). A packed float32 layer leaves 1 to
 `PACKED_WEIGHT_MAJOR_ROWS` rows to weight-major products, faster there; whether float32 packing pays is
 measured on the policy's own forwards (`precision.float32_packing_pays`).
