@@ -1,13 +1,16 @@
-"""GRPO steps with float32 rollouts vs bfloat16 rollouts (on plain or prepacked CPU kernels, with the LM
-head in bf16 or float32; and bf16 autocast training), side by side.
+"""GRPO steps with float32 rollouts (default kernels, or weight-major unpacked) vs bfloat16 rollouts (on
+plain or prepacked CPU kernels, with the LM head in bf16 or float32; and bf16 autocast training), side
+by side.
 
 Each configuration is a full GRPO run (`trainer.GRPORun`) on the default model from the same weights,
 prompts and seeds, interleaved step by step with alternating order. Reported per configuration: the
-step time split (generation / policy update), its ratio to the float32 run, the mismatch between the
+step time split (generation / policy update), its ratio to the first configuration (--config; by
+default the float32 run), the mismatch between the
 rollout model and the trained weights (mean / max |log pi - log pi_rollout|, k3 KL per token) and the
 reward per step. Writes bench/results/precision_step.json.
 
     .venv/bin/python bench/precision_step.py --steps 4
+    .venv/bin/python bench/precision_step.py --config "fp32 rollouts" --config "fp32 rollouts, weight-major kernels"
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from sparkrl.config import DataConfig, GRPOConfig, ModelConfig, RunConfig, Sampl
 from sparkrl.trainer import GRPORun
 
 CONFIGS = {"fp32 rollouts": dict(rollout_dtype="float32", train_dtype="float32"),
+           "fp32 rollouts, weight-major kernels": dict(rollout_dtype="float32", train_dtype="float32",
+                                                       cpu_kernels="weight-major"),
            "bf16 rollouts, plain kernels": dict(rollout_dtype="bfloat16", train_dtype="float32", cpu_kernels="plain"),
            "bf16 rollouts": dict(rollout_dtype="bfloat16", train_dtype="float32"),
            "bf16 rollouts, float32 head": dict(rollout_dtype="bfloat16", train_dtype="float32", rollout_head="float32"),
@@ -38,11 +43,15 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--data", default="default")
+    ap.add_argument("--config", action="append", choices=list(CONFIGS),
+                    help="a configuration to run (repeatable; the first is the baseline; default: all)")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
+    names = a.config or list(CONFIGS)
     tmp = Path(tempfile.mkdtemp())
     runs = {}
-    for name, c in CONFIGS.items():
+    for name in names:
+        c = CONFIGS[name]
         cfg = RunConfig(out=str(tmp / name.replace(" ", "_")), steps=a.steps, checkpoint_every=10**6,
                         model=ModelConfig(**{k: v for k, v in c.items() if k != "train_dtype"}),
                         sampling=SamplingConfig(max_new_tokens=a.max_new_tokens), data=DataConfig(data=a.data),
@@ -60,7 +69,7 @@ def main():
     for r in runs.values():
         r.grader.close()
     # per token: generation time / tokens (responses differ in length between the dtypes)
-    base = rows["fp32 rollouts"]
+    base = rows[names[0]]
     per_tok = lambda ms: sum(m["gen_s"] for m in ms) / sum(m["gen_tokens"] for m in ms)
     upd = lambda ms: statistics.median(m["train_s"] for m in ms)
     summary = {}

@@ -133,13 +133,14 @@ class ModelConfig(Checked):
     rollout_head: Literal["rollout", "float32"] = "rollout"
     """LM head of a half-precision rollout copy: in the rollout dtype, or float32 (the master's head weights
     in float32 on the upcast hidden states: logits without half-precision rounding; costs time, BENCHMARKS.md)."""
-    cpu_kernels: Literal["auto", "packed", "plain"] = "auto"
+    cpu_kernels: Literal["auto", "packed", "weight-major", "plain"] = "auto"
     """Linear layers of the rollout model on a CPU: packed (oneDNN-prepacked weights: bfloat16 1.5-2.3x
     faster per product; float32 products of 5+ rows, the decode step 1.0-1.26x faster at 8-64 rows),
-    plain (F.linear, the reference), auto = packed where a measurement (once, cached) finds it faster,
-    and weight-major products where a measurement of the decode step finds those faster (in float32
-    1.07-2.1x at 1-64 rows unpacked, kept for 1-4 rows packed; q/k/v and gate/up as one product each over
-    a concatenated copy of their weights). Each fast path keeps another copy of the weights in memory."""
+    weight-major (unpacked; decode-sized products with the weight streamed in its own row order, 1.07-2.1x
+    at 1-64 rows in float32 here; q/k/v and gate/up as one product each over a concatenated copy of their
+    weights), plain (F.linear, the reference), auto = packed where a measurement (once, cached) finds it
+    faster, and weight-major products where a measurement of the decode step finds those faster (kept
+    for 1-4 rows packed in float32). Each fast path keeps another copy of the weights in memory."""
     threads: int = at_least(0, 0)
     """CPU threads for torch (0: torch's default)."""
 
@@ -330,7 +331,7 @@ class TRLConfig(Checked):
     EAGLE3-style drafter with SPARK; draft 'none': sparkrl's autoregressive engine)."""
     rollout_dtype: Literal["model", "auto", "float32", "bfloat16"] = "model"
     """Dtype of the engine's copy of the policy: model (the trained model's own dtype), or as --rollout-dtype."""
-    cpu_kernels: Literal["auto", "packed", "plain"] = "auto"
+    cpu_kernels: Literal["auto", "packed", "weight-major", "plain"] = "auto"
     """Linear layers of the engine's copy on a CPU, as --cpu-kernels."""
     micro_batch: int = at_least(1, 4)
     """Sequences per no-grad policy forward that gives the drafter's online training its features."""

@@ -207,8 +207,8 @@ def weight_major_pays(policy: Transformer) -> bool:
 
 def weight_major_choice(choice: str) -> bool | None:
     """`RolloutCopy`'s weight_major for --cpu-kernels `choice`: measured on the copy (None) under auto;
-    off under plain (`F.linear` everywhere, the reference) and packed."""
-    return None if choice == "auto" else False
+    on under weight-major; off under plain (`F.linear` everywhere, the reference) and packed."""
+    return None if choice == "auto" else choice == "weight-major"
 
 
 def use_weight_major(module: torch.nn.Module, on: bool = True) -> torch.nn.Module:
@@ -225,10 +225,11 @@ def use_weight_major(module: torch.nn.Module, on: bool = True) -> torch.nn.Modul
 
 
 def use_packed(choice: str, dtype: torch.dtype, policy: Transformer) -> bool:
-    """--cpu-kernels `choice` for a rollout copy of `policy` in `dtype`: packed, plain, or auto (packed
-    where it can be and a measurement on this machine finds it faster; in float32, of this policy)."""
+    """--cpu-kernels `choice` for a rollout copy of `policy` in `dtype`: packed; plain or weight-major
+    (unpacked); or auto (packed where it can be and a measurement on this machine finds it faster; in
+    float32, of this policy)."""
     device = policy.lm_head.weight.device
-    if choice == "plain":
+    if choice in ("plain", "weight-major"):
         return False
     if choice == "packed":
         return packable(dtype, device)

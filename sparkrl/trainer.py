@@ -260,7 +260,8 @@ class GRPORun:
         if self.ref is not None and not shards.sharded and self.ref.lm_head.weight.dtype == getattr(torch, dt):
             pack(self.ref, packed)  # its no-grad forwards, as the rollout's; its weights never change: packed once
         if weight_major is None and world.is_main:  # measured on the copy itself, by rank 0 alone
-            weight_major = weight_major_choice(cfg.model.cpu_kernels) is None and weight_major_pays(self.rollout.model)
+            choice = weight_major_choice(cfg.model.cpu_kernels)
+            weight_major = weight_major_pays(self.rollout.model) if choice is None else choice
         weight_major = world.broadcast(weight_major)
         use_weight_major(self.rollout.model, weight_major)
         if world.is_main:

@@ -208,6 +208,7 @@ def test_the_float32_packing_decision_is_measured_on_the_policy_and_cached(monke
     stored = json.loads(next((tmp_path / "costs").glob("packing-*.json")).read_text())
     assert stored["pays"] and stored["speedup"] == 1.25
     assert use_packed("plain", F32, tiny_llama) is False and use_packed("packed", F32, tiny_llama) is True
+    assert use_packed("weight-major", F32, tiny_llama) is False
     half = copy.deepcopy(tiny_llama).to(BF16)  # a half-precision master: timed on a float32 copy
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "other"))
     monkeypatch.setattr(precision, "_step_seconds", lambda model, rows=8, context=128, reps=5, tokens=1: [1.0] * reps)
@@ -348,6 +349,7 @@ def test_the_weight_major_decision_is_measured_once_on_decode_steps_and_cached(m
     assert not any(m.weight_major for m in RolloutCopy(tiny_llama, torch.float32, weight_major=False).model.modules()
                    if isinstance(m, Linear))  # --cpu-kernels plain / packed
     assert precision.weight_major_choice("auto") is None and precision.weight_major_choice("plain") is False
+    assert precision.weight_major_choice("weight-major") is True and precision.weight_major_choice("packed") is False
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "other"))
     monkeypatch.setattr(precision, "_step_seconds", lambda model, rows=8, context=128, reps=5: [1.0] * reps)  # a tie
     assert not precision.weight_major_pays(tiny_llama)

@@ -273,6 +273,20 @@ def test_bfloat16_rollouts_of_float32_weights(tiny_model_dir, tmp_path):
     assert strip(_metrics(tmp_path / "a")) == strip(_metrics(tmp_path / "b"))
 
 
+def test_weight_major_cpu_kernels_are_used_unpacked_and_unmeasured(tiny_model_dir, tmp_path, monkeypatch):
+    import sparkrl.trainer as trainer_mod
+    from sparkrl.kernels import Linear
+
+    monkeypatch.setattr(trainer_mod, "weight_major_pays", lambda model: pytest.fail("measured"))
+    run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "x", steps=1, rollout_dtype="float32",
+                                   cpu_kernels="weight-major"), grader=ParityGrader())
+    run.grader.close()
+    layers = [m for m in run.rollout.model.modules() if isinstance(m, Linear)]
+    assert layers and all(m.weight_major and not m.packed for m in layers)
+    resolved = json.loads((tmp_path / "x" / "config.json").read_text())["resolved"]
+    assert resolved["weight_major_kernels"] is True and resolved["packed_kernels"] is False
+
+
 @pytest.mark.skipif(not packable(torch.float32, "cpu"), reason="no oneDNN in this torch")
 def test_packed_float32_rollouts_sample_from_the_updated_policy_and_the_reference_stays_packed(tiny_model_dir,
                                                                                               tmp_path):
