@@ -65,7 +65,9 @@ def model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 def _flat(model_dir, out, **kw) -> dict:
     return {"model": str(model_dir), "out": str(out), "steps": 2, "group_size": 2, "prompts_per_step": 4,
             "max_new_tokens": 8, "default_size": 20, "lr": 1e-3, "micro_batch": 2, "rollout_dtype": "float32",
-            "budget": "fixed", "threads": 1, **kw}  # one thread in every process: the same float reductions
+            "budget": "fixed", "threads": 1, "cpu_kernels": "plain", **kw}  # one thread in every process: the same
+    # float reductions; plain kernels: under auto a packed float32 layer rounds a row differently by how many rows
+    # share the product (weight-major up to 4, oneDNN above), and a rank's batch is half the one process's
 
 
 def _rank(rank: int, size: int, port: int, flat: dict) -> None:
