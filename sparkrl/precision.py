@@ -15,6 +15,7 @@ truncated importance sampling (`grpo.grpo_loss`, --tis-cap).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import statistics
@@ -128,6 +129,24 @@ def packing_pays(dtype: torch.dtype, device: torch.device | str = "cpu", policy:
 PACKING_SIZES = ((8, 1), (32, 1), (1, 17))  # (rows, new tokens) of the forwards `float32_packing_pays` times
 
 
+@contextlib.contextmanager
+def kernels_restored(model: torch.nn.Module):
+    """A timing that switches `model`'s kernels (`pack`, `use_weight_major`) leaves every `Linear` as it
+    found it: its flags, and its prepacked weight unless the timing changed its packing (then it is
+    made again on the next forward); fused weights only where weight-major products serve."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    was = [(m.packed, m.weight_major) for m in layers]
+    try:
+        yield model
+    finally:
+        for m, (packed, weight_major) in zip(layers, was):
+            if m.packed != packed:
+                m._pack = None
+            if not weight_major:
+                m._fused = None
+            m.packed, m.weight_major = packed, weight_major
+
+
 def float32_packing_pays(policy: Transformer) -> bool:
     """Whether this policy's float32 forwards of more than `kernels.PACKED_WEIGHT_MAJOR_ROWS` rows (decode
     steps of 8 and 32 rows, a 17-token verify forward of one row) run faster on prepacked oneDNN weights
@@ -140,19 +159,14 @@ def float32_packing_pays(policy: Transformer) -> bool:
         return json.loads(path.read_text())["pays"]
     print("sparkrl: timing prepacked float32 weights on this machine (once; cached)", file=sys.stderr, flush=True)
     model = policy if policy.lm_head.weight.dtype == torch.float32 else copy.deepcopy(policy).float()
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    was = [(m.packed, m.weight_major) for m in layers]
     systems = ("plain", "weight_major", "packed")  # packed: weight-major up to PACKED_WEIGHT_MAJOR_ROWS rows
     times = {name: {str(size): [] for size in PACKING_SIZES} for name in systems}
-    try:
+    with kernels_restored(model):
         for _ in range(2):  # interleaved: drift hits all alike
             for rows, tokens in PACKING_SIZES:
                 for name in systems:
                     use_weight_major(pack(model, name == "packed"), name != "plain")
                     times[name][str((rows, tokens))] += _step_seconds(model, rows=rows, tokens=tokens, reps=3)
-    finally:
-        for m, (packed, weight_major) in zip(layers, was):
-            m.packed, m.weight_major, m._pack, m._fused = packed, weight_major, None, None
     total = {name: sum(statistics.median(t) for t in by_size.values()) for name, by_size in times.items()}
     ratio = min(total["plain"], total["weight_major"]) / total["packed"]
     pays = ratio > 1.05
@@ -185,17 +199,13 @@ def weight_major_pays(policy: Transformer) -> bool:
     if path.exists():
         return json.loads(path.read_text())["pays"]
     print("sparkrl: timing weight-major products on this machine (once; cached)", file=sys.stderr, flush=True)
-    was = [m.weight_major for m in policy.modules() if isinstance(m, Linear)]
     times = {r: {"plain": [], "weight_major": []} for r in rows}
-    try:
+    with kernels_restored(policy):
         for _ in range(3):  # interleaved: drift hits both alike
             for r in rows:
                 for name in ("plain", "weight_major"):
                     use_weight_major(policy, name == "weight_major")
                     times[r][name] += _step_seconds(policy, rows=r, reps=4)
-    finally:
-        for m, on in zip((m for m in policy.modules() if isinstance(m, Linear)), was):
-            m.weight_major = on
     med = {r: {k: statistics.median(v) for k, v in t.items()} for r, t in times.items()}
     ratio = {r: m["plain"] / m["weight_major"] for r, m in med.items()}
     overall = sum(m["plain"] for m in med.values()) / sum(m["weight_major"] for m in med.values())

@@ -216,6 +216,25 @@ def test_the_float32_packing_decision_is_measured_on_the_policy_and_cached(monke
     assert half.lm_head.weight.dtype == BF16 and precision.packing_pays(F32, "cpu") is False  # no policy: unpacked
 
 
+@needs_f32_packing
+def test_a_timing_leaves_the_kernels_and_prepacked_weights_as_it_found_them(tiny_llama):
+    model = pack(copy.deepcopy(tiny_llama))
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5, 6]]))  # 6 rows: the prepacked product, made now
+    head = model.model.layers[0].mlp.up_proj
+    made = head._pack
+    assert made is not None
+    with precision.kernels_restored(model):
+        precision.use_weight_major(model)
+    assert head.packed and not head.weight_major and head._pack is made  # flags only: the packed weight kept
+    with precision.kernels_restored(model):
+        pack(model, False)
+    assert head.packed and head._pack is None  # packing changed: made again on the next forward
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5, 6]]))
+    assert head._pack is not None
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(96,), (1, 96), (17, 96), (2, 17, 96), (0, 96), (3, 50, 96)])
 def test_weight_major_product_matches_a_float64_reference(shape, bias):
