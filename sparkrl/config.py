@@ -407,6 +407,10 @@ class PretrainConfig(Checked):
     """eagle3: weight of the feature-regression term (SmoothL1 to the policy's next hidden state) beside
     0.1 x soft cross-entropy to its distribution; 2 is the paper's appendix-A loss (FastGRPO), 0 is
     EAGLE-3's token-only loss; -1: 2 for a fresh drafter, and a drafter started from --init keeps its own."""
+    anchors: int = -1
+    """dflash: training blocks per sequence (distinct anchor positions, each a 16-token block's loss); -1: 8
+    for a fresh drafter, and a drafter started from --init keeps its own. Saved with the drafter, so
+    online training goes on with it."""
     train_positions: Literal["all", "response"] = "all"
     """Positions the drafter trains on: every position of a sequence, or only those from the last prompt
     token on (where rollouts draft). Measured on the default model (BENCHMARKS.md): response helps the
@@ -428,6 +432,8 @@ class PretrainConfig(Checked):
         _check(self.feature_loss >= 0 or self.feature_loss == -1,
                f"--feature-loss {self.feature_loss} must be >= 0 (or -1: 2 for a fresh drafter, an --init "
                "drafter's own)")
+        _check(self.anchors >= 1 or self.anchors == -1,
+               f"--anchors {self.anchors} must be >= 1 (or -1: 8 for a fresh drafter, an --init drafter's own)")
         _check(self.init != "fresh", "--init fresh: leave --init out to start from fresh weights")
         if self.init not in ("", "default"):
             _check(len(kinds) == 1, f"--init {self.init} is one drafter: pass one --draft kind, or --init default "

@@ -308,6 +308,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
         drafter = inits[kind] if kind in inits else KINDS[kind](master.args, vocab_ids=vocab_ids, **settings)
         if kind == "eagle3" and cfg.feature_loss >= 0:  # else a fresh drafter's 2, an --init drafter's own
             drafter.feature_weight = cfg.feature_loss
+        if kind == "dflash" and cfg.anchors > 0:  # else a fresh drafter's 8, an --init drafter's own
+            drafter.anchors = cfg.anchors
         trainers[kind] = DraftTrainer(drafter.to(device=w.device, dtype=w.dtype).bind(master), lr=cfg.lr)
     taps = tuple(sorted({i for t in trainers.values() for i in t.drafter.feature_layers}))
     plans = [batch_plan([len(s.ids) for s in train], cfg.micro_batch, cfg.seed, e) for e in range(cfg.epochs)]

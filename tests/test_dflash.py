@@ -7,10 +7,11 @@ import json
 
 import pytest
 import torch
+from scipy.stats import chisquare
 
 from sparkrl.config import SamplingConfig
 from sparkrl.drafters import load_drafter
-from sparkrl.drafters.dflash import DFlashDrafter, block_logits, block_loss, build_block
+from sparkrl.drafters.dflash import DFlashDrafter, block_logits, block_loss, build_block, sample_anchors
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.config import TreeShape
 from sparkrl.errors import UserError
@@ -67,11 +68,35 @@ def test_block_loss_weights_decay_and_training_helps():
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         loss1, _ = block_loss(d, toks, o.taps, logits, mask, anchors=1, gamma=1e-6, generator=g)
-        a = torch.multinomial(mask.float(), 1, replacement=True, generator=torch.Generator().manual_seed(1))
+        a, real = sample_anchors(mask.float(), 1, torch.Generator().manual_seed(1))
+        assert real.all()
         z = block_logits(d, toks, d.features(o.taps), a)[:, 0, 0]  # only position 1 weighs (gamma -> 0)
         p = torch.softmax(logits, -1).gather(1, a[..., None].expand(-1, -1, logits.shape[-1]))[:, 0]
         want = -(p * torch.log_softmax(z, -1)).sum(-1).mean()
     assert torch.allclose(loss1, want, atol=1e-5)
+
+
+def test_anchors_are_distinct_draws_by_weight():
+    w = torch.tensor([[1.0, 0, 2, 3, 0, 4], [0, 0, 5, 0, 0, 0]])
+    a, real = sample_anchors(w, 3, torch.Generator().manual_seed(0))
+    assert a.shape == (2, 3) and real.tolist() == [[True] * 3, [True, False, False]]
+    assert len(set(a[0].tolist())) == 3 and all(w[0, i] > 0 for i in a[0].tolist()) and a[1, 0] == 2
+    assert sample_anchors(w, 9)[0].shape == (2, 6)  # at most every position once
+    # per-row generators: a row's anchors do not depend on the other rows
+    gens = lambda: [torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)]
+    both, _ = sample_anchors(w, 2, gens())
+    assert torch.equal(both[1:], sample_anchors(w[1:], 2, gens()[1:])[0])
+    # the first anchor is drawn with probability w / sum(w), the set without replacement
+    g = torch.Generator().manual_seed(1)
+    a = sample_anchors(w[:1].expand(20000, -1), 2, g)[0]
+    first = torch.bincount(a[:, 0], minlength=6)[[0, 2, 3, 5]]
+    assert chisquare(first.numpy(), (20000 * torch.tensor([1.0, 2, 3, 4]) / 10).numpy()).pvalue > 1e-3
+    pair = torch.bincount(a[:, 0] * 6 + a[:, 1], minlength=36).view(6, 6)
+    p = w[0].double() / w[0].sum()
+    want = p[:, None] * p[None, :] / (1 - p[:, None])  # P(first i, then j)
+    want.fill_diagonal_(0)
+    keep = want > 0
+    assert chisquare(pair[keep].numpy(), (20000 * want[keep] / want.sum()).numpy()).pvalue > 1e-3
 
 
 def test_greedy_with_block_drafter_equals_greedy(tiny_llama):

@@ -180,6 +180,26 @@ def test_pretrain_continues_from_a_drafter_with_its_vocabulary(tiny_model_dir, t
     assert recs and all(r["feat"] > 0 for r in recs if not r.get("heldout"))
 
 
+def test_dflash_anchors_are_a_saved_setting(tiny_model_dir, tmp_path):
+    """--anchors sets the DFlash-style drafter's training blocks per sequence; the drafter keeps it (online
+    training and --init go on with it); a file from before the setting trains with 8."""
+    from sparkrl.drafters import load_drafter
+    from sparkrl.weights import load_model
+
+    args = load_model(str(tiny_model_dir)).model.args
+    data = gsm8k_file(tmp_path)
+    first = pretrain(_cfg(tmp_path / "a", tiny_model_dir, data, draft="dflash", block_size=4, anchors=3))
+    path = first["drafters"]["dflash"]["path"]
+    assert load_drafter(path, args).anchors == 3
+    kept = pretrain(_cfg(tmp_path / "b", tiny_model_dir, data, draft="dflash", block_size=4, init=path))
+    assert load_drafter(kept["drafters"]["dflash"]["path"], args).anchors == 3
+    older = read_checkpoint(path)
+    older["settings"].pop("anchors")
+    assert load_drafter(older, args).anchors == 8
+    with pytest.raises(UserError, match="--anchors 0 must be >= 1"):
+        _cfg(tmp_path, tiny_model_dir, data, anchors=0)
+
+
 def test_pretrain_init_errors(tiny_model_dir, tmp_path):
     data = gsm8k_file(tmp_path)
     with pytest.raises(UserError, match="--init .* does not exist"):

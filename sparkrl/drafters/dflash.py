@@ -11,8 +11,8 @@ exact point-mass acceptance (`verify.accept_tree` on a one-path tree). It shares
 embedding and (reduced) output head and exposes h and z at every block position, so SPARK applies
 unchanged; its feedback contexts are the accepted prefix and the first rejected position.
 
-Training (`block_loss`): K random anchors per sequence, each block attending to the context before its
-anchor, in one forward with an explicit mask; soft cross-entropy against the policy's distribution at
+Training (`block_loss`): K distinct random anchors per sequence (`anchors`, a setting saved with the
+checkpoint), each block attending to the context before its anchor, in one forward with an explicit mask; soft cross-entropy against the policy's distribution at
 each predicted position, weighted exp(-(j - 1) / gamma) by block position j. Why decay: position j
 only counts if positions 1..j-1 were all accepted, so its share of the expected acceptance length
 falls geometrically with j; DFlash decays its weights for the same reason. gamma = 4 keeps position
@@ -36,7 +36,7 @@ from sparkrl.model import KVCache, ModelArgs, Stack
 
 KIND = "dflash"
 GAMMA = 4.0  # decay of the loss weight with block position
-ANCHORS = 8  # training blocks per sequence
+ANCHORS = 8  # training blocks per sequence (a fresh drafter's default)
 
 
 class DFlashDrafter(SharedHeadDrafter):
@@ -44,14 +44,16 @@ class DFlashDrafter(SharedHeadDrafter):
     root_logits = False  # a block drafts from its own forward after the root
 
     def __init__(self, policy_args: ModelArgs, feature_layers: tuple[int, ...] | None = None,
-                 vocab_ids: torch.Tensor | None = None, block_size: int = 16, num_layers: int = 3):
+                 vocab_ids: torch.Tensor | None = None, block_size: int = 16, num_layers: int = 3,
+                 anchors: int = ANCHORS):
         super().__init__(policy_args, feature_layers, vocab_ids)
         self.block_size, self.num_layers = block_size, num_layers
+        self.anchors = anchors  # training blocks per sequence (`block_loss`)
         self.stack = Stack(dataclasses.replace(policy_args, num_layers=num_layers))
         self.mask_embed = nn.Parameter(torch.randn(policy_args.hidden_size) * 0.02)
 
     def settings(self) -> dict:
-        return {"block_size": self.block_size, "num_layers": self.num_layers}
+        return {"block_size": self.block_size, "num_layers": self.num_layers, "anchors": self.anchors}
 
     def check_block(self, n: int) -> None:
         """Generation may use blocks up to the size the drafter was trained for."""
@@ -91,7 +93,7 @@ class DFlashDrafter(SharedHeadDrafter):
         return build_block(self, cache, state.root, nodes, correct)
 
     def loss(self, tokens, taps, hidden, target_logits, mask, generator=None) -> tuple[torch.Tensor, dict]:
-        return block_loss(self, tokens, taps, target_logits, mask, generator=generator)
+        return block_loss(self, tokens, taps, target_logits, mask, anchors=self.anchors, generator=generator)
 
 
 def build_block(drafter: DFlashDrafter, cache: KVCache, root: torch.Tensor, n: int, correct=identity) -> Proposal:
@@ -133,20 +135,26 @@ def block_logits(drafter: DFlashDrafter, tokens: torch.Tensor, feats: torch.Tens
     return drafter.logits(out.hidden[:, T:].view(B, K, bs, -1)[:, :, 1:])
 
 
-def sample_anchors(w: torch.Tensor, k: int, generator=None) -> torch.Tensor:
-    """k positions per row (B, k), drawn with replacement by the weights w (B, T), from one generator
-    (None: the global RNG) or from a list of one CPU generator per row: a row's anchors then do not
-    depend on the other rows of its micro-batch (data-parallel GRPO splits a batch across ranks)."""
-    if not isinstance(generator, (list, tuple)):
-        return torch.multinomial(w, k, replacement=True, generator=generator)
-    rows = w.cpu()  # host sync: the per-row generators are CPU generators
-    return torch.stack([torch.multinomial(r, k, replacement=True, generator=g)
-                        for r, g in zip(rows, generator)]).to(w.device)
+def sample_anchors(w: torch.Tensor, k: int, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """k distinct positions per row (B, k), drawn without replacement with probabilities proportional to
+    the weights w (B, T) (exponential races: the k smallest -log(u) / w), and which of them are real
+    (B, k): a row with fewer than k positions of positive weight fills the rest with weight-0 positions,
+    marked False. Uniforms from one generator (None: the global RNG) or from a list of one CPU generator
+    per row: a row's anchors then do not depend on the other rows of its micro-batch (data-parallel GRPO
+    splits a batch across ranks)."""
+    k = min(k, w.shape[1])
+    if isinstance(generator, (list, tuple)):  # host side: the per-row generators are CPU generators
+        u = torch.stack([torch.rand(w.shape[1], generator=g, dtype=torch.float64) for g in generator]).to(w.device)
+    else:
+        u = torch.rand(w.shape, generator=generator, dtype=torch.float64, device=w.device)
+    race = torch.where(w > 0, -torch.log1p(-u) / w.double(), torch.inf)  # Exp(w) arrival times
+    t, a = race.topk(k, -1, largest=False)
+    return a, t.isfinite()
 
 
 def block_loss(drafter: DFlashDrafter, tokens: torch.Tensor, taps: dict, target_logits: torch.Tensor,
                mask: torch.Tensor, anchors: int = ANCHORS, gamma: float = GAMMA, generator=None):
-    """Position-weighted soft cross-entropy of K random blocks per sequence.
+    """Position-weighted soft cross-entropy of `anchors` random blocks per sequence (distinct anchors).
 
     tokens (B, T); taps: policy layer outputs (B, T, d) at the same positions; target_logits (B, T, V)
     the policy's logits there (position t: the distribution of token t + 1); mask (B, T): position t's
@@ -157,13 +165,14 @@ def block_loss(drafter: DFlashDrafter, tokens: torch.Tensor, taps: dict, target_
     B, T = tokens.shape
     dev = tokens.device
     n = drafter.block_size - 1
-    w_pos = mask.float() + 1e-9 * (mask.sum(-1, keepdim=True) == 0)  # rows without targets: any anchor
-    a = sample_anchors(w_pos, anchors, generator)  # (B, K)
+    a, real = sample_anchors(mask.float(), anchors, generator)  # (B, K) distinct anchors; real: mask[a]
+    K = a.shape[1]
     z = block_logits(drafter, tokens, drafter.features({i: t.detach() for i, t in taps.items()}), a)
     tgt = (a[:, :, None] + torch.arange(n, device=dev)).clamp(max=T - 1)  # (B, K, n) target positions
-    ok = mask.gather(1, tgt.flatten(1)).view(B, anchors, n) & (a[:, :, None] + torch.arange(n, device=dev) < T)
+    ok = (mask.gather(1, tgt.flatten(1)).view(B, K, n) & (a[:, :, None] + torch.arange(n, device=dev) < T)
+          & real[:, :, None])
     p = target_probs(target_logits, drafter.vocab_ids)  # (B, T, Vd)
-    p = p.gather(1, tgt.flatten(1)[..., None].expand(-1, -1, p.shape[-1])).view(B, anchors, n, -1)
+    p = p.gather(1, tgt.flatten(1)[..., None].expand(-1, -1, p.shape[-1])).view(B, K, n, -1)
     ce = -(p * torch.log_softmax(z, -1)).sum(-1)  # (B, K, n)
     w = torch.exp(-torch.arange(n, device=dev, dtype=torch.float32) / gamma) * ok  # (B, K, n)
     loss = (w * ce).sum() / w.sum().clamp(min=1e-9)
