@@ -53,6 +53,14 @@ WEIGHT_MAJOR_PARTS: int | None = None  # blocks per weight-major product; None: 
 FUSE_LINEARS = True  # `linears` as one product; False (a bench knob) runs the layers one by one
 
 
+def dense(x: torch.Tensor) -> torch.Tensor:
+    """x, contiguous where it has more than 2 dimensions. `F.linear` of a strided N-D input (a slice such
+    as hidden[:, 1:]) on a weight that needs no gradient (a drafter's shared head, a rollout copy) is a
+    batched product over expanded copies of the weight, each read in full; a copy of the input rows and
+    one 2-D product cost far less (BENCHMARKS.md "Strided inputs to frozen weights")."""
+    return x.contiguous() if x.dim() > 2 else x
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state-dict names) with an optional prepacked weight for
     inference (`pack`)."""
@@ -64,6 +72,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        x = dense(x)
         if torch.is_grad_enabled() or x.dtype != w.dtype:
             return F.linear(x, w, self.bias)
         if self.serves_weight_major(x):

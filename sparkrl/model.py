@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparkrl.kernels import Linear, linears
+from sparkrl.kernels import Linear, dense, linears
 from sparkrl.logprobs import head_logprobs
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -415,7 +415,7 @@ class Transformer(nn.Module):
         """LM head, float32 logits: (..., d) -> (..., V). With `head32`, the product itself runs in float32
         (float32 weights on the upcast hidden states) instead of rounding the logits to the model's dtype."""
         if self.head32:
-            return F.linear(hidden.float(), self.head32[0])
+            return F.linear(dense(hidden.float()), self.head32[0])
         return self.lm_head(hidden).float()
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,

@@ -99,6 +99,27 @@ def test_anchors_are_distinct_draws_by_weight():
     assert chisquare(pair[keep].numpy(), (20000 * want[keep] / want.sum()).numpy()).pvalue > 1e-3
 
 
+def test_held_out_scores_use_the_same_blocks_whatever_the_training_setting(tiny_llama):
+    from sparkrl.drafters.dflash import EVAL_ANCHORS
+
+    toks = torch.randint(0, tiny_llama.args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        o = tiny_llama(toks, taps=DFlashDrafter(tiny_llama.args).feature_layers)
+        logits = tiny_llama.logits(o.hidden)
+    mask = torch.ones(2, 48, dtype=torch.bool)
+    g = lambda: torch.Generator().manual_seed(3)
+    scores = []
+    for k in (2, 40):
+        d = DFlashDrafter(tiny_llama.args, block_size=4, anchors=k).bind(tiny_llama)
+        with torch.no_grad():
+            _, held = d.loss(toks, o.taps, o.hidden, logits, mask, generator=g())
+            _, want = block_loss(d, toks, o.taps, logits, mask, anchors=EVAL_ANCHORS, generator=g())
+        _, trained = d.loss(toks, o.taps, o.hidden, logits, mask, generator=g())  # with a gradient: its own k
+        assert held == want and trained == block_loss(d, toks, o.taps, logits, mask, anchors=k, generator=g())[1]
+        scores.append(held["positions"])
+    assert scores[0] == scores[1] > 2 * 2 * 3
+
+
 def test_greedy_with_block_drafter_equals_greedy(tiny_llama):
     prompts = [[1, 2, 3, 4, 5], [6, 7]]
     sc = SamplingConfig(0.0, 1.0, 12)

@@ -235,6 +235,25 @@ def test_a_timing_leaves_the_kernels_and_prepacked_weights_as_it_found_them(tiny
     assert head._pack is not None
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_strided_input_is_one_product_not_a_batched_one(grad):
+    """A slice such as hidden[:, 1:] through a frozen weight (a drafter's shared head, a rollout copy) goes
+    through one 2-D product, forward and backward, not a batched product over copies of the weight; the
+    result matches a float64 reference."""
+    torch.manual_seed(0)
+    lin = Linear(48, 96, bias=True).requires_grad_(False)
+    x = torch.randn(5, 7, 48)[:, 1:].requires_grad_(grad)  # (5, 6, 48), not viewable as 2-D
+    with torch.profiler.profile() as prof, torch.set_grad_enabled(grad):
+        y = lin(x)
+        if grad:
+            y.square().sum().backward()
+    assert "aten::bmm" not in {e.name for e in prof.events()}
+    ref = F.linear(x.detach().double(), lin.weight.detach().double(), lin.bias.detach().double())
+    assert torch.allclose(y.detach().double(), ref, atol=1e-5)
+    if grad:
+        assert torch.allclose(x.grad.double(), 2 * ref @ lin.weight.detach().double(), atol=1e-4)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(96,), (1, 96), (17, 96), (2, 17, 96), (0, 96), (3, 50, 96)])
 def test_weight_major_product_matches_a_float64_reference(shape, bias):

@@ -25,7 +25,7 @@ from torch import nn
 
 from sparkrl.checkpoint import STATE, checkpoints_at
 from sparkrl.errors import UserError
-from sparkrl.kernels import Linear, pack
+from sparkrl.kernels import Linear, dense, pack
 from sparkrl.model import KVCache, ModelArgs
 
 
@@ -97,7 +97,7 @@ class SharedHeadDrafter(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         head = self._head[0]
         if h.dtype != head.weight.dtype:  # e.g. a bfloat16-autocast forward against float32 master weights
-            return F.linear(h, head.weight.to(h.dtype)).float()
+            return F.linear(dense(h), head.weight.to(h.dtype)).float()
         return head(h).float()
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:

@@ -37,6 +37,7 @@ from sparkrl.model import KVCache, ModelArgs, Stack
 KIND = "dflash"
 GAMMA = 4.0  # decay of the loss weight with block position
 ANCHORS = 8  # training blocks per sequence (a fresh drafter's default)
+EVAL_ANCHORS = 32  # blocks per held-out sequence: the same for every drafter, so held-out scores compare
 
 
 class DFlashDrafter(SharedHeadDrafter):
@@ -93,7 +94,10 @@ class DFlashDrafter(SharedHeadDrafter):
         return build_block(self, cache, state.root, nodes, correct)
 
     def loss(self, tokens, taps, hidden, target_logits, mask, generator=None) -> tuple[torch.Tensor, dict]:
-        return block_loss(self, tokens, taps, target_logits, mask, anchors=self.anchors, generator=generator)
+        """`block_loss` over `anchors` blocks per sequence; without a gradient (held-out scores) over
+        EVAL_ANCHORS, whatever the drafter trains with."""
+        k = self.anchors if torch.is_grad_enabled() else EVAL_ANCHORS
+        return block_loss(self, tokens, taps, target_logits, mask, anchors=k, generator=generator)
 
 
 def build_block(drafter: DFlashDrafter, cache: KVCache, root: torch.Tensor, n: int, correct=identity) -> Proposal:
