@@ -12,11 +12,11 @@ embedding and (reduced) output head and exposes h and z at every block position,
 unchanged; its feedback contexts are the accepted prefix and the first rejected position.
 
 Training (`block_loss`): K distinct random anchors per sequence (`anchors`, a setting saved with the
-checkpoint), each block attending to the context before its anchor, in one forward with an explicit mask; soft cross-entropy against the policy's distribution at
-each predicted position, weighted exp(-(j - 1) / gamma) by block position j. Why decay: position j
-only counts if positions 1..j-1 were all accepted, so its share of the expected acceptance length
-falls geometrically with j; DFlash decays its weights for the same reason. gamma = 4 keeps position
-5 at a third of position 1's weight.
+checkpoint), each block attending to the context before its anchor, in one forward with an explicit
+mask; soft cross-entropy against the policy's distribution at each predicted position, weighted
+exp(-(j - 1) / gamma) by block position j. Why decay: position j only counts if positions 1..j-1 were
+all accepted, so its share of the expected acceptance length falls geometrically with j; DFlash decays
+its weights for the same reason. gamma = 4 keeps position 5 at a third of position 1's weight.
 
 Departure: online, the context the loss sees starts at the last prompt token (the GRPO update's
 forward covers the response positions); pretraining uses whole sequences.
