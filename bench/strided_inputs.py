@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -28,18 +27,13 @@ from sparkrl.drafters import load_drafter, shipped_path
 from sparkrl.drafters.dflash import block_loss
 from sparkrl.drafters.eagle3 import draft_loss
 from sparkrl.weights import load_model
+from timing import seconds
 
 SYSTEMS = {"strided (before)": lambda x: x, "contiguous (now)": kernels.dense}
 
 
 def use(name: str) -> None:
     kernels.dense = base.dense = SYSTEMS[name]
-
-
-def seconds(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def main() -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -25,19 +24,10 @@ from sparkrl import kernels
 from sparkrl.kernels import pack, packable
 from sparkrl.precision import _step_seconds, use_weight_major
 from sparkrl.weights import load_model
+from timing import repeated
 
 SYSTEMS = {"plain": (False, False, False), "split": (True, False, False), "split_fused": (True, True, False),
            "packed": (True, True, True)}  # (weight-major, fused, packed)
-
-
-def head_seconds(f, reps: int = 5) -> list[float]:
-    f()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        out.append(time.perf_counter() - t)
-    return out
 
 
 def use(policy, name: str) -> None:
@@ -80,7 +70,7 @@ def main():
                 for name in SYSTEMS:
                     use(policy, name)
                     step[name] += _step_seconds(policy, rows=M, reps=4)
-                    head[name] += head_seconds(lambda: policy.lm_head(x))
+                    head[name] += repeated(lambda: policy.lm_head(x), 5)
             med = {k: {n: statistics.median(v) * 1e3 for n, v in d.items()}
                    for k, d in (("step", step), ("head", head))}
             rows.append({"rows": M, "step_ms": med["step"], "head_ms": med["head"],

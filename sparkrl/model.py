@@ -120,7 +120,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         if dtype == torch.float32:  # fused kernel, same maths
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x = x.float()
+        x = x.to(torch.promote_types(dtype, torch.float32))  # half precision in float32, float64 as it is
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
@@ -230,6 +230,12 @@ class Attention(nn.Module):
         if cache is None and ctx is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
         elif cache is None:  # an explicit mask among the positions (drafter training)
+            if ctx.past is not None:  # after the keys and values of earlier forwards, kept for later ones
+                if layer < len(ctx.past):
+                    k, v = (torch.cat([old, new], 2) for old, new in zip(ctx.past[layer], (k, v)))
+                    ctx.past[layer] = (k, v)
+                else:
+                    ctx.past.append((k, v))
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, enable_gqa=True)
         else:
             cache.write(layer, ctx.write_rows, k, v)
@@ -274,6 +280,7 @@ class _Context:
     write_rows: torch.Tensor  # (B * H_kv * T,) int64 cache rows of the new tokens (`KVCache.rows`)
     mask: torch.Tensor  # (B, 1, T, span) bool, True = may attend
     span: int  # cache positions [0, span) are read
+    past: list | None = None  # without a cache: per layer, (k, v) of earlier forwards (`Stack.forward`'s past)
 
 
 @dataclass
@@ -324,7 +331,8 @@ class Stack(nn.Module):
             new = inside & tree_mask.gather(2, rel.clamp(0, P + T - 1).expand(B, T, span))
         return _Context(cache.rows(slots), (prefix | new)[:, None], span)
 
-    def forward(self, x, cache: KVCache | None = None, *, tree_mask=None, depth=None, taps=(), mask=None) -> Output:
+    def forward(self, x, cache: KVCache | None = None, *, tree_mask=None, depth=None, taps=(), mask=None,
+                past: list | None = None) -> Output:
         """Run T new positions per sequence; x: (B, T, d) input embeddings.
 
         Without a cache: a plain causal forward from position 0 (training, scoring); right padding
@@ -337,13 +345,18 @@ class Stack(nn.Module):
         taps: layer indices whose outputs to return (after the layer, before the final norm).
         mask: without a cache, an explicit (B or 1, 1, T, T) bool attention mask instead of causal
         (with `depth` then giving the absolute positions).
+        past: with `mask`, a list holding each layer's keys and values (with gradients) of the earlier
+        forwards that passed it; the new positions attend to those first, then to each other, under a
+        mask of (B or 1, 1, T, S + T) for S earlier positions, and their own are appended. Training
+        forwards that extend a sequence segment by segment (EAGLE-3's training-time test) so run each
+        position once.
         """
         B, T, _ = x.shape
         device = x.device
         pending = 0 if cache is None else cache.pending
         if depth is None:
             depth = (pending + torch.arange(T, device=device)).expand(B, T)
-        ctx = None if mask is None else _Context(None, mask, T)
+        ctx = None if mask is None else _Context(None, mask, T, past)
         positions = depth
         if cache is not None:
             positions = cache.lengths[:, None] + depth

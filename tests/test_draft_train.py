@@ -101,6 +101,32 @@ def test_unrolled_training_matches_tree_drafting(tiny_llama):
                 assert torch.allclose(node2.z[0, 0], segs[2][1][0, j], atol=1e-4)
 
 
+def test_unrolled_reuses_earlier_segments_exactly(tiny_llama):
+    """Each segment run once against the earlier segments' kept keys and values gives the reference's
+    outputs and gradients (every earlier segment run again inside each forward), in float64 (which
+    RMSNorm keeps: it used to round float64 inputs to float32, off by 1e-8 here)."""
+    from sparkrl.drafters.eagle3 import unrolled
+
+    torch.manual_seed(3)
+    policy = tiny_llama.double()
+    d = Eagle3Drafter(policy.args).double().bind(policy)
+    toks = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        out = policy(toks, taps=d.feature_layers)
+    padded = torch.cat([toks, toks[:, -1:].expand(-1, 3)], 1)
+    results = []
+    for reuse in (True, False):
+        d.zero_grad()
+        feats = d.features({i: t[:, :-1] for i, t in out.taps.items()})
+        segs = unrolled(d, padded, feats, 3, reuse=reuse)
+        sum(a.square().sum() + z.sin().sum() * s for s, (a, z) in enumerate(segs, 1)).backward()
+        results.append(([t.detach() for a_z in segs for t in a_z], [p.grad.clone() for p in d.parameters()]))
+    (outs, grads), (ref_outs, ref_grads) = results
+    assert all(o.shape == r.shape and torch.allclose(o, r, atol=1e-12) for o, r in zip(outs, ref_outs))
+    assert all(torch.allclose(g, r, rtol=1e-12, atol=1e-12) for g, r in zip(grads, ref_grads))
+    assert any(g.abs().sum() > 0 for g in grads)
+
+
 def test_checkpoint_round_trip_and_mismatch_errors(tmp_path, tiny_llama):
     d = Eagle3Drafter(tiny_llama.args, vocab_ids=torch.arange(50))
     path = tmp_path / "d.pt"

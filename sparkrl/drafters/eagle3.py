@@ -51,11 +51,11 @@ class Eagle3Drafter(SharedHeadDrafter):
         self.stack = Stack(dataclasses.replace(policy_args, num_layers=1))
 
     def forward(self, tokens: torch.Tensor, feats: torch.Tensor, cache: KVCache | None = None, *,
-                tree_mask=None, depth=None, mask=None, head: bool = True) -> DraftStep:
+                tree_mask=None, depth=None, mask=None, past=None, head: bool = True) -> DraftStep:
         """tokens (B, T) (next tokens, policy ids), feats (B, T, d) -> DraftStep at these positions
-        (head=False: without the logits)."""
+        (head=False: without the logits; mask, past: training forwards, see `model.Stack.forward`)."""
         x = self.fuse(torch.cat([self.embed(tokens).to(feats.dtype), feats], dim=-1))
-        out = self.stack(x, cache, tree_mask=tree_mask, depth=depth, taps=(0,), mask=mask)
+        out = self.stack(x, cache, tree_mask=tree_mask, depth=depth, taps=(0,), mask=mask, past=past)
         return DraftStep(out.hidden, out.taps[0], self.logits(out.hidden) if head else None)
 
     def prefill(self, prompts: torch.Tensor, lens: torch.Tensor, feats: torch.Tensor, cache: KVCache) -> None:
@@ -93,19 +93,29 @@ def unrolled_mask(n: int, steps: int, device) -> torch.Tensor:
     return (prefix | chain)[None, None]
 
 
-def unrolled(drafter, tokens: torch.Tensor, feats: torch.Tensor, steps: int) -> list:
+def unrolled(drafter, tokens: torch.Tensor, feats: torch.Tensor, steps: int, reuse: bool = True) -> list:
     """Drafter outputs of segments 1..steps (see `draft_loss`), each (a, z) over n = T - 1 positions.
 
-    tokens (B, T) padded on the right by `steps` extra positions; feats (B, n, d) policy features."""
+    tokens (B, T) padded on the right by `steps` extra positions; feats (B, n, d) policy features.
+    reuse: segment s's forward runs its own n positions and attends to the keys and values that the
+    forwards of segments 1..s-1 made (`model.Stack.forward`'s past), so every position runs once; False
+    runs segments 1..s again inside segment s's forward (the reference: the same sums, twice the
+    decoder rows at 3 steps)."""
     B, n = feats.shape[:2]
     j = torch.arange(n, device=tokens.device)
+    past = [] if reuse else None
     seg_tokens, seg_feats, seg_depth, outs = [], [], [], []
     for s in range(1, steps + 1):
         seg_tokens.append(tokens[:, s:s + n])
         seg_feats.append(feats if s == 1 else outs[-1][0])
         seg_depth.append(j + s - 1)
-        step = drafter(torch.cat(seg_tokens, 1), torch.cat(seg_feats, 1),
-                       depth=torch.cat(seg_depth).expand(B, -1), mask=unrolled_mask(n, s, tokens.device), head=False)
+        mask = unrolled_mask(n, s, tokens.device)
+        if reuse:
+            step = drafter(seg_tokens[-1], seg_feats[-1], depth=seg_depth[-1].expand(B, -1), mask=mask[:, :, -n:],
+                           past=past, head=False)
+        else:
+            step = drafter(torch.cat(seg_tokens, 1), torch.cat(seg_feats, 1), depth=torch.cat(seg_depth).expand(B, -1),
+                           mask=mask, head=False)
         outs.append((step.a[:, -n:], drafter.logits(step.h[:, -n:])))
     return outs
 
