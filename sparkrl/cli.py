@@ -149,8 +149,9 @@ def run_pretrain(cfg: PretrainConfig) -> None:
     print(f"sparkrl: trained on {s['sequences']} sequences ({s['tokens']} tokens, {s['steps']} steps), draft vocabulary "
           f"{s['draft_vocab']}", file=sys.stderr)
     for kind, d in s["drafters"].items():
+        tree = "" if d["heldout_tree_expected_length"] is None else f" (trees {d['heldout_tree_expected_length']:.2f})"
         score = "" if d["heldout_expected_length"] is None else \
-            f"held-out expected length {d['heldout_expected_length']:.2f}, top-1 {d['heldout_top1']:.2f}; "
+            f"held-out expected length {d['heldout_expected_length']:.2f}{tree}, top-1 {d['heldout_top1']:.2f}; "
         print(f"sparkrl: {kind}: {score}use it with --draft {kind} --draft-checkpoint {d['path']}", file=sys.stderr)
 
 

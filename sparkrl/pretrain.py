@@ -210,8 +210,9 @@ def _policy_pass(policy, seqs: list[Seq], taps, answers_only: bool = True):
 
 
 def evaluate(trainer: DraftTrainer, policy, seqs: list[Seq], micro_batch: int) -> dict:
-    """Held-out statistics averaged over positions: per-depth top-1 agreement and acceptance, and the
-    expected acceptance length of a drafted chain (`drafters.base.expected_length`)."""
+    """Held-out statistics averaged over positions: per-depth top-1 agreement and acceptance, the
+    expected acceptance length of a drafted chain (`drafters.base.expected_length`) and, for drafters
+    that draft trees, of a tree's path (its levels' best children; what tree rounds accept)."""
     taps = tuple(trainer.drafter.feature_layers)
     g = torch.Generator(device=policy.lm_head.weight.device).manual_seed(0)  # the same blocks every time
     sums, n = Counter(), 0.0
@@ -222,7 +223,8 @@ def evaluate(trainer: DraftTrainer, policy, seqs: list[Seq], micro_batch: int) -
         sums.update({k: v * w for k, v in st.items() if k != "positions"})
         n += w
     out = {k: v / max(n, 1.0) for k, v in sums.items()}
-    return {**out, "positions": n, "expected_length": expected_length(out)}
+    trees = {"tree_expected_length": expected_length(out, "tree")} if "tree_1" in out else {}
+    return {**out, "positions": n, "expected_length": expected_length(out), **trees}
 
 
 def _autocast(policy):
@@ -244,11 +246,13 @@ def plot(records: list[dict], path: Path) -> None:
     for kind in dict.fromkeys(r["kind"] for r in ev):
         rs = [r for r in ev if r["kind"] == kind]
         x = [r["tokens"] / 1e6 for r in rs]
-        ax[0].plot(x, [r["expected_length"] for r in rs], marker="o", label=kind)
+        ax[0].plot(x, [r["expected_length"] for r in rs], marker="o", label=f"{kind}, a sampled chain")
+        if "tree_expected_length" in rs[0]:
+            ax[0].plot(x, [r["tree_expected_length"] for r in rs], marker="s", ls="--", label=f"{kind}, a tree's path")
         for d in range(1, 4):
             ax[1].plot(x, [r[f"acc_{d}"] for r in rs], marker="o", ms=3, label=f"{kind}, depth {d}")
     ax[0].set(xlabel="pretraining tokens (millions)", ylabel="expected acceptance length",
-              title="held-out text: one drafted chain (estimate)")
+              title="held-out text: expected acceptance length (estimate)")
     ax[1].set(xlabel="pretraining tokens (millions)", ylabel="acceptance probability", ylim=(0, 1),
               title="held-out, per depth / block position")
     ax[0].legend(fontsize=8)
@@ -339,8 +343,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
             if test:
                 r = {"heldout": True, "kind": kind, "step": step, "tokens": tokens, **evaluate(t, policy, test, cfg.micro_batch)}
                 records.append(r)
+                tree = f", trees {r['tree_expected_length']:.2f}" if "tree_expected_length" in r else ""
                 tqdm.write(f"{kind} held-out at step {step} ({tokens / 1e6:.2f}M tokens): expected length "
-                           f"{r['expected_length']:.2f}, top-1 {r['top1_1']:.2f}", file=sys.stderr)
+                           f"{r['expected_length']:.2f}{tree}, top-1 {r['top1_1']:.2f}", file=sys.stderr)
             save_safetensors(t.drafter.checkpoint(), out / kind / "snapshots" / f"step-{step:06d}.safetensors",
                              fingerprint=fingerprint)
         plot(records, out / "pretrain.png")
@@ -381,5 +386,6 @@ def pretrain(cfg: PretrainConfig) -> dict:
         save_safetensors(t.drafter.checkpoint(), out / kind / "drafter.safetensors", fingerprint=fingerprint)
         last = next((r for r in reversed(records) if r.get("heldout") and r["kind"] == kind), {})
         summary["drafters"][kind] = {"path": str(out / kind / "drafter.safetensors"),
-                                     "heldout_expected_length": last.get("expected_length"), "heldout_top1": last.get("top1_1")}
+                                     "heldout_expected_length": last.get("expected_length"), "heldout_top1": last.get("top1_1"),
+                                     "heldout_tree_expected_length": last.get("tree_expected_length")}
     return summary

@@ -57,9 +57,9 @@ def test_draft_loss_by_hand(tiny_llama, feature_weight):
         logits = tiny_llama.logits(out.hidden)
         loss, _ = d.loss(toks, out.taps, out.hidden, logits, mask)
         assert abs(loss.item() - draft_loss(d, toks, out.taps, out.hidden, logits, mask, feature_weight=feature_weight)[0].item()) < 1e-7
-        loss, _ = draft_loss(d, toks, out.taps, out.hidden, logits, mask, steps=1, feature_weight=feature_weight)
+        loss, st = draft_loss(d, toks, out.taps, out.hidden, logits, mask, steps=1, feature_weight=feature_weight)
         step = d(toks[:, 1:], d.features({i: t[:, :-1] for i, t in out.taps.items()}))
-    total, n = 0.0, 0
+    total, tree, n = 0.0, 0.0, 0
     for b in range(2):
         for t in range(5):
             if not mask[b, t]:
@@ -69,8 +69,10 @@ def test_draft_loss_by_hand(tiny_llama, feature_weight):
             p = torch.softmax(logits[b, t + 1].double(), -1)[d.vocab_ids]
             ce = -(p * torch.log_softmax(step.z[b, t].double(), -1)).sum()
             total += feature_weight * sl1 + 0.1 * ce
+            tree += p[step.z[b, t].double().argsort(descending=True)[:4]].sum()  # mass on the 4 best drafts
             n += 1
     assert abs(loss.item() - total.item() / n) < 1e-5
+    assert st["tree_1"] == pytest.approx(tree.item() / n, abs=1e-6)
 
 
 def test_unrolled_training_matches_tree_drafting(tiny_llama):

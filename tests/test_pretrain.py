@@ -70,6 +70,7 @@ def test_target_probs_match_a_float64_softmax():
 def test_expected_length_by_hand():
     assert expected_length({}) == 1.0
     assert expected_length({"acc_1": 0.5, "acc_2": 0.4, "acc_3": 0.2}) == pytest.approx(1 + 0.5 + 0.2 + 0.04)
+    assert expected_length({"acc_1": 0.5, "tree_1": 0.6, "tree_2": 0.5}, "tree") == pytest.approx(1 + 0.6 + 0.3)
 
 
 def _cfg(tmp_path, tiny_model_dir, data, **kw):
@@ -115,6 +116,8 @@ def test_pretrain_two_kinds_scores_held_out_and_resumes_exactly_after_a_crash(ti
     assert {r["kind"] for r in held} == {"eagle3", "dflash"} and held[0]["step"] == 0 and held[-1]["step"] == full["steps"]
     for r in held:
         assert 1.0 <= r["expected_length"] and all(0 <= r[f"acc_{d}"] <= 1 for d in (1, 2, 3))
+        assert ("tree_expected_length" in r) == (r["kind"] == "eagle3")  # the EAGLE3-style trees' estimate
+        assert 1.0 <= r.get("tree_expected_length", 1.0) <= 4.0 and all(0 <= r.get(f"tree_{d}", 0) <= 1 for d in (1, 2, 3))
     assert (out / "pretrain.png").stat().st_size > 0 and (out / "eagle3" / "snapshots" / "step-000003.safetensors").exists()
     lrs = [r["lr"] for r in recs if not r.get("heldout") and r["kind"] == "eagle3"]
     assert lrs[0] == pytest.approx(5e-4) and lrs[-1] == pytest.approx(1e-4, rel=0.2)

@@ -79,6 +79,7 @@ class Eagle3Drafter(SharedHeadDrafter):
 
 
 CE_WEIGHT = 0.1
+TREE_BRANCH = 4  # children per tree node of the held-out estimate `tree_s` (the 16-node trees' branch)
 
 
 def unrolled_mask(n: int, steps: int, device) -> torch.Tensor:
@@ -155,6 +156,8 @@ def draft_loss(drafter, tokens: torch.Tensor, taps: dict[int, torch.Tensor], hid
             stats[f"top1_{s}"] = top1
             # acceptance probability of a token sampled from the draft: sum_x min(p, q) (q: the draft's softmax)
             stats[f"acc_{s}"] = float((torch.minimum(p, torch.softmax(z, -1)).sum(-1) * m).sum() / cnt)
+            # acceptance probability of a tree level: the policy's mass on the draft's TREE_BRANCH best tokens
+            stats[f"tree_{s}"] = float((p.gather(-1, z.topk(TREE_BRANCH, -1).indices).sum(-1) * m).sum() / cnt)
             if s == 1:
                 stats.update(feat=float((feat.detach() * m).sum() / cnt), ce=float((ce.detach() * m).sum() / cnt),
                              top1=top1, positions=float(cnt))
