@@ -411,6 +411,9 @@ class PretrainConfig(Checked):
     """dflash: training blocks per sequence (distinct anchor positions, each a 16-token block's loss); -1: 8
     for a fresh drafter, and a drafter started from --init keeps its own. Saved with the drafter, so
     online training goes on with it."""
+    draft_layers: int = at_least(0, 0)
+    """Decoder layers of a fresh drafter (0: the kind's own, eagle3 1 and dflash 3); a drafter started from
+    --init keeps its own. Saved with the drafter."""
     train_positions: Literal["all", "response"] = "all"
     """Positions the drafter trains on: every position of a sequence, or only those from the last prompt
     token on (where rollouts draft). Measured on the default model (BENCHMARKS.md): response helps the
@@ -435,6 +438,8 @@ class PretrainConfig(Checked):
         _check(self.anchors >= 1 or self.anchors == -1,
                f"--anchors {self.anchors} must be >= 1 (or -1: 8 for a fresh drafter, an --init drafter's own)")
         _check(self.init != "fresh", "--init fresh: leave --init out to start from fresh weights")
+        _check(not (self.init and self.draft_layers), f"--draft-layers {self.draft_layers} with --init: a drafter "
+               "started from a checkpoint keeps its own layers; leave one of the two out")
         if self.init not in ("", "default"):
             _check(len(kinds) == 1, f"--init {self.init} is one drafter: pass one --draft kind, or --init default "
                    "(each kind from its shipped drafter)")

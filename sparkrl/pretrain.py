@@ -308,6 +308,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
     for kind in cfg.kinds():
         torch.manual_seed(cfg.seed)
         settings = {"block_size": cfg.block_size} if kind == "dflash" else {}
+        if cfg.draft_layers:
+            settings["num_layers"] = cfg.draft_layers
         # --init: continued pretraining, from the checkpoint's weights and draft vocabulary
         drafter = inits[kind] if kind in inits else KINDS[kind](master.args, vocab_ids=vocab_ids, **settings)
         if kind == "eagle3" and cfg.feature_loss >= 0:  # else a fresh drafter's 2, an --init drafter's own

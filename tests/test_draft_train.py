@@ -75,13 +75,15 @@ def test_draft_loss_by_hand(tiny_llama, feature_weight):
     assert st["tree_1"] == pytest.approx(tree.item() / n, abs=1e-6)
 
 
-def test_unrolled_training_matches_tree_drafting(tiny_llama):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_unrolled_training_matches_tree_drafting(tiny_llama, layers):
     """Segment 2 of the unrolled training forward at position j computes exactly what the engine
-    computes for a depth-1 tree node drafted after the committed prefix 0..j."""
+    computes for a depth-1 tree node drafted after the committed prefix 0..j (one decoder layer, as
+    EAGLE-3, or more)."""
     from sparkrl.drafters.eagle3 import unrolled
 
     torch.manual_seed(2)
-    d = Eagle3Drafter(tiny_llama.args).bind(tiny_llama)
+    d = Eagle3Drafter(tiny_llama.args, num_layers=layers).bind(tiny_llama)
     toks = torch.randint(0, 97, (1, 10))
     with torch.no_grad():
         out = tiny_llama(toks, taps=d.feature_layers)
@@ -103,7 +105,8 @@ def test_unrolled_training_matches_tree_drafting(tiny_llama):
                 assert torch.allclose(node2.z[0, 0], segs[2][1][0, j], atol=1e-4)
 
 
-def test_unrolled_reuses_earlier_segments_exactly(tiny_llama):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_unrolled_reuses_earlier_segments_exactly(tiny_llama, layers):
     """Each segment run once against the earlier segments' kept keys and values gives the reference's
     outputs and gradients (every earlier segment run again inside each forward), in float64 (which
     RMSNorm keeps: it used to round float64 inputs to float32, off by 1e-8 here)."""
@@ -111,7 +114,7 @@ def test_unrolled_reuses_earlier_segments_exactly(tiny_llama):
 
     torch.manual_seed(3)
     policy = tiny_llama.double()
-    d = Eagle3Drafter(policy.args).double().bind(policy)
+    d = Eagle3Drafter(policy.args, num_layers=layers).double().bind(policy)
     toks = torch.randint(0, 97, (2, 12))
     with torch.no_grad():
         out = policy(toks, taps=d.feature_layers)

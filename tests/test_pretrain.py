@@ -203,6 +203,26 @@ def test_dflash_anchors_are_a_saved_setting(tiny_model_dir, tmp_path):
         _cfg(tmp_path, tiny_model_dir, data, anchors=0)
 
 
+def test_draft_layers_are_a_saved_setting(tiny_model_dir, tmp_path):
+    """--draft-layers sets a fresh drafter's decoder layers (both kinds); the file keeps it; an EAGLE3-style
+    file from before the setting has one; with --init (which keeps the drafter's own) it is refused."""
+    from sparkrl.drafters import load_drafter
+    from sparkrl.weights import load_model
+
+    args = load_model(str(tiny_model_dir)).model.args
+    data = gsm8k_file(tmp_path)
+    out = pretrain(_cfg(tmp_path / "a", tiny_model_dir, data, draft_layers=2))
+    for kind in ("eagle3", "dflash"):
+        d = load_drafter(out["drafters"][kind]["path"], args)
+        assert d.num_layers == 2 and len(d.stack.layers) == 2
+    older = read_checkpoint(out["drafters"]["eagle3"]["path"])
+    older["settings"].pop("num_layers")
+    older["state"] = {k: v for k, v in older["state"].items() if ".layers.1." not in k}
+    assert load_drafter(older, args).num_layers == 1
+    with pytest.raises(UserError, match="--draft-layers 2 with --init"):
+        _cfg(tmp_path, tiny_model_dir, data, draft="eagle3", init=out["drafters"]["eagle3"]["path"], draft_layers=2)
+
+
 def test_pretrain_init_errors(tiny_model_dir, tmp_path):
     data = gsm8k_file(tmp_path)
     with pytest.raises(UserError, match="--init .* does not exist"):

@@ -1,6 +1,6 @@
 """EAGLE-3-style drafter (Li et al. 2025; the paper's "EAGLE3-style" setup, via FastGRPO).
 
-One decoder layer of the policy's own engine (`model.Stack`). Its input at position i fuses the
+One decoder layer of the policy's own engine (`model.Stack`; `num_layers`, a setting, for more). Its input at position i fuses the
 embedding of token i+1 with a feature for position i:
   * at committed positions, the policy's hidden states of a low, a middle and a high layer,
     concatenated and projected to d (`fc`);
@@ -42,21 +42,23 @@ class Eagle3Drafter(SharedHeadDrafter):
     kind = KIND
 
     def __init__(self, policy_args: ModelArgs, feature_layers: tuple[int, ...] | None = None,
-                 vocab_ids: torch.Tensor | None = None, feature_weight: float = 2.0):
+                 vocab_ids: torch.Tensor | None = None, feature_weight: float = 2.0, num_layers: int = 1):
         super().__init__(policy_args, feature_layers, vocab_ids)
         self.feature_weight = feature_weight  # of the feature term in `draft_loss`; saved with the
         # checkpoint, so online training goes on with the loss the drafter was pretrained with
+        self.num_layers = num_layers  # decoder layers (EAGLE-3: one)
         d = policy_args.hidden_size
         self.fuse = Linear(2 * d, d, bias=False)
-        self.stack = Stack(dataclasses.replace(policy_args, num_layers=1))
+        self.stack = Stack(dataclasses.replace(policy_args, num_layers=num_layers))
 
     def forward(self, tokens: torch.Tensor, feats: torch.Tensor, cache: KVCache | None = None, *,
                 tree_mask=None, depth=None, mask=None, past=None, head: bool = True) -> DraftStep:
         """tokens (B, T) (next tokens, policy ids), feats (B, T, d) -> DraftStep at these positions
         (head=False: without the logits; mask, past: training forwards, see `model.Stack.forward`)."""
         x = self.fuse(torch.cat([self.embed(tokens).to(feats.dtype), feats], dim=-1))
-        out = self.stack(x, cache, tree_mask=tree_mask, depth=depth, taps=(0,), mask=mask, past=past)
-        return DraftStep(out.hidden, out.taps[0], self.logits(out.hidden) if head else None)
+        last = self.num_layers - 1
+        out = self.stack(x, cache, tree_mask=tree_mask, depth=depth, taps=(last,), mask=mask, past=past)
+        return DraftStep(out.hidden, out.taps[last], self.logits(out.hidden) if head else None)
 
     def prefill(self, prompts: torch.Tensor, lens: torch.Tensor, feats: torch.Tensor, cache: KVCache) -> None:
         """Commit the drafter positions of the prompts: position i pairs token i+1 with feature i.
@@ -69,7 +71,7 @@ class Eagle3Drafter(SharedHeadDrafter):
         cache.commit(n_keep=lens - 1)
 
     def settings(self) -> dict:
-        return {"feature_weight": self.feature_weight}
+        return {"feature_weight": self.feature_weight, "num_layers": self.num_layers}
 
     propose = propose  # trees or sampled chains (drafters/tree.py)
 
