@@ -1,7 +1,7 @@
 """EAGLE-3-style drafter (Li et al. 2025; the paper's "EAGLE3-style" setup, via FastGRPO).
 
-One decoder layer of the policy's own engine (`model.Stack`; `num_layers`, a setting, for more). Its input at position i fuses the
-embedding of token i+1 with a feature for position i:
+One decoder layer of the policy's own engine (`model.Stack`; the setting `num_layers` gives more). Its
+input at position i fuses the embedding of token i+1 with a feature for position i:
   * at committed positions, the policy's hidden states of a low, a middle and a high layer,
     concatenated and projected to d (`fc`);
   * at drafted tree nodes, where the policy has not run yet, the drafter's own output at the parent
