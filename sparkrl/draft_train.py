@@ -56,7 +56,7 @@ class DraftTrainer:
         dt = self.drafter.fc.weight.dtype
         with torch.no_grad():
             loss, st = self.drafter.loss(tokens, {i: t.to(dt) for i, t in taps.items()}, hidden.to(dt), logits, mask,
-                                         generator=generator)
+                                         generator=generator, held_out=True)
         return {**st, "loss": float(loss)}
 
     def step(self, grad_A: torch.Tensor | None = None, world: World = SINGLE) -> dict:

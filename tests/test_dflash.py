@@ -112,9 +112,9 @@ def test_held_out_scores_use_the_same_blocks_whatever_the_training_setting(tiny_
     for k in (2, 40):
         d = DFlashDrafter(tiny_llama.args, block_size=4, anchors=k).bind(tiny_llama)
         with torch.no_grad():
-            _, held = d.loss(toks, o.taps, o.hidden, logits, mask, generator=g())
+            _, held = d.loss(toks, o.taps, o.hidden, logits, mask, generator=g(), held_out=True)
             _, want = block_loss(d, toks, o.taps, logits, mask, anchors=EVAL_ANCHORS, generator=g())
-        _, trained = d.loss(toks, o.taps, o.hidden, logits, mask, generator=g())  # with a gradient: its own k
+        _, trained = d.loss(toks, o.taps, o.hidden, logits, mask, generator=g())  # training: its own k
         assert held == want and trained == block_loss(d, toks, o.taps, logits, mask, anchors=k, generator=g())[1]
         scores.append(held["positions"])
     assert scores[0] == scores[1] > 2 * 2 * 3

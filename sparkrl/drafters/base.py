@@ -3,7 +3,8 @@ features, the `DraftStep` and `DraftState` records, and checkpoints checked agai
 serve.
 
 A drafter kind owns its model, its proposals (`propose(cache, state, shape, nodes, temperature, u,
-correct) -> drafters.tree.Proposal`) and its loss (`loss(tokens, taps, hidden, target_logits, mask)`).
+correct) -> drafters.tree.Proposal`) and its loss (`loss(tokens, taps, hidden, target_logits, mask,
+generator, held_out)`; held_out: the held-out scores' form of it).
 The engine also needs `bind(policy)`, `features(taps)`, `feature_layers`, `prefill(...)`,
 `forward(tokens, feats, cache, tree_mask=, depth=, head=) -> DraftStep` (its catch-up over committed
 positions; head=False: without the logits), `root_logits` (whether a round drafts from the logits at

@@ -93,10 +93,11 @@ class DFlashDrafter(SharedHeadDrafter):
         """Greedy blocks of `nodes` tokens after the roots (`base.DraftState`); u is unused (point masses)."""
         return build_block(self, cache, state.root, nodes, correct)
 
-    def loss(self, tokens, taps, hidden, target_logits, mask, generator=None) -> tuple[torch.Tensor, dict]:
-        """`block_loss` over `anchors` blocks per sequence; without a gradient (held-out scores) over
-        EVAL_ANCHORS, whatever the drafter trains with."""
-        k = self.anchors if torch.is_grad_enabled() else EVAL_ANCHORS
+    def loss(self, tokens, taps, hidden, target_logits, mask, generator=None, held_out: bool = False
+             ) -> tuple[torch.Tensor, dict]:
+        """`block_loss` over `anchors` blocks per sequence; for held-out scores over EVAL_ANCHORS, whatever
+        the drafter trains with."""
+        k = EVAL_ANCHORS if held_out else self.anchors
         return block_loss(self, tokens, taps, target_logits, mask, anchors=k, generator=generator)
 
 

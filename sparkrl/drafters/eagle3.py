@@ -75,8 +75,10 @@ class Eagle3Drafter(SharedHeadDrafter):
 
     propose = propose  # trees or sampled chains (drafters/tree.py)
 
-    def loss(self, tokens, taps, hidden, target_logits, mask, generator=None) -> tuple[torch.Tensor, dict]:
-        """The online/pretraining loss (`draft_loss`; deterministic, `generator` unused)."""
+    def loss(self, tokens, taps, hidden, target_logits, mask, generator=None, held_out: bool = False
+             ) -> tuple[torch.Tensor, dict]:
+        """The online/pretraining loss (`draft_loss`; deterministic, `generator` unused; held-out scores
+        are the same loss)."""
         return draft_loss(self, tokens, taps, hidden, target_logits, mask, feature_weight=self.feature_weight)
 
 
