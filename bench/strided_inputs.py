@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ from sparkrl.drafters import load_drafter, shipped_path
 from sparkrl.drafters.dflash import block_loss
 from sparkrl.drafters.eagle3 import draft_loss
 from sparkrl.weights import load_model
-from timing import seconds
+from timing import seconds, speedup
 
 SYSTEMS = {"strided (before)": lambda x: x, "contiguous (now)": kernels.dense}
 
@@ -80,11 +79,9 @@ def main() -> None:
     use("contiguous (now)")
     summary = {}
     for case, by in times.items():
-        med = {name: statistics.median(v) for name, v in by.items()}
-        summary[case] = {**{f"{name} s": m for name, m in med.items()},
-                         "speedup": med["strided (before)"] / med["contiguous (now)"]}
-        print(f"{case}: before {med['strided (before)'] * 1e3:.1f} ms, now {med['contiguous (now)'] * 1e3:.1f} ms, "
-              f"{summary[case]['speedup']:.2f}x")
+        summary[case] = r = speedup(by, "strided (before)", "contiguous (now)")
+        print(f"{case}: before {r['strided (before) s'] * 1e3:.1f} ms, now {r['contiguous (now) s'] * 1e3:.1f} ms, "
+              f"{r['speedup']:.2f}x")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "strided_inputs.json").write_text(json.dumps({"summary": summary, "seconds": times}, indent=2))

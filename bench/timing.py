@@ -1,7 +1,9 @@
-"""Wall-clock timing shared by the bench scripts (one call, or repeated calls after warm-up ones)."""
+"""Wall-clock timing shared by the bench scripts (one call, or repeated calls after warm-up ones) and the
+speedup of one system over another."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 
@@ -17,3 +19,9 @@ def repeated(fn, reps: int, warmup: int = 1) -> list[float]:
     for _ in range(warmup):
         fn()
     return [seconds(fn) for _ in range(reps)]
+
+
+def speedup(by: dict[str, list[float]], before: str, now: str) -> dict:
+    """Medians of two systems' timings (name -> seconds) and the speedup of `now` over `before`."""
+    med = {name: statistics.median(v) for name, v in by.items()}
+    return {**{f"{name} s": m for name, m in med.items()}, "speedup": med[before] / med[now]}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ import torch
 import sparkrl.drafters.eagle3 as eagle3
 from sparkrl.drafters import load_drafter, shipped_path
 from sparkrl.weights import load_model
-from timing import seconds
+from timing import seconds, speedup
 
 UNROLLED = eagle3.unrolled
 SYSTEMS = {"segments run again (before)": functools.partial(UNROLLED, reuse=False),
@@ -57,9 +56,7 @@ def main() -> None:
                     times[case][name].append(s)
                 print(case, name, f"{s:.2f} s", flush=True)
         eagle3.unrolled = UNROLLED
-        med = {name: statistics.median(v) for name, v in times[case].items()}
-        summary[case] = {**{f"{name} s": m for name, m in med.items()},
-                         "speedup": med["segments run again (before)"] / med["each segment once (now)"]}
+        summary[case] = speedup(times[case], "segments run again (before)", "each segment once (now)")
         print(f"{case}: {summary[case]['speedup']:.2f}x", flush=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
