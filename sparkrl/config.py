@@ -365,7 +365,7 @@ class GenerateConfig(Checked):
 class PretrainConfig(Checked):
     out: str = option("", required=True)
     """Output directory: KIND/drafter.pt and KIND/drafter.safetensors (the drafters), state.pt (resume),
-    corpus/, pretrain.jsonl (training and held-out records), pretrain.png, config.json."""
+    corpus/, features/ (--feature-cache), pretrain.jsonl (training and held-out records), pretrain.png, config.json."""
     draft: str = "eagle3"
     """Drafter kinds, comma-separated (eagle3, dflash): several train together on one policy pass per batch."""
     block_size: int = at_least(2, 16, "an anchor and at least one drafted token")
@@ -392,7 +392,13 @@ class PretrainConfig(Checked):
     resume: bool = False
     """Continue the run in --out from its state.pt (same settings; the corpus is reused)."""
     epochs: int = at_least(1, 1)
-    """Passes over the corpus (each pass recomputes the policy's features and targets)."""
+    """Passes over the corpus (each micro-batch of sequences reshuffled per pass)."""
+    feature_cache: bool = True
+    """Keep each sequence's policy pass (the drafter's input features and the policy's final hidden states,
+    unpadded, in the policy's dtype) in --out/features/ and read it back instead of running the policy
+    again: the held-out sequences (scored every --eval-every steps) always, the training sequences with
+    --epochs > 1. About (feature layers + 1) x hidden size values per token (9 KB in float32 for the default
+    model's EAGLE3-style drafter); a run that would not fit on the disk is refused before training."""
     lr: float = above(0, 5e-4)
     """Peak learning rate (AdamW), reached after --warmup steps, then cosine decay to a tenth."""
     warmup: int = at_least(0, 50)

@@ -6,11 +6,12 @@ dtype) to math problems and chat prompts, and an optional local text corpus. A s
 is held out by a hash of the question (`data.held_out`) and never enters it; held-out sequences are
 scored every --eval-every steps. The draft vocabulary is the corpus's most frequent tokens.
 
-Training runs the policy once per micro-batch and sequence (no grad, rollout dtype) for its features
-and target distributions and steps the drafter with the same `DraftTrainer` as online training,
-under a warm-up + cosine learning-rate schedule. Micro-batches group sequences of similar length.
-`state.pt` (drafter, optimizer, step) is written atomically every --checkpoint-every steps;
-`--resume` continues exactly where it was written (the batch plan is a function of the seed).
+Training runs the policy once per micro-batch (no grad, rollout dtype) for its features and target
+distributions (`features.policy_pass`; kept on disk and read back by later epochs and held-out scores)
+and steps the drafter with the same `DraftTrainer` as online training, under a warm-up + cosine
+learning-rate schedule. Micro-batches group sequences of similar length. `state.pt` (drafter,
+optimizer, step, seconds) is written atomically every --checkpoint-every steps; `--resume` continues
+exactly where it was written (the batch plan is a function of the seed).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import math
 import random
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
@@ -34,8 +36,8 @@ from sparkrl.draft_train import DraftTrainer
 from sparkrl.drafters import KINDS, find_checkpoint, load_drafter
 from sparkrl.drafters.base import expected_length, policy_fingerprint, save_safetensors
 from sparkrl.errors import UserError
+from sparkrl.features import FeatureStore, policy_pass
 from sparkrl.machine import set_threads
-from sparkrl.model import pad_right
 from sparkrl.precision import RolloutCopy, rollout_dtype, use_packed, weight_major_choice
 from sparkrl.rollout import generate, response_generators
 from sparkrl.weights import load_model
@@ -50,7 +52,6 @@ CHAT_PROMPTS = [
 ]
 CHUNK = 64  # prompts per generation call (and per resumable corpus file)
 EVAL_SEED = 1 << 20  # response generators of held-out prompts start here
-SHAPE_STEP = 64
 
 
 class Seq(NamedTuple):
@@ -193,23 +194,7 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _policy_pass(policy, seqs: list[Seq], taps, answers_only: bool = True):
-    """Tokens, the policy's taps, final hidden states and logits (no grad), and the trainable mask:
-    from the last prompt position on (`Seq`; every position with answers_only False), never padding."""
-    dev = policy.lm_head.weight.device
-    toks, lens = pad_right([s.ids for s in seqs], dev)
-    # lengths padded to a multiple of SHAPE_STEP: a few shapes recur, so oneDNN's kernels for them are
-    # made once (a new shape every batch made steps ~2x slower)
-    toks = torch.nn.functional.pad(toks, (0, -toks.shape[1] % SHAPE_STEP))
-    t = torch.arange(toks.shape[1], device=dev)
-    first = torch.tensor([max(s.start - 1, 0) if answers_only else 0 for s in seqs], device=dev)  # last prompt position
-    mask = (t >= first[:, None]) & (t < (lens - 2)[:, None])  # t needs t+1 and t+2
-    with torch.no_grad():
-        o = policy(toks, taps=taps)
-        return toks, o.taps, o.hidden, policy.logits(o.hidden), mask
-
-
-def evaluate(trainer: DraftTrainer, policy, seqs: list[Seq], micro_batch: int) -> dict:
+def evaluate(trainer: DraftTrainer, policy, seqs: list[Seq], micro_batch: int, store: FeatureStore | None = None) -> dict:
     """Held-out statistics averaged over positions: per-depth top-1 agreement and acceptance, the
     expected acceptance length of a drafted chain (`drafters.base.expected_length`) and, for drafters
     that draft trees, of a tree's path (its levels' best children; what tree rounds accept)."""
@@ -218,7 +203,7 @@ def evaluate(trainer: DraftTrainer, policy, seqs: list[Seq], micro_batch: int) -
     sums, n = Counter(), 0.0
     for i in range(0, len(seqs), micro_batch):
         with _autocast(policy):
-            st = trainer.evaluate(*_policy_pass(policy, seqs[i:i + micro_batch], taps), generator=g)
+            st = trainer.evaluate(*policy_pass(policy, seqs[i:i + micro_batch], taps, store=store), generator=g)
         w = st["positions"]
         sums.update({k: v * w for k, v in st.items() if k != "positions"})
         n += w
@@ -320,11 +305,21 @@ def pretrain(cfg: PretrainConfig) -> dict:
     taps = tuple(sorted({i for t in trainers.values() for i in t.drafter.feature_layers}))
     plans = [batch_plan([len(s.ids) for s in train], cfg.micro_batch, cfg.seed, e) for e in range(cfg.epochs)]
     total = sum(map(len, plans))
-    step, tokens = 0, 0
+    # --feature-cache: the policy pass of a sequence read more than once is kept (held-out ones always)
+    pdt = policy.model.embed_tokens.weight.dtype
+    stores = {}
+    if cfg.feature_cache:
+        tag = json.dumps([cfg.model.model, str(pdt), policy.lm_head.packed, cfg.model.cpu_kernels])
+        stores["heldout"] = FeatureStore(out / "features", tag)
+        if cfg.epochs > 1:
+            FeatureStore.check_space(out / "features", sum(len(s.ids) for s in train),
+                                     (len(taps) + 1) * master.args.hidden_size, pdt)
+            stores["train"] = stores["heldout"]
+    step, tokens, elapsed = 0, 0, 0.0
     if resume is not None:
         for kind, t in trainers.items():
             t.load_state_dict(resume["trainers"][kind])
-        step, tokens = resume["step"], resume["tokens"]
+        step, tokens, elapsed = resume["step"], resume["tokens"], resume.get("seconds", 0.0)
         torch.set_rng_state(resume["rng"])  # the DFlash loss draws its anchors from it
     else:
         (out / "config.json").write_text(json.dumps({"config": to_dict(cfg), "corpus_sequences": len(train),
@@ -337,13 +332,14 @@ def pretrain(cfg: PretrainConfig) -> dict:
 
     def save_state():
         atomic_save({"trainers": {k: t.state_dict() for k, t in trainers.items()}, "step": step, "tokens": tokens,
-                     "rng": torch.get_rng_state()}, out / "state.pt")
+                     "seconds": elapsed, "rng": torch.get_rng_state()}, out / "state.pt")
         log_path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
     def score():
         for kind, t in trainers.items():
             if test:
-                r = {"heldout": True, "kind": kind, "step": step, "tokens": tokens, **evaluate(t, policy, test, cfg.micro_batch)}
+                r = {"heldout": True, "kind": kind, "step": step, "tokens": tokens,
+                     **evaluate(t, policy, test, cfg.micro_batch, stores.get("heldout"))}
                 records.append(r)
                 tree = f", trees {r['tree_expected_length']:.2f}" if "tree_expected_length" in r else ""
                 tqdm.write(f"{kind} held-out at step {step} ({tokens / 1e6:.2f}M tokens): expected length "
@@ -359,15 +355,20 @@ def pretrain(cfg: PretrainConfig) -> dict:
         for k, mb in enumerate(b for plan in plans for b in plan):
             if k < step:
                 continue
-            batch = _policy_pass(policy, [train[j] for j in mb], taps, cfg.train_positions == "response")
+            t0 = time.perf_counter()
+            batch = policy_pass(policy, [train[j] for j in mb], taps, cfg.train_positions == "response", stores.get("train"))
             tokens += sum(len(train[j].ids) for j in mb)
+            stats = {}
             for kind, t in trainers.items():
                 for g in t.opt.param_groups:
                     g["lr"] = lr_at(step, total, cfg.lr, cfg.warmup)
                 with _autocast(policy):
-                    st = t.observe(*batch)
+                    stats[kind] = t.observe(*batch)
                 t.step()
-                records.append({"kind": kind, "step": step + 1, "tokens": tokens, "lr": t.opt.param_groups[0]["lr"], **st})
+            elapsed += time.perf_counter() - t0
+            for kind, t in trainers.items():
+                records.append({"kind": kind, "step": step + 1, "tokens": tokens, "seconds": round(elapsed, 2),
+                                "lr": t.opt.param_groups[0]["lr"], **stats[kind]})
             step += 1
             bar.update(1)
             bar.set_postfix(tokens=f"{tokens / 1e6:.2f}M", **{f"top1_{kind}": f"{r['top1']:.2f}"

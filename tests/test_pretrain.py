@@ -12,7 +12,8 @@ from sparkrl.config import PretrainConfig, build
 from sparkrl.data import Problem, held_out, load_problems, parse_row
 from sparkrl.drafters.base import expected_length, read_checkpoint, save_safetensors, target_probs
 from sparkrl.errors import UserError
-from sparkrl.pretrain import _policy_pass, batch_plan, build_corpus, load_corpus_problems, lr_at, pretrain
+from sparkrl.features import policy_pass
+from sparkrl.pretrain import batch_plan, build_corpus, load_corpus_problems, lr_at, pretrain
 
 GSM_ROW = {"question": "Tom has {n} apples and buys 3 more. How many apples does he have?",
            "answer": "He buys 3 so he has {n}+3=<<{n}+3={m}>>{m} apples.\n#### {m}"}
@@ -98,11 +99,73 @@ def test_held_out_problems_never_enter_the_corpus(tiny_model_dir, tmp_path):
     for s in train + test:
         head = lm.tokenizer.decode(s.ids[:s.start])
         assert s.start > 0 and head.rstrip().endswith("assistant") and lm.tokenizer.decode(s.ids[s.start:]).strip()
-    _, _, _, _, mask = _policy_pass(lm.model, train[:2], ())
+    _, _, _, _, mask = policy_pass(lm.model, train[:2], ())
     for row, s in zip(mask, train[:2]):
         assert row.nonzero()[0, 0] == s.start - 1 and row.nonzero()[-1, 0] == len(s.ids) - 3
-    _, _, _, _, every = _policy_pass(lm.model, train[:2], (), answers_only=False)  # --train-positions all
+    _, _, _, _, every = policy_pass(lm.model, train[:2], (), answers_only=False)  # --train-positions all
     assert every[:, 0].all() and (every.sum(1) == torch.tensor([len(s.ids) - 2 for s in train[:2]])).all()
+
+
+def test_feature_store_batch_equals_the_policy_pass_and_is_read_back(tiny_model_dir, tmp_path, monkeypatch):
+    """A batch assembled from stored per-sequence features equals the plain policy pass at every real
+    position (padding is zero); a second read runs no policy; other feature layers or another tag are
+    other files."""
+    from sparkrl.features import FeatureStore
+    from sparkrl.pretrain import Seq
+    from sparkrl.weights import load_model
+
+    policy = load_model(str(tiny_model_dir), with_tokenizer=False).model
+    seqs = [Seq(list(range(5, 5 + n)), 3) for n in (9, 30, 17)]
+    store = FeatureStore(tmp_path / "f", "tag")
+    ref = policy_pass(policy, seqs, (0, 1))
+    got = policy_pass(policy, seqs, (0, 1), store=store)
+    assert len(list((tmp_path / "f").iterdir())) == 3
+    monkeypatch.setattr(type(policy), "forward", lambda *a, **k: pytest.fail("the policy ran on a stored batch"))
+    again = policy_pass(policy, seqs, (0, 1), store=store)
+    for a, b, c in ((ref[0], got[0], again[0]), (ref[4], got[4], again[4])):  # tokens, mask
+        assert torch.equal(a, b) and torch.equal(b, c)
+    for name, a, b, c in [("hidden", ref[2], got[2], again[2]), ("logits", ref[3], got[3], again[3])] + \
+            [(f"tap {i}", ref[1][i], got[1][i], again[1][i]) for i in (0, 1)]:
+        assert torch.equal(b, c), name
+        for row, s in enumerate(seqs):
+            assert torch.equal(a[row, :len(s.ids)], b[row, :len(s.ids)]), name
+        if name != "logits":
+            assert not b[0, len(seqs[0].ids):].any(), name
+    assert store.path(seqs[0].ids, (0, 1)) != store.path(seqs[0].ids, (1,))
+    assert store.path(seqs[0].ids, (0, 1)) != FeatureStore(tmp_path / "f", "other").path(seqs[0].ids, (0, 1))
+    with pytest.raises(UserError, match="--no-feature-cache"):
+        FeatureStore.check_space(tmp_path, 10**15, 100, torch.float32)
+
+
+def test_epochs_read_stored_features_and_train_the_same_drafter(tiny_model_dir, tmp_path, monkeypatch):
+    """--epochs 2: the second pass and every held-out score after the first read the stored features (one
+    policy pass per training and held-out sequence in the whole run) and train exactly the drafter that
+    recomputing them every time trains."""
+    from sparkrl.model import Transformer
+
+    data = gsm8k_file(tmp_path)
+    real = Transformer.forward
+    passes = []
+
+    def counted(self, tokens, *a, **k):
+        if k.get("taps"):
+            passes.append(tokens.shape[0])
+        return real(self, tokens, *a, **k)
+
+    monkeypatch.setattr(Transformer, "forward", counted)
+    cached = pretrain(_cfg(tmp_path / "a", tiny_model_dir, data, epochs=2))
+    out = tmp_path / "a" / "pre"
+    info = json.loads((out / "config.json").read_text())
+    n = info["corpus_sequences"] + info["heldout_sequences"]
+    assert sum(passes) == n and len(list((out / "features").iterdir())) == n
+    passes.clear()
+    plain = pretrain(_cfg(tmp_path / "b", tiny_model_dir, data, epochs=2, feature_cache=False))
+    assert sum(passes) > 2 * n and not (tmp_path / "b" / "pre" / "features").exists()
+    for kind in ("eagle3", "dflash"):
+        a, b = (read_checkpoint(r["drafters"][kind]["path"])["state"] for r in (cached, plain))
+        assert all(torch.equal(a[k], b[k]) for k in a), kind
+    recs = [json.loads(l) for l in (out / "pretrain.jsonl").read_text().splitlines() if "heldout" not in l]
+    assert recs[-1]["step"] == cached["steps"] and 0 < recs[0]["seconds"] <= recs[-1]["seconds"]
 
 
 def test_pretrain_two_kinds_scores_held_out_and_resumes_exactly_after_a_crash(tiny_model_dir, tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ def lazy_ok(module: str) -> bool:
 LAYERS = [
     {"errors", "config", "kernels", "logprobs", "model", "sampling", "weights", "rewards", "grpo", "checkpoint", "export", "machine", "precision",
      "distributed", "sharding", "__init__"},
-    {"verify", "data"},
+    {"verify", "data", "features"},
     {"drafters.base", "drafters.tree", "drafters.eagle3", "drafters.dflash", "drafters.selfdraft", "drafters.__init__",
      "spark", "draft_train"},
     {"rollout", "budget"},
