@@ -85,13 +85,12 @@ class FeatureStore:
                     atomic_save(fresh[p], p)
         return [fresh[p] if p in fresh else torch.load(p, map_location=toks.device) for p in paths]
 
-    @staticmethod
-    def check_space(folder: Path, tokens: int, width: int, dtype: torch.dtype) -> None:
-        """Refuses, before any training, a store that would not fit on the disk of `folder` (tokens x
-        width values of `dtype`, with a 10% and 1 GB margin)."""
-        need = tokens * width * torch.finfo(dtype).bits // 8
-        free = shutil.disk_usage(folder).free
+    def check_space(self, tokens: int, width: int, dtype: torch.dtype) -> None:
+        """Refuses, before any training, a store of `tokens` x `width` values of `dtype` that would not fit
+        on the disk (what the folder already holds counts as written; 10% and 1 GB margin)."""
+        need = tokens * width * torch.finfo(dtype).bits // 8 - sum(p.stat().st_size for p in self.folder.glob("*.pt"))
+        free = shutil.disk_usage(self.folder).free
         if need * 1.1 + 2**30 > free:
-            raise UserError(f"the policy features of {tokens:,} tokens need about {need / 2**30:.1f} GB in "
-                            f"{folder}, which has {free / 2**30:.1f} GB free: free some space, or pass "
+            raise UserError(f"the policy features of {tokens:,} tokens need about {need / 2**30:.1f} GB more in "
+                            f"{self.folder}, which has {free / 2**30:.1f} GB free: free some space, or pass "
                             "--no-feature-cache (the policy pass then runs again every epoch)")

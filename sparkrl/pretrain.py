@@ -10,8 +10,9 @@ Training runs the policy once per micro-batch (no grad, rollout dtype) for its f
 distributions (`features.policy_pass`; kept on disk and read back by later epochs and held-out scores)
 and steps the drafter with the same `DraftTrainer` as online training, under a warm-up + cosine
 learning-rate schedule. Micro-batches group sequences of similar length. `state.pt` (drafter,
-optimizer, step, seconds) is written atomically every --checkpoint-every steps; `--resume` continues
-exactly where it was written (the batch plan is a function of the seed).
+optimizer, step, training seconds, which each record carries too) is written atomically every
+--checkpoint-every steps; `--resume` continues exactly where it was written (the batch plan is a
+function of the seed).
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def evaluate(trainer: DraftTrainer, policy, seqs: list[Seq], micro_batch: int, store: FeatureStore | None = None) -> dict:
+def evaluate(trainer: DraftTrainer, policy, seqs: list[Seq], micro_batch: int,
+             store: FeatureStore | None = None) -> dict:
     """Held-out statistics averaged over positions: per-depth top-1 agreement and acceptance, the
     expected acceptance length of a drafted chain (`drafters.base.expected_length`) and, for drafters
     that draft trees, of a tree's path (its levels' best children; what tree rounds accept)."""
@@ -312,8 +314,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
         tag = json.dumps([cfg.model.model, str(pdt), policy.lm_head.packed, cfg.model.cpu_kernels])
         stores["heldout"] = FeatureStore(out / "features", tag)
         if cfg.epochs > 1:
-            FeatureStore.check_space(out / "features", sum(len(s.ids) for s in train),
-                                     (len(taps) + 1) * master.args.hidden_size, pdt)
+            stores["heldout"].check_space(sum(len(s.ids) for s in train), (len(taps) + 1) * master.args.hidden_size, pdt)
             stores["train"] = stores["heldout"]
     step, tokens, elapsed = 0, 0, 0.0
     if resume is not None:
@@ -356,7 +357,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
             if k < step:
                 continue
             t0 = time.perf_counter()
-            batch = policy_pass(policy, [train[j] for j in mb], taps, cfg.train_positions == "response", stores.get("train"))
+            batch = policy_pass(policy, [train[j] for j in mb], taps, cfg.train_positions == "response",
+                                stores.get("train"))
             tokens += sum(len(train[j].ids) for j in mb)
             stats = {}
             for kind, t in trainers.items():

@@ -134,7 +134,8 @@ def test_feature_store_batch_equals_the_policy_pass_and_is_read_back(tiny_model_
     assert store.path(seqs[0].ids, (0, 1)) != store.path(seqs[0].ids, (1,))
     assert store.path(seqs[0].ids, (0, 1)) != FeatureStore(tmp_path / "f", "other").path(seqs[0].ids, (0, 1))
     with pytest.raises(UserError, match="--no-feature-cache"):
-        FeatureStore.check_space(tmp_path, 10**15, 100, torch.float32)
+        store.check_space(10**15, 100, torch.float32)
+    store.check_space(10, 100, torch.float32)
 
 
 def test_epochs_read_stored_features_and_train_the_same_drafter(tiny_model_dir, tmp_path, monkeypatch):
