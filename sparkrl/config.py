@@ -392,7 +392,7 @@ class PretrainConfig(Checked):
     resume: bool = False
     """Continue the run in --out from its state.pt (same settings; the corpus is reused)."""
     epochs: int = at_least(1, 1)
-    """Passes over the corpus (each micro-batch of sequences reshuffled per pass)."""
+    """Passes over the corpus (micro-batches drawn anew each pass, `pretrain.batch_plan`)."""
     feature_cache: bool = True
     """Keep each sequence's policy pass (the drafter's input features and the policy's final hidden states,
     unpadded, in the policy's dtype) in --out/features/ and read it back instead of running the policy
