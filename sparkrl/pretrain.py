@@ -308,14 +308,12 @@ def pretrain(cfg: PretrainConfig) -> dict:
     plans = [batch_plan([len(s.ids) for s in train], cfg.micro_batch, cfg.seed, e) for e in range(cfg.epochs)]
     total = sum(map(len, plans))
     # --feature-cache: the policy pass of a sequence read more than once is kept (held-out ones always)
-    pdt = policy.model.embed_tokens.weight.dtype
-    stores = {}
-    if cfg.feature_cache:
-        tag = json.dumps([cfg.model.model, str(pdt), policy.lm_head.packed, cfg.model.cpu_kernels])
-        stores["heldout"] = FeatureStore(out / "features", tag)
-        if cfg.epochs > 1:
-            stores["heldout"].check_space(sum(len(s.ids) for s in train), (len(taps) + 1) * master.args.hidden_size, pdt)
-            stores["train"] = stores["heldout"]
+    pdt = policy.lm_head.weight.dtype
+    store = FeatureStore(out / "features", json.dumps([cfg.model.model, str(pdt), policy.lm_head.packed,
+                                                        cfg.model.cpu_kernels])) if cfg.feature_cache else None
+    train_store = store if cfg.epochs > 1 else None
+    if train_store is not None:
+        train_store.check_space(sum(len(s.ids) for s in train), (len(taps) + 1) * master.args.hidden_size, pdt)
     step, tokens, elapsed = 0, 0, 0.0
     if resume is not None:
         for kind, t in trainers.items():
@@ -340,7 +338,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
         for kind, t in trainers.items():
             if test:
                 r = {"heldout": True, "kind": kind, "step": step, "tokens": tokens,
-                     **evaluate(t, policy, test, cfg.micro_batch, stores.get("heldout"))}
+                     **evaluate(t, policy, test, cfg.micro_batch, store)}
                 records.append(r)
                 tree = f", trees {r['tree_expected_length']:.2f}" if "tree_expected_length" in r else ""
                 tqdm.write(f"{kind} held-out at step {step} ({tokens / 1e6:.2f}M tokens): expected length "
@@ -358,7 +356,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
                 continue
             t0 = time.perf_counter()
             batch = policy_pass(policy, [train[j] for j in mb], taps, cfg.train_positions == "response",
-                                stores.get("train"))
+                                train_store)
             tokens += sum(len(train[j].ids) for j in mb)
             stats = {}
             for kind, t in trainers.items():
