@@ -9,6 +9,7 @@ so it is not the default; sparkrl warns instead and says what to do.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -25,10 +26,25 @@ ADVICE = ("pass --threads 1 (or start with OMP_WAIT_POLICY=PASSIVE) while other 
           "spinning threads then make each step several times slower")
 
 
+@functools.cache
+def cpu_kind() -> tuple[str, ...]:
+    """The processor's model name and vector extensions (avx*, amx*, fma) from /proc/cpuinfo where there is
+    one, else `platform.processor()`: a cache shared by machines of other kinds (a network home folder)
+    must not hand one kind's timings to another (`platform.processor()` is empty on Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+    except OSError:
+        return (platform.processor(),)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    flags = sorted(f for f in info.get("flags", "").split() if f.startswith(("avx", "amx", "fma")))
+    return (info.get("model name", ""), *flags)
+
+
 def measurement_path(name: str, *facts) -> Path:
-    """Where a one-off timing of this machine is cached: keyed on the processor, torch's thread count
-    and version, and the `facts` the timing depends on (model, dtype, shapes...)."""
-    key = json.dumps([platform.processor(), platform.machine(), torch.get_num_threads(), torch.__version__, *facts],
+    """Where a one-off timing of this machine is cached: keyed on the processor (`cpu_kind`), torch's thread
+    count and version, and the `facts` the timing depends on (model, dtype, shapes...)."""
+    key = json.dumps([cpu_kind(), platform.machine(), torch.get_num_threads(), torch.__version__, *facts],
                      sort_keys=True, default=str)
     return cache_dir() / "costs" / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
 

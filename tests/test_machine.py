@@ -46,3 +46,13 @@ def test_cpu_busy_sees_a_busy_process():
             p.kill()
             p.wait()
     assert 0.0 <= quiet <= 1.0 and busy >= 0.6  # one spinning process per core
+
+
+def test_timings_are_cached_per_kind_of_processor(monkeypatch):
+    """Another CPU model or vector extension (say AVX512-BF16) reads other cached timings."""
+    assert machine.cpu_kind() and machine.measurement_path("x", 1) == machine.measurement_path("x", 1)
+    here = machine.measurement_path("x", 1)
+    monkeypatch.setattr(machine, "cpu_kind", lambda: ("AMD EPYC", "avx2", "avx512_bf16"))
+    bf16 = machine.measurement_path("x", 1)
+    monkeypatch.setattr(machine, "cpu_kind", lambda: ("AMD EPYC", "avx2"))
+    assert len({here, bf16, machine.measurement_path("x", 1)}) >= 2 and bf16 != machine.measurement_path("x", 1)
