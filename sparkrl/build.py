@@ -106,7 +106,8 @@ def make_drafting(cfg: DraftConfig, policy: Transformer, rollout_policy: Transfo
     if drafter is None:
         return Drafting()
     rollout = RolloutCopy(drafter, rollout_policy.lm_head.weight.dtype, packed=rollout_policy.lm_head.packed,
-                          weight_major=rollout_policy.lm_head.weight_major)  # the drafter's kernels follow the policy's
+                          weight_major=rollout_policy.lm_head.weight_major,  # the drafter's kernels follow the policy's
+                          attention32=rollout_policy.model.attn_dtype == torch.float32)
     rollout.model.bind(rollout_policy)
     projection, spark = make_spark(cfg, policy, drafter, temperature, resolved)
     return Drafting(drafter, rollout, projection, spark, make_budget(cfg, rollout_policy, rollout.model))

@@ -129,7 +129,9 @@ class ModelConfig(Checked):
     """Weights dtype (the master weights the optimizer steps): auto (float32 on CPU, bfloat16 on CUDA)."""
     rollout_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Dtype rollouts sample in (a copy of the policy, refreshed after every update): auto = bfloat16 on
-    CUDA, and on a CPU where a measurement of the decode step (once, cached) finds it faster; else float32."""
+    CUDA, and on a CPU where a measurement of decode steps at 1, 8 and 64 rows, each dtype on its fastest
+    kernels (once, cached), finds it faster; else float32. A bfloat16 copy on a CPU attends in float32 (a
+    float32 KV cache) where a measurement finds that faster (bfloat16 attention was 4x slower here)."""
     rollout_head: Literal["rollout", "float32"] = "rollout"
     """LM head of a half-precision rollout copy: in the rollout dtype, or float32 (the master's head weights
     in float32 on the upcast hidden states: logits without half-precision rounding; costs time, BENCHMARKS.md)."""
@@ -138,7 +140,7 @@ class ModelConfig(Checked):
     faster per product; float32 products of 5+ rows, the decode step 1.0-1.26x faster at 8-64 rows),
     weight-major (unpacked; decode-sized products with the weight streamed in its own row order, 1.07-2.1x
     at 1-64 rows in float32 here; q/k/v and gate/up as one product each over a concatenated copy of their
-    weights), plain (F.linear, the reference), auto = packed where a measurement (once, cached) finds it
+    weights), plain (F.linear and attention in the rollout dtype: the reference), auto = packed where a measurement (once, cached) finds it
     faster, and weight-major products where a measurement of the decode step finds those faster (kept
     for 1-4 rows packed in float32). Each fast path keeps another copy of the weights in memory."""
     threads: int = at_least(0, 0)

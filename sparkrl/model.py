@@ -215,6 +215,8 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(D, args.rms_norm_eps)
             self.k_norm = RMSNorm(D, args.rms_norm_eps)
+        self.attn_dtype: torch.dtype | None = None  # the dtype attention runs in and the cache keeps, if not the
+        # inputs': float32 for a bfloat16 copy on a CPU whose bfloat16 attention is slower (`precision.RolloutCopy`)
 
     def forward(self, x, cos, sin, layer: int, cache: KVCache | None, ctx: "_Context"):
         B, T, _ = x.shape
@@ -227,6 +229,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        was, dt = q.dtype, self.attn_dtype or q.dtype
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
         if cache is None and ctx is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
         elif cache is None:  # an explicit mask among the positions (drafter training)
@@ -244,7 +248,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, kbuf[:, :, :S], vbuf[:, :, :S], attn_mask=ctx.mask, enable_gqa=True
             )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim))
+        return self.o_proj(out.to(was).transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim))
 
 
 class MLP(nn.Module):
@@ -372,8 +376,14 @@ class Stack(nn.Module):
             cache.pending += T
         return out
 
+    @property
+    def attn_dtype(self) -> torch.dtype | None:
+        """The layers' `Attention.attn_dtype` (set for all alike by `precision.use_float32_attention`)."""
+        return self.layers[0].self_attn.attn_dtype
+
     def new_cache(self, batch: int, capacity: int, device, dtype) -> KVCache:
-        return KVCache.empty(self.args, batch, capacity, device, dtype)
+        """An empty cache in `dtype` (the weights'), or in the layers' `attn_dtype` where that is set."""
+        return KVCache.empty(self.args, batch, capacity, device, self.attn_dtype or dtype)
 
 
 class Backbone(Stack):

@@ -23,9 +23,10 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
-from sparkrl.kernels import Linear, pack, packable
-from sparkrl.model import Transformer
+from sparkrl.kernels import HALF, Linear, pack, packable
+from sparkrl.model import Attention, Transformer
 from sparkrl.machine import measurement_path
 from sparkrl.sharding import full
 
@@ -55,24 +56,33 @@ def _step_seconds(model: Transformer, rows: int = 8, context: int = 128, reps: i
     return out[1:]
 
 
+DTYPE_ROWS = (1, 8, 64)  # rows of the decode steps `bf16_speedup` times
+
+
 def bf16_speedup(policy: Transformer) -> float:
-    """float32 / bfloat16 seconds of this policy's decode step (8 rows) on this machine, measured once
-    and cached; bfloat16 on prepacked weights where they pay (`packing_pays`), float32 on `F.linear`."""
+    """float32 / bfloat16 seconds of this policy's decode step on this machine, each dtype as its rollout
+    copy runs it under --cpu-kernels auto (`RolloutCopy`: prepacked weights, weight-major products and
+    float32 attention where they pay): the geometric mean over 1, 8 and 64 rows. Measured once and cached.
+    (Timing float32 on plain `F.linear` against the faster bfloat16 kernels chose bfloat16 here, which
+    was then no faster than float32 rollouts: BENCHMARKS.md "Cached attention in float32".)"""
     dev = policy.lm_head.weight.device
-    packed = packing_pays(torch.bfloat16, dev)
-    path = measurement_path("dtype", str(dev), policy.args.__dict__, {"packed": packed})
+    path = measurement_path("dtype", str(dev), policy.args.__dict__, {"rows": DTYPE_ROWS, "kernels": "auto"})
     if path.exists():
         return json.loads(path.read_text())["speedup"]
+    models = {dt: RolloutCopy(policy, DTYPES[dt], separate=True, packed=use_packed("auto", DTYPES[dt], policy)).model
+              for dt in DTYPES}  # (their own measurements first, cached: they print what they time)
     print("sparkrl: timing float32 against bfloat16 decode steps on this machine (once; cached)", file=sys.stderr,
           flush=True)
-    models = {dt: pack(copy.deepcopy(policy).to(DTYPES[dt]), packed and dt != "float32") for dt in DTYPES}
-    times = {dt: [] for dt in DTYPES}
+    times = {dt: {rows: [] for rows in DTYPE_ROWS} for dt in DTYPES}
     for _ in range(2):  # interleaved: drift hits both alike
-        for dt, m in models.items():
-            times[dt] += _step_seconds(m)
-    speedup = statistics.median(times["float32"]) / statistics.median(times["bfloat16"])
+        for rows in DTYPE_ROWS:
+            for dt, m in models.items():
+                times[dt][rows] += _step_seconds(m, rows=rows)
+    by_rows = {rows: statistics.median(times["float32"][rows]) / statistics.median(times["bfloat16"][rows])
+               for rows in DTYPE_ROWS}
+    speedup = statistics.geometric_mean(by_rows.values())
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"speedup": speedup, "seconds": times}))
+    path.write_text(json.dumps({"speedup": speedup, "by_rows": by_rows, "seconds": times}))
     return speedup
 
 
@@ -88,13 +98,18 @@ def rollout_dtype(choice: str, policy: Transformer) -> torch.dtype:
     return torch.bfloat16 if bf16_speedup(policy) > 1.05 else torch.float32
 
 
-def _seconds(layer: Linear, x: torch.Tensor, reps: int) -> float:
+def _call_seconds(f, reps: int) -> float:
+    """Mean seconds of `reps` calls of f() after one untimed call."""
     with torch.no_grad():
-        layer(x)
+        f()
         t = time.perf_counter()
         for _ in range(reps):
-            layer(x)
+            f()
     return (time.perf_counter() - t) / reps
+
+
+def _seconds(layer: Linear, x: torch.Tensor, reps: int) -> float:
+    return _call_seconds(lambda: layer(x), reps)
 
 
 def packing_pays(dtype: torch.dtype, device: torch.device | str = "cpu", policy: Transformer | None = None) -> bool:
@@ -215,6 +230,71 @@ def weight_major_pays(policy: Transformer) -> bool:
     return pays
 
 
+ATTENTION_SIZES = ((1, 1), (8, 1), (64, 1), (8, 17))  # (rows, new tokens) of the cached attentions timed
+ATTENTION_CONTEXT = 192  # cached positions beside them
+
+
+def _attention_seconds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, reps: int = 10) -> float:
+    """Mean seconds of a cached attention over keys and values k, v in their dtype (the queries cast to it,
+    the output back), as `Attention` runs it."""
+    return _call_seconds(lambda: F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
+                                                                enable_gqa=True).to(q.dtype), reps)
+
+
+def float32_attention_pays(dtype: torch.dtype, args) -> bool:
+    """Whether a `dtype` (half-precision) model's cached attention runs faster in float32 on a float32 KV
+    cache (queries cast up, outputs cast back; `Attention.attn_dtype`) than in `dtype` on this CPU, by 5% overall:
+    decode steps of 1, 8 and 64 rows and a 17-token forward of 8 rows beside a 192-token context, with
+    `args`' heads (medians of interleaved calls). On this project's AVX512-BF16 CPU torch's bfloat16
+    attention for one new token was 4-9x slower than float32's (BENCHMARKS.md "Cached attention in
+    float32"). Measured once per machine, dtype and head shape, and cached."""
+    shape = {"heads": args.num_heads, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim}
+    path = measurement_path("attention", str(dtype), shape, {"sizes": ATTENTION_SIZES, "context": ATTENTION_CONTEXT})
+    if path.exists():
+        return json.loads(path.read_text())["pays"]
+    print(f"sparkrl: timing {str(dtype).removeprefix('torch.')} against float32 attention on this machine "
+          "(once; cached)", file=sys.stderr, flush=True)
+    g = torch.Generator().manual_seed(0)
+    times = {name: {str(size): [] for size in ATTENTION_SIZES} for name in ("half", "float32")}
+    for _ in range(3):  # interleaved: drift hits both alike
+        for rows, tokens in ATTENTION_SIZES:
+            S = ATTENTION_CONTEXT + tokens
+            q = torch.randn(rows, args.num_heads, tokens, args.head_dim, generator=g).to(dtype)
+            kv = torch.randn(2, rows, args.num_kv_heads, S, args.head_dim, generator=g)
+            mask = torch.ones(rows, 1, tokens, S, dtype=torch.bool).tril(ATTENTION_CONTEXT)
+            for name, k, v in (("half", *kv.to(dtype)), ("float32", *kv)):
+                times[name][str((rows, tokens))].append(_attention_seconds(q, k, v, mask))
+    total = {name: sum(statistics.median(t) for t in by_size.values()) for name, by_size in times.items()}
+    ratio = total["half"] / total["float32"]
+    pays = ratio > 1.05
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"pays": pays, "speedup": ratio, "seconds": times}))
+    return pays
+
+
+def float32_attention_wanted(model: torch.nn.Module) -> bool:
+    """Measured for a policy in half precision on a CPU (`float32_attention_pays`); a drafter follows its
+    policy, and a GPU's flash attention runs half precision natively."""
+    w = model.lm_head.weight if isinstance(model, Transformer) else None
+    return (w is not None and w.dtype in HALF and w.device.type == "cpu"
+            and float32_attention_pays(w.dtype, model.args))
+
+
+def float32_attention_choice(choice: str) -> bool | None:
+    """`RolloutCopy`'s attention32 for --cpu-kernels `choice`: measured (None), except under plain, the
+    reference, which attends in the rollout dtype."""
+    return False if choice == "plain" else None
+
+
+def use_float32_attention(module: torch.nn.Module, on: bool = True) -> torch.nn.Module:
+    """Run every `Attention` of `module` in float32 with a float32 KV cache (on: queries, keys and values
+    cast up, outputs cast back), or in its inputs' dtype; caches made before keep their dtype."""
+    for m in module.modules():
+        if isinstance(m, Attention):
+            m.attn_dtype = torch.float32 if on else None
+    return module
+
+
 def weight_major_choice(choice: str) -> bool | None:
     """`RolloutCopy`'s weight_major for --cpu-kernels `choice`: measured on the copy (None) under auto;
     on under weight-major; off under plain (`F.linear` everywhere, the reference) and packed."""
@@ -253,7 +333,7 @@ class RolloutCopy:
     refresh gathers each sharded parameter in turn (every rank calls it)."""
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype, separate: bool = False, packed: bool = False,
-                 head_float32: bool = False, weight_major: bool | None = None):
+                 head_float32: bool = False, weight_major: bool | None = None, attention32: bool | None = None):
         self.master = module
         w = next(module.parameters())
         if w.dtype == dtype and not separate:
@@ -267,6 +347,7 @@ class RolloutCopy:
         if weight_major is None:  # measured on a policy's decode step (a drafter follows its policy)
             weight_major = isinstance(self.model, Transformer) and weight_major_pays(self.model)
         use_weight_major(self.model, weight_major)
+        use_float32_attention(self.model, float32_attention_wanted(self.model) if attention32 is None else attention32)
         if head_float32 and dtype != torch.float32:  # a float32 copy of the master's head (refreshed below)
             self.model.head32 = (full(module.lm_head.weight).detach().float().clone(),)
 

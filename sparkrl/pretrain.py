@@ -39,7 +39,7 @@ from sparkrl.drafters.base import expected_length, policy_fingerprint, save_safe
 from sparkrl.errors import UserError
 from sparkrl.features import FeatureStore, policy_pass
 from sparkrl.machine import set_threads
-from sparkrl.precision import RolloutCopy, rollout_dtype, use_packed, weight_major_choice
+from sparkrl.precision import RolloutCopy, float32_attention_choice, rollout_dtype, use_packed, weight_major_choice
 from sparkrl.rollout import generate, response_generators
 from sparkrl.weights import load_model
 
@@ -111,7 +111,8 @@ def _generated(policy, tok, prompts: list[list[int]], cfg: PretrainConfig, eos_i
     for i in range(0, len(prompts), CHUNK):
         chunk = prompts[i:i + CHUNK]
         key = json.dumps([chunk, to_dict(cfg.sampling), cfg.seed, offset + i, cfg.model.model,
-                          str(policy.lm_head.weight.dtype)] + (["packed"] if policy.lm_head.packed else []))
+                          str(policy.lm_head.weight.dtype)] + (["packed"] if policy.lm_head.packed else [])
+                         + (["float32 attention"] if policy.model.attn_dtype == torch.float32 else []))
         # ^ a file is reused only for the same work
         path = folder / f"{name}-{i // CHUNK:05d}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
         if not path.exists():
@@ -281,7 +282,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
     dt = rollout_dtype(cfg.model.rollout_dtype, master)
     policy = RolloutCopy(master, dt, packed=use_packed(cfg.model.cpu_kernels, dt, master),
                          head_float32=cfg.model.rollout_head == "float32",
-                         weight_major=weight_major_choice(cfg.model.cpu_kernels)).model
+                         weight_major=weight_major_choice(cfg.model.cpu_kernels),
+                         attention32=float32_attention_choice(cfg.model.cpu_kernels)).model
     # ^ features and targets
     inits = {kind: load_drafter(find_checkpoint(cfg.init, kind, master, "--init"), master.args, kind)
              for kind in cfg.kinds()} if cfg.init else {}  # a wrong --init fails before the corpus is made
@@ -309,8 +311,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
     total = sum(map(len, plans))
     # --feature-cache: the policy pass of a sequence read more than once is kept (held-out ones always)
     pdt = policy.lm_head.weight.dtype
-    store = FeatureStore(out / "features", json.dumps([cfg.model.model, str(pdt), policy.lm_head.packed,
-                                                        cfg.model.cpu_kernels])) if cfg.feature_cache else None
+    tag = [cfg.model.model, str(pdt), policy.lm_head.packed, cfg.model.cpu_kernels]
+    tag += ["float32 attention"] if policy.model.attn_dtype == torch.float32 else []
+    store = FeatureStore(out / "features", json.dumps(tag)) if cfg.feature_cache else None
     train_store = store if cfg.epochs > 1 else None
     if train_store is not None:
         train_store.check_space(sum(len(s.ids) for s in train), (len(taps) + 1) * master.args.hidden_size, pdt)

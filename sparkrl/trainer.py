@@ -40,7 +40,8 @@ from sparkrl.grpo import grpo_loss, group_advantages, mismatch
 from sparkrl.kernels import pack
 from sparkrl.machine import RateWatch, set_threads
 from sparkrl.model import Transformer, pad_right
-from sparkrl.precision import (RolloutCopy, rollout_dtype, use_packed, use_weight_major, weight_major_choice,
+from sparkrl.precision import (RolloutCopy, float32_attention_choice, float32_attention_wanted, rollout_dtype,
+                               use_float32_attention, use_packed, use_weight_major, weight_major_choice,
                                weight_major_pays)
 from sparkrl.rewards import Grader
 from sparkrl.rollout import Rollout, RoundStats, generate, response_generators
@@ -249,24 +250,28 @@ class GRPORun:
                                                                   frozen=True)
         # what samples; a resumed run keeps the dtype its start measured (another machine may measure otherwise)
         dt, packed = resolved.get("rollout_dtype"), resolved.get("packed_kernels")
-        weight_major = resolved.get("weight_major_kernels")
+        weight_major, attention32 = resolved.get("weight_major_kernels"), resolved.get("float32_attention")
         if not dt and world.is_main:
             dt = str(rollout_dtype(cfg.model.rollout_dtype, policy)).removeprefix("torch.")
         if packed is None and world.is_main:
             packed = use_packed(cfg.model.cpu_kernels, getattr(torch, dt), policy)
         dt, packed = world.broadcast((dt, packed))  # every rank samples in rank 0's choice
         self.rollout = RolloutCopy(policy, getattr(torch, dt), separate=shards.sharded, packed=packed,  # unsharded
-                                   head_float32=cfg.model.rollout_head == "float32", weight_major=False)
+                                   head_float32=cfg.model.rollout_head == "float32", weight_major=False,
+                                   attention32=False)
         if self.ref is not None and not shards.sharded and self.ref.lm_head.weight.dtype == getattr(torch, dt):
             pack(self.ref, packed)  # its no-grad forwards, as the rollout's; its weights never change: packed once
         if weight_major is None and world.is_main:  # measured on the copy itself, by rank 0 alone
             choice = weight_major_choice(cfg.model.cpu_kernels)
             weight_major = weight_major_pays(self.rollout.model) if choice is None else choice
-        weight_major = world.broadcast(weight_major)
-        use_weight_major(self.rollout.model, weight_major)
+        if attention32 is None and world.is_main:
+            choice = float32_attention_choice(cfg.model.cpu_kernels)
+            attention32 = float32_attention_wanted(self.rollout.model) if choice is None else choice
+        weight_major, attention32 = world.broadcast((weight_major, attention32))
+        use_float32_attention(use_weight_major(self.rollout.model, weight_major), attention32)
         if world.is_main:
             write_run_config(cfg, {**resolved, "rollout_dtype": dt, "packed_kernels": packed,
-                                   "weight_major_kernels": weight_major})
+                                   "weight_major_kernels": weight_major, "float32_attention": attention32})
         with world.main_first():  # rank 0 times the machine for the budget (cached), the others read its timing
             d = make_drafting(cfg.draft, policy, self.rollout.model, cfg.sampling.temperature, cfg.seed)
         shards.wrap(policy)  # after the rollout copy and the drafter were made from the whole policy

@@ -8,12 +8,21 @@ import pytest
 import torch
 
 from conftest import FAMILIES, hf_model, ours_from_hf
+from sparkrl import model as model_mod
 from sparkrl.errors import UserError
-from sparkrl.model import ModelArgs, Transformer
+from sparkrl.model import Attention, ModelArgs, Transformer
+from sparkrl.precision import use_float32_attention
 
 
 def _rel_err(a, b):
     return float((a - b).abs().max() / b.abs().max())
+
+
+def _attending_in(m: Transformer, dtype: torch.dtype | None) -> Transformer:
+    for a in m.modules():
+        if isinstance(a, Attention):
+            a.attn_dtype = dtype
+    return m
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -27,13 +36,16 @@ def test_logits_match_transformers(family):
     assert _rel_err(got, ref) < 1e-4
 
 
+@pytest.mark.parametrize("attn", [None, torch.float64])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama3-rope"])
-def test_cached_chunks_equal_full_forward(family):
-    m = ours_from_hf(hf_model(family))
+def test_cached_chunks_equal_full_forward(family, attn):
+    """Also with attention in another dtype than the weights' (`Attention.attn_dtype`: its cache in that dtype)."""
+    m = _attending_in(ours_from_hf(hf_model(family)), attn)
     x = torch.randint(0, 97, (2, 30))
     with torch.no_grad():
         full = m.logits(m(x).hidden)
         cache = m.new_cache(2, 64)
+        assert cache.k[0].dtype == (attn or torch.float32)
         outs = []
         for a, b in [(0, 7), (7, 8), (8, 20), (20, 30)]:
             outs.append(m.logits(m(x[:, a:b], cache).hidden))
@@ -73,9 +85,10 @@ def _tree():
     return parents, mask, depth
 
 
+@pytest.mark.parametrize("attn", [None, torch.float64])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_tree_forward_and_commit_equal_recompute(family):
-    m = ours_from_hf(hf_model(family))
+def test_tree_forward_and_commit_equal_recompute(family, attn):
+    m = _attending_in(ours_from_hf(hf_model(family)), attn)
     parents, mask, depth = _tree()
     B, P = 2, [9, 4]
     prefix = [torch.randint(0, 97, (n,)) for n in P]
@@ -105,6 +118,45 @@ def test_tree_forward_and_commit_equal_recompute(family):
             seq = torch.cat([prefix[b], nodes[b, kept], nxt[b]])[None]
             ref = m.logits(m(seq).hidden)[0, -1]
             assert _rel_err(after[b], ref) < 1e-5
+
+
+def test_float32_attention_of_a_bfloat16_model_matches_a_float64_reference(tiny_llama, monkeypatch):
+    """A bfloat16 model attending in float32 (`precision.use_float32_attention`) through a prefill, decode
+    steps and a tree forward: every attention reads exactly the bfloat16 keys and values the layers made (its
+    float32 cache adds no rounding) and is within float32 rounding of float64 attention on the same inputs,
+    where bfloat16 attention is not."""
+    seen = []
+    sdpa = model_mod.F.scaled_dot_product_attention
+
+    def recorded(q, k, v, **kw):
+        out = sdpa(q, k, v, **kw)
+        seen.append((q, k, v, kw, out))
+        return out
+
+    monkeypatch.setattr(model_mod.F, "scaled_dot_product_attention", recorded)
+    parents, mask, depth = _tree()
+    x = torch.randint(0, 97, (2, 9))
+    errs = {}
+    for on in (True, False):
+        seen.clear()
+        m = use_float32_attention(tiny_llama.to(torch.bfloat16), on)
+        with torch.no_grad():
+            cache = m.new_cache(2, 32)
+            for a, b in [(0, 6), (6, 7), (7, 9)]:
+                m(x[:, a:b], cache)
+                cache.commit(n_keep=torch.full((2,), b - a))
+            m(torch.randint(0, 97, (2, len(parents))), cache, tree_mask=mask.expand(2, -1, -1),
+              depth=depth.expand(2, -1))
+        assert cache.k[0].dtype == (torch.float32 if on else torch.bfloat16)
+        err = 0.0
+        for q, k, v, kw, out in seen:
+            assert q.dtype == k.dtype == out.dtype == (torch.float32 if on else torch.bfloat16)
+            for t in (q, k, v):
+                assert torch.equal(t.to(torch.bfloat16).to(t.dtype), t)  # bfloat16 values, exactly
+            ref = sdpa(q.double(), k.double(), v.double(), **kw)
+            err = max(err, _rel_err(out.double(), ref))
+        errs[on] = err
+    assert errs[True] < 1e-6 and errs[False] > 100 * errs[True], errs
 
 
 def test_rollback_discards_speculative_tokens(tiny_llama):

@@ -1,10 +1,16 @@
-"""The rollout copy's float32 LM head (`--rollout-head float32`): float64 reference, refresh, scope."""
+"""The rollout copy: its float32 LM head (`--rollout-head float32`: float64 reference, refresh, scope), its
+float32 attention, and the measured choice of the rollout dtype."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 
-from sparkrl.precision import RolloutCopy
+from sparkrl import precision
+from sparkrl.drafters import Eagle3Drafter
+from sparkrl.model import Attention
+from sparkrl.precision import RolloutCopy, float32_attention_choice
 
 
 def test_float32_head_matches_a_float64_reference_where_a_bf16_head_rounds(tiny_llama):
@@ -29,3 +35,56 @@ def test_float32_head_follows_the_master_after_refresh_and_only_for_half_copies(
     assert torch.equal(copy.model.head32[0], tiny_llama.lm_head.weight)
     assert copy.model.head32[0] is not tiny_llama.lm_head.weight  # a copy the rollout owns
     assert RolloutCopy(tiny_llama, torch.float32, head_float32=True).model.head32 == ()  # float32: nothing to do
+
+
+def test_the_float32_attention_decision_is_measured_once_and_cached_and_applied(monkeypatch, tmp_path, tiny_llama):
+    """A bfloat16 copy on a CPU attends in float32 (and keeps a float32 cache) where a measurement finds that
+    faster; a float32 copy, a drafter (it follows its policy) and --cpu-kernels plain are not measured."""
+    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(precision, "_attention_seconds", lambda q, k, v, mask: calls.append(k.dtype) or
+                        (2.0 if k.dtype == torch.bfloat16 else 1.0))
+    copy = RolloutCopy(tiny_llama, torch.bfloat16).model
+    assert set(calls) == {torch.bfloat16, torch.float32}
+    assert {m.attn_dtype for m in copy.modules() if isinstance(m, Attention)} == {torch.float32}
+    cache = copy.new_cache(2, 8)
+    assert cache.k[0].dtype == cache.v[-1].dtype == torch.float32
+    n = len(calls)
+    assert precision.float32_attention_pays(torch.bfloat16, tiny_llama.args) and len(calls) == n  # cached
+    stored = json.loads(next((tmp_path / "costs").glob("attention-*.json")).read_text())
+    assert stored["pays"] and stored["speedup"] == 2.0
+    for model in (RolloutCopy(tiny_llama, torch.float32).model, RolloutCopy(Eagle3Drafter(tiny_llama.args),
+                                                                            torch.bfloat16).model,
+                  RolloutCopy(tiny_llama, torch.bfloat16, attention32=float32_attention_choice("plain")).model):
+        assert {m.attn_dtype for m in model.modules() if isinstance(m, Attention)} == {None}
+    assert len(calls) == n
+    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "other"))
+    monkeypatch.setattr(precision, "_attention_seconds", lambda q, k, v, mask: 1.0)
+    assert not precision.float32_attention_pays(torch.bfloat16, tiny_llama.args)  # a tie
+
+
+def test_the_rollout_dtype_compares_each_dtype_as_its_rollout_copy_runs(monkeypatch, tmp_path, tiny_llama):
+    """`--rollout-dtype auto` times float32 and bfloat16 decode steps on the kernels and attention each copy
+    gets (not float32 on plain F.linear against bfloat16's fast paths), at 1, 8 and 64 rows, and picks
+    bfloat16 only where the geometric mean of its speedups passes 1.05x; measured once and cached."""
+    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
+    monkeypatch.setattr(precision, "packing_pays", lambda dtype, device="cpu", policy=None: dtype == torch.bfloat16)
+    monkeypatch.setattr(precision, "weight_major_pays", lambda model: model.lm_head.weight.dtype == torch.float32)
+    monkeypatch.setattr(precision, "float32_attention_pays", lambda dtype, args: True)
+    seen = set()
+    speed = {torch.float32: {1: 2.0, 8: 4.0, 64: 8.0}, torch.bfloat16: {1: 1.0, 8: 4.0, 64: 16.0}}
+
+    def fake_steps(model, rows=8, context=128, reps=5, tokens=1):
+        w, attn = model.lm_head, model.model.layers[0].self_attn.attn_dtype
+        seen.add((rows, w.weight.dtype, w.packed, w.weight_major, attn))
+        return [speed[w.weight.dtype][rows]] * reps
+
+    monkeypatch.setattr(precision, "_step_seconds", fake_steps)
+    assert precision.rollout_dtype("auto", tiny_llama) == torch.float32  # 2x, 1x, 0.5x: geometric mean 1
+    assert seen == {(r, torch.float32, False, True, None) for r in (1, 8, 64)} | \
+        {(r, torch.bfloat16, True, False, torch.float32) for r in (1, 8, 64)}
+    stored = json.loads(next((tmp_path / "costs").glob("dtype-*.json")).read_text())
+    assert stored["by_rows"] == {"1": 2.0, "8": 1.0, "64": 0.5} and abs(stored["speedup"] - 1.0) < 1e-12
+    speed[torch.bfloat16] = {1: 0.5, 8: 2.0, 64: 16.0}
+    assert precision.rollout_dtype("auto", tiny_llama) == torch.float32  # cached
+    assert not tiny_llama.lm_head.packed and tiny_llama.lm_head.weight.dtype == torch.float32  # the policy untouched

@@ -15,7 +15,7 @@ from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.selfdraft import SelfDrafter
 from sparkrl.kernels import is_packed, pack, packable
-from sparkrl.precision import RolloutCopy, use_weight_major
+from sparkrl.precision import RolloutCopy, use_float32_attention, use_weight_major
 from sparkrl.config import TreeShape
 from sparkrl.rollout import generate, response_generators
 from sparkrl.speculative import catch_up, generate_speculative
@@ -200,22 +200,26 @@ def test_rollouts_record_the_rollout_models_logprob_of_every_token(tiny_llama, m
         assert torch.allclose(torch.tensor(r.logp[i]), want, atol=1e-4), (i, r.logp[i], want.tolist())
 
 
-@pytest.mark.parametrize("dtype,packed,head32", [(torch.bfloat16, False, False), (torch.bfloat16, True, False),
-                                                  (torch.bfloat16, True, True), (torch.float32, True, False)])
+@pytest.mark.parametrize("dtype,packed,head32,attn32", [
+    (torch.bfloat16, False, False, False), (torch.bfloat16, False, False, True), (torch.bfloat16, True, False, True),
+    (torch.bfloat16, True, True, False), (torch.float32, True, False, False)])
 @pytest.mark.parametrize("mode", ["tree", "chain", "block"])
-def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32):
+def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32, attn32):
     """Exactness is relative to the rollout model: a bf16 policy and drafter sample from the bf16
     policy's own distribution (computed here from the bf16 model's full-sequence forward), also on
     prepacked weights (whose products round differently from the plain ones: the reference is then
-    the packed model's own forward) and with a float32 LM head; so do a float32 policy and drafter on
-    prepacked weights (weight-major products for the fewest rows)."""
+    the packed model's own forward), with a float32 LM head and attending in float32 (`attn32`: a float32
+    cache; the reference attends in float32 too); so do a float32 policy and drafter on prepacked weights
+    (weight-major products for the fewest rows)."""
     if packed and not packable(dtype, "cpu"):
         pytest.skip(f"this torch/CPU cannot prepack {dtype} weights")
     torch.manual_seed(0)
     master = small_policy()
-    policy = pack(RolloutCopy(master, dtype, head_float32=head32, weight_major=dtype == torch.float32).model, packed)
+    policy = pack(RolloutCopy(master, dtype, head_float32=head32, weight_major=dtype == torch.float32,
+                              attention32=attn32).model, packed)
     drafter = (DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args))
-    drafter = use_weight_major(pack(drafter.to(dtype), packed), dtype == torch.float32).bind(policy)
+    drafter = use_weight_major(pack(use_float32_attention(drafter.to(dtype), attn32), packed),
+                               dtype == torch.float32).bind(policy)
     assert is_packed(policy) == packed == is_packed(drafter)
     prompts, G, L = [[1, 2, 3, 4], [2, 0]], 3000, 3
     sc = SamplingConfig(0.8, 0.7, L)
@@ -272,16 +276,16 @@ def test_a_weight_major_head_samples_what_the_plain_head_does(mode):
     assert r.stats.aal > 1.0 and r.tokens == ar
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_bfloat16_greedy_speculative_equals_bfloat16_greedy(tiny_llama, packed):
+@pytest.mark.parametrize("packed,attn32", [(False, False), (True, False), (False, True)])
+def test_bfloat16_greedy_speculative_equals_bfloat16_greedy(tiny_llama, packed, attn32):
     if packed and not packable(torch.bfloat16, "cpu"):
         pytest.skip("this torch/CPU cannot prepack bfloat16 weights")
-    policy = pack(tiny_llama.to(torch.bfloat16), packed)
+    policy = use_float32_attention(pack(tiny_llama.to(torch.bfloat16), packed), attn32)
     prompts = [[1, 2, 3, 4, 5], [6, 7]]
     sc = SamplingConfig(0.0, 1.0, 12)
     ar = generate(policy, prompts, sc, (5,), response_generators(0, 2, 3), group_size=3)
     for shape in (TreeShape(4, 3, 8), TreeShape.chain(3)):
-        d = pack(Eagle3Drafter(policy.args).to(torch.bfloat16), packed)
+        d = use_float32_attention(pack(Eagle3Drafter(policy.args).to(torch.bfloat16), packed), attn32)
         sp = generate_speculative(policy, d, prompts, sc, (5,), response_generators(0, 2, 3), shape, group_size=3)
         assert sp.tokens == ar.tokens
 

@@ -366,6 +366,25 @@ def test_resume_keeps_the_rollout_dtype_its_start_resolved(tiny_model_dir, tmp_p
     assert str(run.rollout.model.lm_head.weight.dtype) == f"torch.{first}"
 
 
+def test_bfloat16_rollouts_attend_in_float32_where_measured_and_resume_keeps_the_choice(tiny_model_dir, tmp_path,
+                                                                                         monkeypatch):
+    """The rollout copy and its drafter attend in float32 where this machine's measurement says so (the master
+    weights and the trained drafter do not); the run records the choice and a resumed run keeps it."""
+    import sparkrl.trainer as trainer_mod
+    from sparkrl.model import Attention
+
+    attn = lambda module: {m.attn_dtype for m in module.modules() if isinstance(m, Attention)}
+    monkeypatch.setattr(trainer_mod, "float32_attention_wanted", lambda model: True)  # this machine's measurement
+    kw = dict(rollout_dtype="bfloat16", draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3, budget="fixed")
+    train(_cfg(tiny_model_dir, tmp_path / "r", steps=1, **kw), grader=ParityGrader())
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["resolved"]["float32_attention"] is True
+    monkeypatch.setattr(trainer_mod, "float32_attention_wanted", lambda model: False)  # another machine's
+    run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "r", steps=2, resume=True, **kw), grader=ParityGrader())
+    run.grader.close()
+    assert attn(run.rollout.model) == attn(run.draft_rollout.model) == {torch.float32}
+    assert attn(run.policy) == attn(run.drafter) == {None}
+
+
 def test_checkpoints_of_an_older_format_are_refused_not_ignored(tiny_model_dir, tmp_path):
     (tmp_path / "r" / "checkpoints").mkdir(parents=True)
     (tmp_path / "r" / "checkpoints" / "step-000001.pt").write_bytes(b"old")
