@@ -26,8 +26,7 @@ import torch
 
 from sparkrl.config import SamplingConfig
 from sparkrl.data import chat_prompt_ids
-from sparkrl.kernels import pack
-from sparkrl.precision import use_packed, use_weight_major, weight_major_pays
+from sparkrl.precision import RolloutCopy, use_packed
 from sparkrl.rollout import generate, response_generators
 from sparkrl.weights import load_model
 
@@ -49,11 +48,11 @@ def main():
     prompt = chat_prompt_ids(lm.tokenizer, PROMPT)
     sc = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=args.new_tokens)
 
-    plain = copy.deepcopy(lm.model)  # F.linear everywhere: the eager reference
-    packed = use_packed("auto", lm.model.lm_head.weight.dtype, lm.model)  # what sparkrl runs with by default
-    pack(lm.model, packed)
-    use_weight_major(lm.model, weight_major_pays(lm.model))  # weight-major where measured faster, as sparkrl runs it
-    fast = packed or lm.model.lm_head.weight_major
+    plain = copy.deepcopy(lm.model)  # F.linear everywhere, attention in the model's dtype: the eager reference
+    dt = lm.model.lm_head.weight.dtype
+    packed = use_packed("auto", dt, lm.model)
+    lm.model = RolloutCopy(lm.model, dt, packed=packed).model  # the kernels and attention sparkrl runs by default
+    fast = packed or lm.model.lm_head.weight_major or lm.model.model.attn_dtype is not None
 
     def ours(B, model=lm.model):
         r = generate(model, [prompt], sc, (), response_generators(0, 1, B), group_size=B)
@@ -98,7 +97,8 @@ def main():
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine(), "new_tokens": args.new_tokens,
             "repeats": args.repeats, "prompt_tokens": len(prompt), "dtype": args.dtype, "packed_weights": packed,
-            "weight_major_kernels": lm.model.lm_head.weight_major}
+            "weight_major_kernels": lm.model.lm_head.weight_major,
+            "float32_attention": lm.model.model.attn_dtype is not None}
     name = "sampler_vs_hf" + ("" if args.dtype == "float32" else f"_{args.dtype}") + ("_packed" if packed else "")
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     _plot(rows, out / f"{name}.png", args.dtype)

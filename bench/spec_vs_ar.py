@@ -25,9 +25,8 @@ import torch
 
 from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
 from sparkrl.data import build_prompts, held_out, load_problems
-from sparkrl.build import make_budget, make_drafter
-from sparkrl.kernels import pack
-from sparkrl.precision import use_packed, use_weight_major, weight_major_pays
+from sparkrl.build import make_drafting
+from sparkrl.precision import RolloutCopy, float32_attention_choice, use_packed, weight_major_choice
 from sparkrl.rollout import RoundStats, generate, response_generators
 from sparkrl.speculative import generate_speculative
 from sparkrl.weights import load_model
@@ -62,11 +61,12 @@ def main():
     dcfg = DraftConfig(draft=args.draft, draft_checkpoint=args.draft_checkpoint, tree_depth=depth, tree_branch=branch,
                        tree_nodes=nodes, budget=args.budget, block_size=args.block_size)
     lm = load_model("default", dtype=args.dtype)
-    pack(lm.model, use_packed(args.cpu_kernels, lm.model.lm_head.weight.dtype, lm.model))
-    use_weight_major(lm.model, args.cpu_kernels == "auto" and weight_major_pays(lm.model))  # as sparkrl's rollout copy
-    drafter = use_weight_major(pack(make_drafter(dcfg, lm.model), lm.model.lm_head.packed),
-                               lm.model.lm_head.weight_major)  # in the policy's dtype and kernels
-    budget = make_budget(dcfg, lm.model, drafter)
+    dt = lm.model.lm_head.weight.dtype
+    lm.model = RolloutCopy(lm.model, dt, packed=use_packed(args.cpu_kernels, dt, lm.model),
+                           weight_major=weight_major_choice(args.cpu_kernels),
+                           attention32=float32_attention_choice(args.cpu_kernels)).model  # as sparkrl's rollout copy
+    d = make_drafting(dcfg, lm.model, lm.model, 1.0)  # the drafter in the policy's dtype, kernels and attention
+    drafter, budget = d.rollout.model, d.budget
     problems = load_problems(args.data).problems
     problems = [p for p in problems if held_out(p, args.heldout)] if args.heldout else problems[args.skip:]
     prompts = build_prompts(lm.tokenizer, problems[:64], 512, "skip").prompt_ids
@@ -112,6 +112,7 @@ def main():
               f"split {row['split_s']}", flush=True)
     result = {"meta": {"draft": args.draft, "block_size": args.block_size, "heldout": args.heldout, "tree": [depth, branch, nodes], "max_new_tokens": args.max_new_tokens, "data": args.data,
                        "dtype": args.dtype, "budget": args.budget, "packed_weights": lm.model.lm_head.packed,
+                       "float32_attention": lm.model.model.attn_dtype is not None,
                        "draft_checkpoint": args.draft_checkpoint, "repeats": args.repeats,
                        "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": rows}
     if args.grpo_step:
