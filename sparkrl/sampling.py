@@ -4,8 +4,8 @@
 top-p (the smallest set of most likely tokens whose mass reaches top_p, renormalised). Temperature 0
 is greedy: p is a point mass on the argmax (lowest index on ties).
 
-The nucleus is found with a top-k pre-selection instead of a full-vocabulary sort; when the top-k
-mass does not reach top_p for some row, that row falls back to a full sort, so the result is exact.
+The nucleus is found with a top-k pre-selection instead of a full-vocabulary sort; the rows whose top-k
+mass does not reach top_p take a wider top-k, then a full sort, so the result is exact.
 """
 
 from __future__ import annotations
@@ -29,26 +29,49 @@ def nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> tuple[tor
     if top_p >= 1.0:
         probs, ids = logp.exp().sort(-1, descending=True)
         return probs, ids
-    for k in _PRESELECT:
-        vals, ids = logp.topk(min(k, V), dim=-1)  # (N, K) descending
-        probs = vals.exp()
-        before = probs.double().cumsum(-1) - probs.double()  # mass strictly above each candidate
-        keep = before < top_p
-        short = keep[:, -1].clone()  # rows whose nucleus may extend past the K candidates (a copy:
-        # keep[short] is written below)
-        if not bool(short.any()):  # host sync: is the nucleus inside the candidates?
-            break
-    if bool(short.any()):  # host sync: rare fallback to the full sort
-        full_p, full_ids = logp[short].exp().sort(-1, descending=True)
-        full_keep = (full_p.double().cumsum(-1) - full_p.double()) < top_p
-        k = max(ids.shape[1], int(full_keep.sum(-1).max()))
-        if k > ids.shape[1]:  # wider candidates for every row (not padding: a row's ids stay distinct)
-            vals, ids = logp.topk(k, dim=-1)
-            probs = vals.exp()
-            keep = (probs.double().cumsum(-1) - probs.double()) < top_p
-        probs[short], ids[short], keep[short] = full_p[:, :k], full_ids[:, :k], full_keep[:, :k]
+    probs, ids, keep = _candidates(logp, top_p, _PRESELECT)
     probs = probs * keep
     return probs / probs.sum(-1, keepdim=True), ids
+
+
+def _in_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Which of the descending candidates probs (N, K) the nucleus keeps: those with less than top_p of
+    mass above them."""
+    return (probs.double().cumsum(-1) - probs.double()) < top_p
+
+
+def _candidates(logp: torch.Tensor, top_p: float, sizes: tuple[int, ...]):
+    """Descending candidates (probs, ids, kept (N, K)) holding every row's nucleus: the top `sizes[0]`;
+    the rows whose nucleus may pass them take the next size alone, and after the last one the full sort
+    (a second top-k over every row, as before, cost 20 ms of a 150 ms bfloat16 decode step at 64 rows)."""
+    if sizes and sizes[0] < logp.shape[1]:
+        vals, ids = logp.topk(sizes[0], dim=-1)
+        probs = vals.exp()
+    else:
+        (probs, ids), sizes = logp.exp().sort(-1, descending=True), ()
+    keep = _in_nucleus(probs, top_p)
+    short = keep[:, -1]  # the nucleus may extend past the candidates
+    if not sizes or not bool(short.any()):  # host sync
+        return probs, ids, keep
+    rows = short.nonzero()[:, 0]
+    wide_p, wide_ids, wide_keep = _candidates(logp.index_select(0, rows), top_p, sizes[1:])
+    width = max(ids.shape[1], int(wide_keep.sum(-1).max()))  # host sync: the widest nucleus
+    if width > ids.shape[1]:  # the other rows' extra columns: distinct ids of probability 0
+        probs, ids, keep = _padded(probs, ids, keep, width)
+    probs[rows], ids[rows], keep[rows] = wide_p[:, :width], wide_ids[:, :width], wide_keep[:, :width]
+    return probs, ids, keep
+
+
+def _padded(probs: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor, width: int):
+    """Candidates (N, K) widened to `width` columns with probability 0 and ids the row does not hold yet
+    (the lowest such): every row's ids stay distinct (a filler equal to a held id once took that token's
+    probability in the dense scatter). The widened rows are replaced by the caller."""
+    N, K = ids.shape
+    held = torch.zeros(N, width + 1, dtype=torch.bool, device=ids.device)
+    held.scatter_(1, ids.clamp(max=width), True)  # ids past width-1 all land in the spare last column
+    free = held[:, :width].to(torch.int8).argsort(dim=-1, stable=True)[:, :width - K]  # free ids, lowest first
+    return (torch.cat([probs, probs.new_zeros(N, width - K)], 1), torch.cat([ids, free], 1),
+            torch.cat([keep, keep.new_zeros(N, width - K)], 1))
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

@@ -74,6 +74,23 @@ def test_a_nucleus_exactly_as_wide_as_the_candidates(width, flat_row):
     assert torch.allclose(target_probs(logits[:1], 1.0, 0.9999).double(), p[:1])  # alone, as a walk's last row
 
 
+def test_a_batch_nucleus_equals_each_rows_own_with_distinct_ids():
+    """Rows whose nucleus passes the first pre-selection take wider candidates (the second, or the full sort)
+    alone; the others are widened with ids of probability 0 that they do not hold: every row's p equals
+    the row's own, and its ids stay distinct."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 8192) * 8  # peaked rows: inside the first pre-selection
+    logits[4] = torch.randn(8192) * 0.01  # flat: the full sort
+    logits[5] = -40.0
+    logits[5, 3000:4000] = 0.0  # 1000 equal tokens: the second pre-selection
+    probs, ids = nucleus(logits, 1.0, 0.95)
+    assert ids.shape[1] > 4096 and (probs[:4, 256:] == 0).all()
+    assert all(len(set(row.tolist())) == len(row) for row in ids)  # distinct in every row
+    alone = torch.cat([target_probs(row[None], 1.0, 0.95) for row in logits])
+    assert torch.allclose(target_probs(logits, 1.0, 0.95), alone, atol=1e-7)
+    assert int((target_probs(logits[5:], 1.0, 0.95) > 0).sum()) in (950, 951)  # 0.95 of 1000 equal tokens, rounded
+
+
 def test_greedy_is_argmax_whatever_the_uniform():
     logits = torch.randn(4, 50)
     for u in (torch.zeros(4), torch.rand(4), torch.full((4,), 1 - 1e-16)):
