@@ -4,8 +4,9 @@ in one process, on the logits of real decode steps.
 The default model as sparkrl's rollout copy runs it (`--dtype`; kernels and attention as auto picks)
 samples 128 tokens for each of --rows responses to held-out GSM8K prompts (T 1, top-p 0.95); every
 decode step's logits are kept. Then both versions compute the nucleus of each step's logits in turn,
---calls times per step; per version, the sum over steps of the median time per step, and the largest
-difference between the two distributions. Then the whole AR sampler with each version, alternating, --repeats
+--calls times per step; per version, the sum over steps of the median time per step; the largest
+difference between the two distributions' sorted probabilities, and how many rows end their nucleus at
+another of two equal tokens (ties are broken by each top-k's order). Then the whole AR sampler with each version, alternating, --repeats
 times (tokens/s).
 
     .venv/bin/python bench/nucleus.py --against 63f27be --out bench/results
@@ -59,8 +60,11 @@ def main():
         sampling.nucleus = real
         per_step = {name: [statistics.median(repeated(lambda: f(z, 1.0, 0.95), args.calls)) for z in seen]
                     for name, f in versions.items()}
-        diff = max(float((sampling.target_probs(z, 1.0, 0.95) - _dense(versions[args.against], z)).abs().max())
-                   for z in seen)
+        diff, ties = 0.0, 0
+        for z in seen:  # the same probabilities per row; which of two equal tokens ends a nucleus may differ
+            a, b = sampling.target_probs(z, 1.0, 0.95), _dense(versions[args.against], z)
+            diff = max(diff, float((a.sort(-1).values - b.sort(-1).values).abs().max()))
+            ties += int(((a > 0) != (b > 0)).any(-1).sum())
         tok_s = {name: [] for name in versions}
         for rep in range(args.repeats):
             for name in (list(versions) if rep % 2 == 0 else list(versions)[::-1]):
@@ -70,13 +74,13 @@ def main():
                 tok_s[name].append(n / (time.perf_counter() - t))
             sampling.nucleus = real
         row = {"responses": P * G, "steps": len(seen), "nucleus_s": {n: sum(v) for n, v in per_step.items()},
-               "max_p_difference": diff, "tok_per_s": {n: statistics.median(v) for n, v in tok_s.items()}}
+               "max_p_difference": diff, "rows_tie_broken_otherwise": ties, "tok_per_s": {n: statistics.median(v) for n, v in tok_s.items()}}
         row["nucleus_speedup"] = row["nucleus_s"][args.against] / row["nucleus_s"]["this tree"]
         row["sampler_speedup"] = row["tok_per_s"]["this tree"] / row["tok_per_s"][args.against]
         results.append(row)
         print(f"{P * G} responses, {len(seen)} steps: nucleus {row['nucleus_s']['this tree'] * 1e3:.0f} ms against "
-              f"{row['nucleus_s'][args.against] * 1e3:.0f} ms ({row['nucleus_speedup']:.2f}x), largest p difference "
-              f"{diff:.1e}; AR sampler {row['tok_per_s']['this tree']:.1f} against {row['tok_per_s'][args.against]:.1f} "
+              f"{row['nucleus_s'][args.against] * 1e3:.0f} ms ({row['nucleus_speedup']:.2f}x), largest difference of sorted p "
+              f"{diff:.1e}, rows whose nucleus ends at another of equal tokens {ties}; AR sampler {row['tok_per_s']['this tree']:.1f} against {row['tok_per_s'][args.against]:.1f} "
               f"tok/s ({row['sampler_speedup']:.2f}x)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
