@@ -26,7 +26,7 @@ from accept_walk import module_at
 from sparkrl import rollout, sampling
 from sparkrl.config import SamplingConfig
 from sparkrl.data import build_prompts, held_out, load_problems
-from sparkrl.precision import RolloutCopy, use_packed
+from sparkrl.precision import rollout_copy
 from sparkrl.weights import load_model
 from timing import repeated
 
@@ -43,7 +43,7 @@ def main():
     args = ap.parse_args()
     lm = load_model("default", dtype=args.dtype)
     dt = lm.model.lm_head.weight.dtype
-    lm.model = RolloutCopy(lm.model, dt, packed=use_packed("auto", dt, lm.model)).model
+    lm.model = rollout_copy(lm.model, dt).model
     problems = [p for p in load_problems(args.data).problems if held_out(p, 0.05)]
     prompts = build_prompts(lm.tokenizer, problems[:8], 512, "skip").prompt_ids
     sc = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=128)

@@ -34,7 +34,7 @@ def main():
     args = ap.parse_args()
     policy = load_model("default", with_tokenizer=False).model
     models = {name: RolloutCopy(policy, dt, separate=True, packed=use_packed("auto", dt, policy), attention32=attn).model
-              for name, (dt, attn) in SYSTEMS.items()}
+              for name, (dt, attn) in SYSTEMS.items()}  # as `precision.rollout_copy`, with the attention chosen
     kernels = {name: {"packed": m.lm_head.packed, "weight_major": m.lm_head.weight_major} for name, m in models.items()}
     print("kernels:", kernels, flush=True)
     sizes = [(r, 1) for r in map(int, args.rows.split(","))]

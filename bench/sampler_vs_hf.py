@@ -26,7 +26,7 @@ import torch
 
 from sparkrl.config import SamplingConfig
 from sparkrl.data import chat_prompt_ids
-from sparkrl.precision import RolloutCopy, use_packed
+from sparkrl.precision import rollout_copy
 from sparkrl.rollout import generate, response_generators
 from sparkrl.weights import load_model
 
@@ -50,8 +50,8 @@ def main():
 
     plain = copy.deepcopy(lm.model)  # F.linear everywhere, attention in the model's dtype: the eager reference
     dt = lm.model.lm_head.weight.dtype
-    packed = use_packed("auto", dt, lm.model)
-    lm.model = RolloutCopy(lm.model, dt, packed=packed).model  # the kernels and attention sparkrl runs by default
+    lm.model = rollout_copy(lm.model, dt).model  # the kernels and attention sparkrl runs by default
+    packed = lm.model.lm_head.packed
     fast = packed or lm.model.lm_head.weight_major or lm.model.model.attn_dtype is not None
 
     def ours(B, model=lm.model):

@@ -26,7 +26,7 @@ import torch
 from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
 from sparkrl.data import build_prompts, held_out, load_problems
 from sparkrl.build import make_drafting
-from sparkrl.precision import RolloutCopy, float32_attention_choice, use_packed, weight_major_choice
+from sparkrl.precision import rollout_copy
 from sparkrl.rollout import RoundStats, generate, response_generators
 from sparkrl.speculative import generate_speculative
 from sparkrl.weights import load_model
@@ -62,9 +62,7 @@ def main():
                        tree_nodes=nodes, budget=args.budget, block_size=args.block_size)
     lm = load_model("default", dtype=args.dtype)
     dt = lm.model.lm_head.weight.dtype
-    lm.model = RolloutCopy(lm.model, dt, packed=use_packed(args.cpu_kernels, dt, lm.model),
-                           weight_major=weight_major_choice(args.cpu_kernels),
-                           attention32=float32_attention_choice(args.cpu_kernels)).model  # as sparkrl's rollout copy
+    lm.model = rollout_copy(lm.model, dt, args.cpu_kernels).model  # as sparkrl's rollout copy
     d = make_drafting(dcfg, lm.model, lm.model, 1.0)  # the drafter in the policy's dtype, kernels and attention
     drafter, budget = d.rollout.model, d.budget
     problems = load_problems(args.data).problems

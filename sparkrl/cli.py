@@ -20,7 +20,7 @@ from sparkrl.config import (AnalyzeConfig, BenchConfig, ExportConfig, GenerateCo
 from sparkrl.data import chat_prompt_ids, read_prompts_file
 from sparkrl.errors import UserError
 from sparkrl.machine import set_threads
-from sparkrl.precision import RolloutCopy, float32_attention_choice, rollout_dtype, use_packed, weight_major_choice
+from sparkrl.precision import rollout_copy, rollout_dtype
 from sparkrl.pretrain import pretrain
 from sparkrl.rollout import generate, response_generators
 from sparkrl.speculative import generate_speculative
@@ -84,10 +84,8 @@ def run_generate(cfg: GenerateConfig) -> None:
     set_threads(cfg.model.threads)
     lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
     dt = rollout_dtype(cfg.model.rollout_dtype, lm.model)
-    lm.model = RolloutCopy(lm.model, dt, packed=use_packed(cfg.model.cpu_kernels, dt, lm.model),
-                           head_float32=cfg.model.rollout_head == "float32",
-                           weight_major=weight_major_choice(cfg.model.cpu_kernels),
-                           attention32=float32_attention_choice(cfg.model.cpu_kernels)).model  # nothing trains here
+    lm.model = rollout_copy(lm.model, dt, cfg.model.cpu_kernels,
+                            cfg.model.rollout_head == "float32").model  # nothing trains here
     tok = lm.tokenizer
     prompts = [tok(t, add_special_tokens=False)["input_ids"] if cfg.raw else chat_prompt_ids(tok, t) for t in texts]
     if any(not p for p in prompts):

@@ -69,7 +69,7 @@ def bf16_speedup(policy: Transformer) -> float:
     path = measurement_path("dtype", str(dev), policy.args.__dict__, {"rows": DTYPE_ROWS, "kernels": "auto"})
     if path.exists():
         return json.loads(path.read_text())["speedup"]
-    models = {dt: RolloutCopy(policy, DTYPES[dt], separate=True, packed=use_packed("auto", DTYPES[dt], policy)).model
+    models = {dt: rollout_copy(policy, DTYPES[dt], separate=True).model
               for dt in DTYPES}  # (their own measurements first, cached: they print what they time)
     print("sparkrl: timing float32 against bfloat16 decode steps on this machine (once; cached)", file=sys.stderr,
           flush=True)
@@ -324,6 +324,15 @@ def use_packed(choice: str, dtype: torch.dtype, policy: Transformer) -> bool:
     if choice == "packed":
         return packable(dtype, device)
     return packing_pays(dtype, device, policy)
+
+
+def rollout_copy(module: torch.nn.Module, dtype: torch.dtype, cpu_kernels: str = "auto", head_float32: bool = False,
+                 separate: bool = False) -> "RolloutCopy":
+    """`module`'s `RolloutCopy` in `dtype` as --cpu-kernels `cpu_kernels` runs it: prepacked weights,
+    weight-major products and float32 attention each on, off, or measured (auto)."""
+    return RolloutCopy(module, dtype, separate=separate, packed=use_packed(cpu_kernels, dtype, module),
+                       head_float32=head_float32, weight_major=weight_major_choice(cpu_kernels),
+                       attention32=float32_attention_choice(cpu_kernels))
 
 
 class RolloutCopy:

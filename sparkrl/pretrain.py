@@ -39,7 +39,7 @@ from sparkrl.drafters.base import expected_length, policy_fingerprint, save_safe
 from sparkrl.errors import UserError
 from sparkrl.features import FeatureStore, policy_pass
 from sparkrl.machine import set_threads
-from sparkrl.precision import RolloutCopy, float32_attention_choice, rollout_dtype, use_packed, weight_major_choice
+from sparkrl.precision import rollout_copy, rollout_dtype
 from sparkrl.rollout import generate, response_generators
 from sparkrl.weights import load_model
 
@@ -280,10 +280,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
     master, tok = lm.model, lm.tokenizer
     dt = rollout_dtype(cfg.model.rollout_dtype, master)
-    policy = RolloutCopy(master, dt, packed=use_packed(cfg.model.cpu_kernels, dt, master),
-                         head_float32=cfg.model.rollout_head == "float32",
-                         weight_major=weight_major_choice(cfg.model.cpu_kernels),
-                         attention32=float32_attention_choice(cfg.model.cpu_kernels)).model
+    policy = rollout_copy(master, dt, cfg.model.cpu_kernels, cfg.model.rollout_head == "float32").model
     # ^ features and targets
     inits = {kind: load_drafter(find_checkpoint(cfg.init, kind, master, "--init"), master.args, kind)
              for kind in cfg.kinds()} if cfg.init else {}  # a wrong --init fails before the corpus is made

@@ -51,7 +51,7 @@ from sparkrl.distributed import SINGLE, World
 from sparkrl.draft_train import row_generators
 from sparkrl.errors import UserError
 from sparkrl.model import ModelArgs, Transformer
-from sparkrl.precision import RolloutCopy, float32_attention_choice, rollout_dtype, use_packed, weight_major_choice
+from sparkrl.precision import RolloutCopy, rollout_copy, rollout_dtype
 from sparkrl.pretrain import prompt_text
 from sparkrl.rewards import Grader
 from sparkrl.rollout import Rollout, RoundStats, generate, response_generators
@@ -194,9 +194,7 @@ class SparkRollout:
         self.policy = policy
         self.sync(trainer)
         dt = w.dtype if self.cfg.rollout_dtype == "model" else rollout_dtype(self.cfg.rollout_dtype, policy)
-        self.rollout = RolloutCopy(policy, dt, packed=use_packed(self.cfg.cpu_kernels, dt, policy),
-                                   weight_major=weight_major_choice(self.cfg.cpu_kernels),
-                                   attention32=float32_attention_choice(self.cfg.cpu_kernels))
+        self.rollout = rollout_copy(policy, dt, self.cfg.cpu_kernels)
         sampling = sampling_config(trainer.args)
         self.drafting = make_drafting(self.cfg.draft, policy, self.rollout.model, sampling.temperature, self.cfg.seed)
         self.draft_trainer = self.drafting.trainer(self.cfg.draft)
