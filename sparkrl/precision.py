@@ -3,14 +3,16 @@
 The policy's master weights (--dtype; float32 on a CPU) are what the optimizer steps. Rollouts run on
 a copy in the rollout dtype (`RolloutCopy`, refreshed in place after every update, no reallocation);
 so does the drafter. `--rollout-dtype auto` picks bfloat16 on CUDA, and on a CPU when a start-up
-measurement of this policy's decode step says bfloat16 is faster there (cached per machine, model and
-thread count, like the cost model), float32 otherwise. A half-precision copy on a CPU runs its linear
-layers on prepacked oneDNN weights (`kernels.Linear`) where a one-off measurement finds them faster
-(`packing_pays`; --cpu-kernels), and its other linear layers as weight-major products where a
-one-off measurement of its decode step finds those faster (`weight_major_pays`). Exactness is
-relative to the rollout model;
-the gap to the master weights is measured every step (`mismatch`) and can be corrected with
-truncated importance sampling (`grpo.grpo_loss`, --tis-cap).
+measurement of this policy's decode steps, each dtype on the kernels its copy gets, says bfloat16 is
+faster there (cached per kind of CPU, model and thread count, like the cost model), float32 otherwise.
+A half-precision copy on a CPU runs its linear layers on prepacked oneDNN weights (`kernels.Linear`)
+where a one-off measurement finds them faster (`packing_pays`; --cpu-kernels), its other linear layers
+as weight-major products where a one-off measurement of its decode step finds those faster
+(`weight_major_pays`), and its attention in float32 over a float32 KV cache where a one-off
+measurement finds that faster (`float32_attention_pays`: torch's bfloat16 attention for one new token
+was 4-9x slower here). Exactness is relative to the rollout model; the gap to the master weights is
+measured every step (`mismatch`) and can be corrected with truncated importance sampling
+(`grpo.grpo_loss`, --tis-cap).
 """
 
 from __future__ import annotations
