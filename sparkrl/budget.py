@@ -98,7 +98,8 @@ class CostModel:
         path = measurement_path("rounds", str(w.device), str(w.dtype), policy.args.__dict__, drafter.kind,
                                 int(drafter.vocab_ids.numel()), shape.__dict__, ROWS, CONTEXT,
                                 {"packed": policy.lm_head.packed, "weight_major": policy.lm_head.weight_major,
-                                 "engine": ENGINE, "attention": str(policy.model.attn_dtype)})
+                                 "engine": ENGINE, "attention": str(policy.model.attn_dtype),
+                                 **({"native": True} if policy.lm_head.native else {})})
         if path.exists():
             d = json.loads(path.read_text())
         else:

@@ -32,6 +32,12 @@ weights concatenated (`linears`).
 The row-major copy matters: left as a transposed view, the attention and elementwise passes after it
 made a 64-row step 2.6x slower. Whether it pays is measured once per machine on the policy's own
 decode steps (`precision.weight_major_pays`).
+
+In float32 a layer with `native` set (`precision.use_native`, where a one-off measurement finds it
+faster: `precision.native_pays`) runs its weight-major products of `native.MIN_ROWS` to
+`native.MAX_ROWS` rows on the compiled kernel of `sparkrl.native`, also the 5-32-row ones a packed
+float32 layer would hand to its prepacked weight: the same sums in another order, the weight streamed
+once, no packing or blocking.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from sparkrl import native
 
 HALF = (torch.bfloat16, torch.float16)
 PACK_ROWS_HINT = {torch.float32: 16}  # oneDNN's batch-size hint when it reorders a weight (else 1): in float32
@@ -67,6 +75,7 @@ class Linear(nn.Linear):
 
     packed = False  # set per instance by `pack`
     weight_major = False  # set per instance by `precision.use_weight_major`
+    native = False  # set per instance by `precision.use_native`: few-row float32 products on `sparkrl.native`
     _pack = None  # (prepacked weight, the weight's (tensor id, version) it was made from)
     _fused = None  # `linears`' concatenation of this layer's weight with others' (on the first layer)
 
@@ -76,7 +85,7 @@ class Linear(nn.Linear):
         if torch.is_grad_enabled() or x.dtype != w.dtype:
             return F.linear(x, w, self.bias)
         if self.serves_weight_major(x):
-            return weight_major_linear(x, w, self.bias)
+            return weight_major_linear(x, w, self.bias, compiled=self.native)
         if self.packed and x.device.type == "cpu":
             key = (id(w), w._version)
             if self._pack is None or self._pack[1] != key:
@@ -90,6 +99,8 @@ class Linear(nn.Linear):
         if not self.weight_major or torch.is_grad_enabled() or x.dtype != self.weight.dtype:
             return False
         most = WEIGHT_MAJOR_ROWS if not self.packed else PACKED_WEIGHT_MAJOR_ROWS if x.dtype == torch.float32 else 0
+        if self.native and x.dtype == torch.float32:
+            most = max(most, native.MAX_ROWS)
         return 1 <= x.numel() // x.shape[-1] <= most
 
     def __getstate__(self):  # copies (deepcopy, pickling) leave the prepacked and fused weights behind
@@ -111,7 +122,8 @@ def linears(x: torch.Tensor, *layers: Linear) -> tuple[torch.Tensor, ...]:
     of one tensor."""
     first = layers[0]
     if len(layers) == 1 or not FUSE_LINEARS or not all(
-            l.serves_weight_major(x) and (l.bias is None) == (first.bias is None) for l in layers):
+            l.serves_weight_major(x) and (l.bias is None) == (first.bias is None) and l.native == first.native
+            for l in layers):
         return tuple(l(x) for l in layers)
     tensors = tuple(t for l in layers for t in (l.weight, l.bias) if t is not None)
     versions = tuple(t._version for t in tensors)
@@ -120,19 +132,22 @@ def linears(x: torch.Tensor, *layers: Linear) -> tuple[torch.Tensor, ...]:
         w = torch.cat([l.weight.detach() for l in layers])
         b = None if first.bias is None else torch.cat([l.bias.detach() for l in layers])
         first._fused = f = (tensors, versions, w, b)
-    return weight_major_linear(x, f[2], f[3]).split([l.out_features for l in layers], dim=-1)
+    return weight_major_linear(x, f[2], f[3], compiled=first.native).split([l.out_features for l in layers], dim=-1)
 
 
 def weight_major_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                        parts: int | None = None) -> torch.Tensor:
+                        parts: int | None = None, compiled: bool = False) -> torch.Tensor:
     """`F.linear(x, w, bias)` as `(w @ x^T)^T` (see the module doc): x (..., in) -> (..., out), row-major.
     The weight's output rows are split into `parts` blocks (default: `WEIGHT_MAJOR_PARTS`, else torch's
     thread count; one block where they do not divide evenly), one batched product. One row in one block
     (a single thread) is `F.linear`: both are matrix-vector products, and `F.linear` measured up to 4%
-    faster."""
+    faster. compiled: float32 products of `native.MIN_ROWS` to `native.MAX_ROWS` rows run `native.linear`."""
     out, inp = w.shape
     x2 = x.reshape(-1, inp)
     rows = x2.shape[0]
+    if compiled and native.MIN_ROWS <= rows <= native.MAX_ROWS and x.dtype == w.dtype == torch.float32 \
+            and x.device.type == "cpu" and w.is_contiguous():
+        return native.linear(x, w, bias)
     parts = parts or WEIGHT_MAJOR_PARTS or torch.get_num_threads()
     if out % parts or not w.is_contiguous():
         parts = 1

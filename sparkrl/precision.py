@@ -27,6 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from sparkrl import native
 from sparkrl.kernels import HALF, Linear, pack, packable
 from sparkrl.model import Attention, Transformer
 from sparkrl.machine import measurement_path
@@ -148,20 +149,23 @@ PACKING_SIZES = ((8, 1), (32, 1), (1, 17))  # (rows, new tokens) of the forwards
 
 @contextlib.contextmanager
 def kernels_restored(model: torch.nn.Module):
-    """A timing that switches `model`'s kernels (`pack`, `use_weight_major`) leaves every `Linear` as it
-    found it: its flags, and its prepacked weight unless the timing changed its packing (then it is
-    made again on the next forward); fused weights only where weight-major products serve."""
+    """A timing that switches `model`'s kernels (`pack`, `use_weight_major`, `use_native`) leaves every
+    `Linear` as it found it: its flags, and its prepacked weight unless the timing changed its packing
+    (then it is made again on the next forward); fused weights only where weight-major products serve.
+    The compiled few-row product is off meanwhile unless the timing turns it on: the BLAS kernels are
+    timed as such."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    was = [(m.packed, m.weight_major) for m in layers]
+    was = [(m.packed, m.weight_major, m.native) for m in layers]
+    use_native(model, False)
     try:
         yield model
     finally:
-        for m, (packed, weight_major) in zip(layers, was):
+        for m, (packed, weight_major, compiled) in zip(layers, was):
             if m.packed != packed:
                 m._pack = None
             if not weight_major:
                 m._fused = None
-            m.packed, m.weight_major = packed, weight_major
+            m.packed, m.weight_major, m.native = packed, weight_major, compiled
 
 
 def float32_packing_pays(policy: Transformer) -> bool:
@@ -232,6 +236,64 @@ def weight_major_pays(policy: Transformer) -> bool:
     return pays
 
 
+def _faster_by_5_percent(path, times: dict, base: str, other: str) -> bool:
+    """Whether `other` is faster than `base` by 5% over the sum of its medians per size (times: system ->
+    size -> seconds); the decision, the speedup and the timings cached at `path`."""
+    total = {name: sum(statistics.median(t) for t in by_size.values()) for name, by_size in times.items()}
+    ratio = total[base] / total[other]
+    pays = ratio > 1.05
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"pays": pays, "speedup": ratio, "seconds": times}))
+    return pays
+
+
+NATIVE_SIZES = ((1, 1), (8, 1), (32, 1), (1, 17))  # (rows, new tokens) of the forwards `native_pays` times
+
+
+def native_pays(policy: Transformer) -> bool:
+    """Whether this float32 policy's forwards (decode steps of 1, 8 and 32 rows, a 17-token verify forward
+    of one row) run faster by 5% overall with its weight-major products of 2 to `native.MAX_ROWS` rows
+    on the compiled kernel (`sparkrl.native`) than on the kernels it has (medians of 6 interleaved
+    forwards each). False without weight-major products (the compiled kernel serves only those), off a
+    CPU, or where the kernel cannot be built. Measured once per machine, model and packing, and cached."""
+    w = policy.lm_head.weight
+    if w.dtype != torch.float32 or w.device.type != "cpu" or not policy.lm_head.weight_major:
+        return False
+    path = measurement_path("native", policy.args.__dict__, {"sizes": NATIVE_SIZES, "packed": policy.lm_head.packed,
+                                                             "rows": (native.MIN_ROWS, native.MAX_ROWS),
+                                                             "source": native.digest()})
+    if path.exists():
+        return json.loads(path.read_text())["pays"]
+    if not native.available():
+        return False
+    print("sparkrl: timing the few-row float32 product on this machine (once; cached)", file=sys.stderr, flush=True)
+    times = {name: {str(size): [] for size in NATIVE_SIZES} for name in ("blas", "native")}
+    with kernels_restored(policy):
+        for _ in range(2):  # interleaved: drift hits both alike
+            for rows, tokens in NATIVE_SIZES:
+                for name in times:
+                    use_native(policy, name == "native")
+                    times[name][str((rows, tokens))] += _step_seconds(policy, rows=rows, tokens=tokens, reps=3)
+    return _faster_by_5_percent(path, times, "blas", "native")
+
+
+def use_native(module: torch.nn.Module, on: bool = True) -> torch.nn.Module:
+    """Run every `Linear` of `module`'s float32 weight-major products of `native.MIN_ROWS` to
+    `native.MAX_ROWS` rows on the compiled kernel (on, where it is available; `Linear.native`) or on the
+    BLAS kernels."""
+    on = bool(on) and native.available()
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.native = on
+    return module
+
+
+def native_choice(choice: str) -> bool | None:
+    """`RolloutCopy`'s native for --cpu-kernels `choice`: measured (None) under auto, else off (plain,
+    packed and weight-major name the BLAS kernels they run)."""
+    return None if choice == "auto" else False
+
+
 ATTENTION_SIZES = ((1, 1), (8, 1), (64, 1), (8, 17))  # (rows, new tokens) of the cached attentions timed
 ATTENTION_CONTEXT = 192  # cached positions beside them
 
@@ -266,12 +328,7 @@ def float32_attention_pays(dtype: torch.dtype, args) -> bool:
             mask = torch.ones(rows, 1, tokens, S, dtype=torch.bool).tril(ATTENTION_CONTEXT)
             for name, k, v in (("half", *kv.to(dtype)), ("float32", *kv)):
                 times[name][str((rows, tokens))].append(_attention_seconds(q, k, v, mask))
-    total = {name: sum(statistics.median(t) for t in by_size.values()) for name, by_size in times.items()}
-    ratio = total["half"] / total["float32"]
-    pays = ratio > 1.05
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"pays": pays, "speedup": ratio, "seconds": times}))
-    return pays
+    return _faster_by_5_percent(path, times, "half", "float32")
 
 
 def float32_attention_wanted(model: torch.nn.Module) -> bool:
@@ -331,10 +388,11 @@ def use_packed(choice: str, dtype: torch.dtype, policy: Transformer) -> bool:
 def rollout_copy(module: torch.nn.Module, dtype: torch.dtype, cpu_kernels: str = "auto", head_float32: bool = False,
                  separate: bool = False) -> "RolloutCopy":
     """`module`'s `RolloutCopy` in `dtype` as --cpu-kernels `cpu_kernels` runs it: prepacked weights,
-    weight-major products and float32 attention each on, off, or measured (auto)."""
+    weight-major products, the compiled few-row product (`sparkrl.native`) and float32 attention each on,
+    off, or measured (auto)."""
     return RolloutCopy(module, dtype, separate=separate, packed=use_packed(cpu_kernels, dtype, module),
                        head_float32=head_float32, weight_major=weight_major_choice(cpu_kernels),
-                       attention32=float32_attention_choice(cpu_kernels))
+                       attention32=float32_attention_choice(cpu_kernels), native=native_choice(cpu_kernels))
 
 
 class RolloutCopy:
@@ -344,7 +402,8 @@ class RolloutCopy:
     refresh gathers each sharded parameter in turn (every rank calls it)."""
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype, separate: bool = False, packed: bool = False,
-                 head_float32: bool = False, weight_major: bool | None = None, attention32: bool | None = None):
+                 head_float32: bool = False, weight_major: bool | None = None, attention32: bool | None = None,
+                 native: bool | None = False):
         self.master = module
         w = next(module.parameters())
         if w.dtype == dtype and not separate:
@@ -358,6 +417,9 @@ class RolloutCopy:
         if weight_major is None:  # measured on a policy's decode step (a drafter follows its policy)
             weight_major = isinstance(self.model, Transformer) and weight_major_pays(self.model)
         use_weight_major(self.model, weight_major)
+        if native is None:  # measured on a policy's forwards (a drafter follows its policy)
+            native = isinstance(self.model, Transformer) and native_pays(self.model)
+        use_native(self.model, native)
         use_float32_attention(self.model, float32_attention_wanted(self.model) if attention32 is None else attention32)
         if head_float32 and dtype != torch.float32:  # a float32 copy of the master's head (refreshed below)
             self.model.head32 = (full(module.lm_head.weight).detach().float().clone(),)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparkrl import precision
+from sparkrl import native, precision
 from sparkrl.kernels import (PACKED_WEIGHT_MAJOR_ROWS, WEIGHT_MAJOR_ROWS, Linear, is_packed, linears, pack, packable,
                              weight_major_linear)
 from sparkrl.precision import RolloutCopy, use_packed
@@ -224,8 +224,11 @@ def test_a_timing_leaves_the_kernels_and_prepacked_weights_as_it_found_them(tiny
     head = model.model.layers[0].mlp.up_proj
     made = head._pack
     assert made is not None
+    head.native = True  # the compiled few-row product: off while the BLAS kernels are timed, then back
     with precision.kernels_restored(model):
         precision.use_weight_major(model)
+        assert not head.native
+    assert head.native
     assert head.packed and not head.weight_major and head._pack is made  # flags only: the packed weight kept
     with precision.kernels_restored(model):
         pack(model, False)
@@ -392,3 +395,78 @@ def test_the_weight_major_decision_is_measured_once_on_decode_steps_and_cached(m
     monkeypatch.setattr(precision, "_step_seconds", lambda model, rows=8, context=128, reps=5: [1.0] * reps)  # a tie
     assert not precision.weight_major_pays(tiny_llama)
     assert not any(m.weight_major for m in tiny_llama.modules() if isinstance(m, Linear))  # left as it was
+
+
+needs_native = pytest.mark.skipif(not native.available(), reason="the compiled few-row product is not available here")
+
+
+@needs_native
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 17, native.MAX_ROWS])
+@pytest.mark.parametrize("n_out,n_in", [(1, 8), (5, 13), (162, 96), (7, 1539)])
+def test_the_compiled_few_row_product_matches_a_float64_reference(rows, n_out, n_in, bias):
+    """Every tile shape: rows in tiles of 3 and their tails, output rows in blocks of 4 and their tails, inputs
+    in steps of 8 floats and a scalar remainder; a 3-D input; float32 rounding of the float64 product."""
+    lin = _layer(n_in, n_out, bias, dtype=F32)
+    torch.manual_seed(1)
+    x = torch.randn(rows, n_in)
+    y = native.linear(x, lin.weight, lin.bias)
+    assert y.shape == (rows, n_out) and y.dtype == F32 and y.is_contiguous()
+    _close_to_float64(y, x, lin)
+    x3 = torch.randn(1, rows, n_in)[:, :, :]  # (1, rows, in): a decode step's shape
+    _close_to_float64(native.linear(x3, lin.weight, lin.bias), x3, lin)
+
+
+@needs_native
+@pytest.mark.parametrize("packed", [pytest.param(True, marks=needs_f32_packing), False])
+def test_weight_major_layers_run_the_compiled_product_up_to_its_rows_when_it_is_on(packed):
+    """On (`precision.use_native`): a weight-major float32 layer's products of 2 to `native.MAX_ROWS` rows,
+    also those a packed layer would hand to its prepacked weight, run the compiled kernel; one row, more
+    rows, a gradient-recording forward or a layer without weight-major products do not; off: as before."""
+    lin = pack(_layer(96, 160, True, dtype=F32), packed)
+    lin.weight_major = True
+    for on in (True, False):
+        assert precision.use_native(lin, on) is lin and lin.native is on
+        for rows in (1, 2, 5, native.MAX_ROWS, native.MAX_ROWS + 1):
+            x = torch.randn(rows, 96)
+            with torch.no_grad():
+                y = lin(x)
+            _close_to_float64(y, x, lin)
+            compiled = torch.equal(y, native.linear(x, lin.weight, lin.bias))
+            assert compiled == (on and native.MIN_ROWS <= rows <= native.MAX_ROWS), (on, rows)
+    precision.use_native(lin, True)
+    x = torch.randn(3, 96, requires_grad=True)
+    assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))  # gradients on: plain F.linear
+    lin.weight_major = False
+    assert not lin.serves_weight_major(x.detach())  # the compiled kernel serves weight-major products only
+
+
+def test_the_compiled_product_decision_is_measured_once_on_the_policy_and_cached(monkeypatch, tmp_path, tiny_llama):
+    """A float32 policy copy with weight-major products times its forwards with and without the compiled kernel
+    (fake clock: 1.25x faster with it) and turns it on in every layer; cached; a tie leaves it off; without
+    weight-major products nothing is timed; --cpu-kernels other than auto never turn it on."""
+    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "available", lambda: True)  # the clock is fake: no kernel runs
+    calls = []
+
+    def fake_steps(model, rows=8, context=128, reps=5, tokens=1):
+        calls.append((rows, tokens, model.lm_head.native, model.model.layers[0].mlp.up_proj.native))
+        return [1.0 if model.lm_head.native else 1.25] * reps
+
+    monkeypatch.setattr(precision, "_step_seconds", fake_steps)
+    layers = [m for m in RolloutCopy(tiny_llama, F32, weight_major=True, native=None).model.modules()
+              if isinstance(m, Linear)]
+    assert layers and all(m.native for m in layers)
+    assert {(r, t) for r, t, *_ in calls} == set(precision.NATIVE_SIZES)
+    assert {c[2:] for c in calls} == {(False, False), (True, True)}
+    n = len(calls)
+    assert precision.native_pays(tiny_llama) and len(calls) == n  # cached
+    stored = json.loads(next((tmp_path / "costs").glob("native-*.json")).read_text())
+    assert stored["pays"] and stored["speedup"] == 1.25
+    off = RolloutCopy(tiny_llama, F32, weight_major=False, native=None)  # no weight-major products: not timed, off
+    assert not off.model.lm_head.native and len(calls) == n
+    assert precision.native_choice("auto") is None
+    assert {precision.native_choice(c) for c in ("plain", "packed", "weight-major")} == {False}
+    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "other"))
+    monkeypatch.setattr(precision, "_step_seconds", lambda model, rows=8, context=128, reps=5, tokens=1: [1.0] * reps)
+    assert not RolloutCopy(tiny_llama, F32, weight_major=True, native=None).model.lm_head.native  # a tie

@@ -14,8 +14,9 @@ from sparkrl.config import SamplingConfig
 from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.selfdraft import SelfDrafter
+from sparkrl import native
 from sparkrl.kernels import is_packed, pack, packable
-from sparkrl.precision import RolloutCopy, use_float32_attention, use_weight_major
+from sparkrl.precision import RolloutCopy, use_float32_attention, use_native, use_weight_major
 from sparkrl.config import TreeShape
 from sparkrl.rollout import generate, response_generators
 from sparkrl.speculative import catch_up, generate_speculative
@@ -200,26 +201,30 @@ def test_rollouts_record_the_rollout_models_logprob_of_every_token(tiny_llama, m
         assert torch.allclose(torch.tensor(r.logp[i]), want, atol=1e-4), (i, r.logp[i], want.tolist())
 
 
-@pytest.mark.parametrize("dtype,packed,head32,attn32", [
-    (torch.bfloat16, False, False, False), (torch.bfloat16, False, False, True), (torch.bfloat16, True, False, True),
-    (torch.bfloat16, True, True, False), (torch.float32, True, False, False)])
+@pytest.mark.parametrize("dtype,packed,head32,attn32,fast", [
+    (torch.bfloat16, False, False, False, False), (torch.bfloat16, False, False, True, False),
+    (torch.bfloat16, True, False, True, False), (torch.bfloat16, True, True, False, False),
+    (torch.float32, True, False, False, False), (torch.float32, True, False, False, True)])
 @pytest.mark.parametrize("mode", ["tree", "chain", "block"])
-def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32, attn32):
+def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32, attn32, fast):
     """Exactness is relative to the rollout model: a bf16 policy and drafter sample from the bf16
     policy's own distribution (computed here from the bf16 model's full-sequence forward), also on
     prepacked weights (whose products round differently from the plain ones: the reference is then
     the packed model's own forward), with a float32 LM head and attending in float32 (`attn32`: a float32
     cache; the reference attends in float32 too); so do a float32 policy and drafter on prepacked weights
-    (weight-major products for the fewest rows)."""
+    (weight-major products for the fewest rows), also with the compiled few-row product (`fast`)."""
     if packed and not packable(dtype, "cpu"):
         pytest.skip(f"this torch/CPU cannot prepack {dtype} weights")
+    if fast and not native.available():
+        pytest.skip("the compiled few-row product is not available here")
     torch.manual_seed(0)
     master = small_policy()
     policy = pack(RolloutCopy(master, dtype, head_float32=head32, weight_major=dtype == torch.float32,
-                              attention32=attn32).model, packed)
+                              attention32=attn32, native=fast).model, packed)
+    assert policy.lm_head.native == fast
     drafter = (DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args))
-    drafter = use_weight_major(pack(use_float32_attention(drafter.to(dtype), attn32), packed),
-                               dtype == torch.float32).bind(policy)
+    drafter = use_native(use_weight_major(pack(use_float32_attention(drafter.to(dtype), attn32), packed),
+                                          dtype == torch.float32), fast).bind(policy)
     assert is_packed(policy) == packed == is_packed(drafter)
     prompts, G, L = [[1, 2, 3, 4], [2, 0]], 3000, 3
     sc = SamplingConfig(0.8, 0.7, L)

@@ -10,8 +10,9 @@ ROOT = Path(__file__).resolve().parents[1] / "sparkrl"
 
 # Optional or heavy dependencies that may be imported where they are used (each only costs when needed).
 # FSDP2 (torch.distributed.fsdp / .tensor): about a second of start-up, needed only by --shard-policy fsdp.
+# torch.utils.cpp_extension: the few-row product's build (setuptools and the compiler tooling), loaded when first wanted
 LAZY_OK = {"matplotlib", "transformers", "datasets", "pyarrow", "math_verify", "huggingface_hub",
-           "torch.distributed.fsdp", "torch.distributed.tensor"}
+           "torch.distributed.fsdp", "torch.distributed.tensor", "torch.utils.cpp_extension"}
 
 
 def lazy_ok(module: str) -> bool:
@@ -20,7 +21,7 @@ def lazy_ok(module: str) -> bool:
 
 # Layers, bottom to top: a module may import only from its own layer or below.
 LAYERS = [
-    {"errors", "config", "kernels", "logprobs", "model", "sampling", "weights", "rewards", "grpo", "checkpoint", "export", "machine", "precision",
+    {"errors", "config", "native", "kernels", "logprobs", "model", "sampling", "weights", "rewards", "grpo", "checkpoint", "export", "machine", "precision",
      "distributed", "sharding", "__init__"},
     {"verify", "data", "features"},
     {"drafters.base", "drafters.tree", "drafters.eagle3", "drafters.dflash", "drafters.selfdraft", "drafters.__init__",

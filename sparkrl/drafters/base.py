@@ -82,7 +82,7 @@ class SharedHeadDrafter(nn.Module):
         self._shared = (policy.model.embed_tokens,)
         head = Linear(policy.lm_head.in_features, len(self.vocab_ids), bias=False, device="meta")
         head.weight = nn.Parameter(policy.lm_head.weight.detach()[self.vocab_ids].contiguous(), requires_grad=False)
-        head.weight_major = policy.lm_head.weight_major
+        head.weight_major, head.native = policy.lm_head.weight_major, policy.lm_head.native
         self._head = (pack(head, policy.lm_head.packed),)  # (Vd, d) rows of the policy's head, packed or weight-major
         # as the policy's is; a tuple, so it is not a submodule
         return self

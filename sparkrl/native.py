@@ -1,0 +1,71 @@
+"""A compiled float32 product for a few rows (`csrc/small_linear.cpp`): y = x W^T + b with the weight
+streamed from memory once and the partial sums in AVX2 registers.
+
+At the sizes of decode steps, tree verification and the acceptance walk (1 to 32 rows), a model's
+weights come from memory and the BLAS calls pay for packing and blocking made for large products:
+on this project's 2-core AMD CPU (AVX2, no AVX512) a sweep over the default model's projections ran
+1.2-1.6x faster than the best of weight-major products and prepacked oneDNN ones at 2-12 rows and
+1.35x at 17 (BENCHMARKS.md "A compiled float32 product for a few rows"). A whole decode step gained
+nothing at one row, so one-row products stay on the BLAS kernels (`MIN_ROWS`); past 32 rows oneDNN's
+prepacked products are faster again.
+
+The kernel is compiled once per machine with torch's C++ extension loader (gcc, AVX2 and FMA; about a
+minute, cached under torch's extensions folder) the first time it is wanted; where the CPU lacks AVX2
+or FMA, or no compiler works, `available()` is False (with one line saying why) and the layers keep
+their other kernels. Whether it pays is measured per machine and model (`precision.native_pays`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "small_linear.cpp"
+MIN_ROWS, MAX_ROWS = 2, 32  # the products it takes: a one-row one (a matrix-vector product) ran no faster than
+# the BLAS kernels' in a whole decode step here (0.95x, 1.00x), and past 32 rows oneDNN's prepacked ones were faster
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # -fopenmp: torch's thread pool (at::parallel_for)
+
+
+def cpu_supported() -> bool:
+    """Whether this CPU runs the AVX2 + FMA code (torch's own detection: AVX2 or better)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the compiled product can run here: built (or loaded from torch's cache) on first call."""
+    if not cpu_supported():
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        if shutil.which("ninja") is None:  # the `ninja` package's binary, beside this interpreter in a venv
+            os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        print("sparkrl: loading the few-row float32 product (compiled on first use: about 15 s once per machine)",
+              file=sys.stderr, flush=True)
+        load("sparkrl_native", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)
+        return True
+    except Exception as e:  # no compiler, no ninja, a failed build: the other kernels serve
+        print(f"sparkrl: the few-row float32 product is not available ({type(e).__name__}: "
+              f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using the BLAS kernels",
+              file=sys.stderr, flush=True)
+        return False
+
+
+def digest() -> str:
+    """A hash of the kernel's source and flags: cached timings of another kernel are not reused."""
+    return hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, w, bias)` for float32 CPU tensors, x (..., in) with 1..MAX_ROWS rows, w (out, in)
+    contiguous (`available()` must be True)."""
+    out, inp = w.shape
+    y = torch.ops.sparkrl_native.small_linear(x.reshape(-1, inp).contiguous(), w, bias)
+    return y.view(*x.shape[:-1], out)
