@@ -1,6 +1,6 @@
-"""GRPO steps with float32 rollouts (default kernels, or weight-major unpacked) vs bfloat16 rollouts (on
-plain or prepacked CPU kernels, with the LM head in bf16 or float32; and bf16 autocast training), side
-by side.
+"""GRPO steps with float32 rollouts (default kernels; without the compiled few-row product; or weight-major
+unpacked) vs bfloat16 rollouts (on plain or prepacked CPU kernels, with the LM head in bf16 or float32;
+and bf16 autocast training), side by side.
 
 Each configuration is a full GRPO run (`trainer.GRPORun`) on the default model from the same weights,
 prompts and seeds, interleaved step by step with alternating order. Reported per configuration: the
@@ -11,6 +11,7 @@ reward per step. Writes bench/results/precision_step.json.
 
     .venv/bin/python bench/precision_step.py --steps 4
     .venv/bin/python bench/precision_step.py --config "fp32 rollouts" --config "fp32 rollouts, weight-major kernels"
+    .venv/bin/python bench/precision_step.py --config "fp32 rollouts" --config "fp32 rollouts, BLAS kernels"
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from pathlib import Path
 import torch
 
 from sparkrl.config import DataConfig, GRPOConfig, ModelConfig, RunConfig, SamplingConfig
+from sparkrl.precision import use_native
 from sparkrl.trainer import GRPORun
 
 CONFIGS = {"fp32 rollouts": dict(rollout_dtype="float32", train_dtype="float32"),
+           "fp32 rollouts, BLAS kernels": dict(rollout_dtype="float32", train_dtype="float32", native=False),
            "fp32 rollouts, weight-major kernels": dict(rollout_dtype="float32", train_dtype="float32",
                                                        cpu_kernels="weight-major"),
            "bf16 rollouts, plain kernels": dict(rollout_dtype="bfloat16", train_dtype="float32", cpu_kernels="plain"),
@@ -53,11 +56,13 @@ def main():
     for name in names:
         c = CONFIGS[name]
         cfg = RunConfig(out=str(tmp / name.replace(" ", "_")), steps=a.steps, checkpoint_every=10**6,
-                        model=ModelConfig(**{k: v for k, v in c.items() if k != "train_dtype"}),
+                        model=ModelConfig(**{k: v for k, v in c.items() if k not in ("train_dtype", "native")}),
                         sampling=SamplingConfig(max_new_tokens=a.max_new_tokens), data=DataConfig(data=a.data),
                         grpo=GRPOConfig(group_size=a.group_size, prompts_per_step=a.prompts_per_step, lr=a.lr,
                                         train_dtype=c["train_dtype"]))
         runs[name] = GRPORun(cfg)
+        if c.get("native") is False:  # the default kernels less the compiled few-row product
+            use_native(runs[name].rollout.model, False)
     rows = {name: [] for name in runs}
     for step in range(a.steps):
         for name in (list(runs) if step % 2 == 0 else list(runs)[::-1]):

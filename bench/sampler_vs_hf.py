@@ -6,7 +6,8 @@ Same model (the embedded default, in --dtype: float32 or bfloat16), same prompt,
 report the median time of each and the ratio of generated tokens/s. sparkrl runs as it does by
 default (bfloat16 on prepacked weights where they pay here, `--cpu-kernels auto`; weight-major
 products where those pay here); when either is on, the same sampler on plain `F.linear` weights runs
-beside it ("sparkrl-plain").
+beside it ("sparkrl-plain"); where the compiled few-row float32 product is on (`sparkrl.native`), the same
+copy with it off, its few-row products on the BLAS kernels, runs beside it too ("sparkrl-blas").
 
     .venv/bin/python bench/sampler_vs_hf.py --out bench/results
     .venv/bin/python bench/sampler_vs_hf.py --dtype bfloat16 --out bench/results
@@ -26,7 +27,7 @@ import torch
 
 from sparkrl.config import SamplingConfig
 from sparkrl.data import chat_prompt_ids
-from sparkrl.precision import rollout_copy
+from sparkrl.precision import rollout_copy, use_native
 from sparkrl.rollout import generate, response_generators
 from sparkrl.weights import load_model
 
@@ -54,7 +55,10 @@ def main():
     packed = lm.model.lm_head.packed
     fast = packed or lm.model.lm_head.weight_major or lm.model.model.attn_dtype is not None
 
-    def ours(B, model=lm.model):
+    native_on = lm.model.lm_head.native  # the compiled few-row product, where the copy measured it pays
+
+    def ours(B, model=lm.model, compiled=native_on):
+        use_native(model, compiled)
         r = generate(model, [prompt], sc, (), response_generators(0, 1, B), group_size=B)
         return r.num_tokens
 
@@ -69,6 +73,8 @@ def main():
     systems = {"sparkrl": ours, "transformers": theirs}
     if fast:  # the same sampler on plain weights (F.linear everywhere), side by side
         systems["sparkrl-plain"] = lambda B: ours(B, plain)
+    if native_on:  # the same copy with the BLAS kernels for its few-row products, side by side
+        systems["sparkrl-blas"] = lambda B: ours(B, compiled=False)
     ours(1), theirs(1)  # warm-up
     rows = []
     for B in [int(b) for b in args.batches.split(",")]:
@@ -86,10 +92,14 @@ def main():
                "ratio": tps["sparkrl"] / tps["transformers"]}
         if fast:
             row["fast_over_plain"] = tps["sparkrl"] / tps["sparkrl-plain"]
+        if native_on:
+            row["native_over_blas"] = tps["sparkrl"] / tps["sparkrl-blas"]
         rows.append(row)
         print(f"batch {B:3d}: sparkrl {tps['sparkrl']:7.1f} tok/s, transformers {tps['transformers']:7.1f} tok/s, "
               f"ratio {row['ratio']:.2f}x" + (f"; fast / plain kernels {row['fast_over_plain']:.2f}x" if fast
-                                              else ""), flush=True)
+                                              else "")
+              + (f"; compiled few-row product / BLAS {row['native_over_blas']:.2f}x" if native_on else ""),
+              flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import transformers
@@ -98,7 +108,7 @@ def main():
             "machine": platform.processor() or platform.machine(), "new_tokens": args.new_tokens,
             "repeats": args.repeats, "prompt_tokens": len(prompt), "dtype": args.dtype, "packed_weights": packed,
             "weight_major_kernels": lm.model.lm_head.weight_major,
-            "float32_attention": lm.model.model.attn_dtype is not None}
+            "float32_attention": lm.model.model.attn_dtype is not None, "native_kernel": native_on}
     name = "sampler_vs_hf" + ("" if args.dtype == "float32" else f"_{args.dtype}") + ("_packed" if packed else "")
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     _plot(rows, out / f"{name}.png", args.dtype)

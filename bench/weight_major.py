@@ -5,8 +5,9 @@ trees, a prefill) with weight-major products forced past `kernels.WEIGHT_MAJOR_R
 they stop paying. Four systems: plain `F.linear`; weight-major split into one block of output rows per
 thread, each layer its own product (the form before fusing); the same with q/k/v and gate/up as one
 product each (`kernels.linears`); prepacked oneDNN weights, with weight-major products up to
-`kernels.PACKED_WEIGHT_MAJOR_ROWS` rows (in float32 the default where packing pays). Interleaved,
-medians; also the largest logit difference against plain.
+`kernels.PACKED_WEIGHT_MAJOR_ROWS` rows (in float32 the default where packing pays); in float32, the
+same with products of up to `native.MAX_ROWS` rows on the compiled kernel (`sparkrl.native`, the
+default where it pays). Interleaved, medians; also the largest logit difference against plain.
 
     .venv/bin/python bench/weight_major.py --dtype float32 --out bench/results
 """
@@ -20,19 +21,20 @@ from pathlib import Path
 
 import torch
 
-from sparkrl import kernels
+from sparkrl import kernels, native
 from sparkrl.kernels import pack, packable
-from sparkrl.precision import _step_seconds, use_weight_major
+from sparkrl.precision import _step_seconds, use_native, use_weight_major
 from sparkrl.weights import load_model
 from timing import repeated
 
-SYSTEMS = {"plain": (False, False, False), "split": (True, False, False), "split_fused": (True, True, False),
-           "packed": (True, True, True)}  # (weight-major, fused, packed)
+SYSTEMS = {"plain": (False, False, False, False), "split": (True, False, False, False),
+           "split_fused": (True, True, False, False), "packed": (True, True, True, False),
+           "native": (True, True, True, True)}  # (weight-major, fused, packed, compiled few-row product)
 
 
 def use(policy, name: str) -> None:
-    on, kernels.FUSE_LINEARS, packed = SYSTEMS[name]
-    use_weight_major(pack(policy, packed), on)
+    on, kernels.FUSE_LINEARS, packed, fast = SYSTEMS[name]
+    use_native(use_weight_major(pack(policy, packed), on), fast)
 
 
 def speedups(r: dict, key: str) -> str:
@@ -51,6 +53,9 @@ def main():
     policy = load_model("default", dtype=args.dtype, with_tokenizer=False).model
     if not packable(policy.lm_head.weight.dtype, "cpu"):
         SYSTEMS.pop("packed")
+        SYSTEMS["native"] = (True, True, False, True)
+    if args.dtype != "float32" or not native.available():
+        SYSTEMS.pop("native")
     W = policy.lm_head.weight.detach()
     g = torch.Generator().manual_seed(0)
     rows = []
