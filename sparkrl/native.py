@@ -3,14 +3,14 @@ streamed from memory once and the partial sums in AVX2 registers.
 
 At the sizes of decode steps, tree verification and the acceptance walk (1 to 32 rows), a model's
 weights come from memory and the BLAS calls pay for packing and blocking made for large products:
-on this project's 2-core AMD CPU (AVX2, no AVX512) a sweep over the default model's projections ran
-1.2-1.6x faster than the best of weight-major products and prepacked oneDNN ones at 2-12 rows and
-1.35x at 17 (BENCHMARKS.md "A compiled float32 product for a few rows"). A whole decode step gained
-nothing at one row, so one-row products stay on the BLAS kernels (`MIN_ROWS`); past 32 rows oneDNN's
-prepacked products are faster again.
+on this project's 2-core AMD CPU (AVX2, no AVX512) it made the default model's float32 decode step
+1.10x / 1.23x / 1.16x faster at 2 / 8 / 16 rows than prepacked oneDNN products (the float32 default
+before) and a one-row 17-token verify forward 1.12x (BENCHMARKS.md "A compiled float32 product for a
+few rows"). A whole decode step gained nothing at one row, so one-row products stay on the BLAS
+kernels (`MIN_ROWS`); past 32 rows oneDNN's prepacked products are faster again.
 
-The kernel is compiled once per machine with torch's C++ extension loader (gcc, AVX2 and FMA; about a
-minute, cached under torch's extensions folder) the first time it is wanted; where the CPU lacks AVX2
+The kernel is compiled once per machine with torch's C++ extension loader (gcc, AVX2 and FMA; about
+15 s, cached under torch's extensions folder) the first time it is wanted; where the CPU lacks AVX2
 or FMA, or no compiler works, `available()` is False (with one line saying why) and the layers keep
 their other kernels. Whether it pays is measured per machine and model (`precision.native_pays`).
 """
