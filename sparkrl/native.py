@@ -41,6 +41,8 @@ def cpu_supported() -> bool:
 def available() -> bool:
     """Whether the compiled product can run here: built (or loaded from torch's cache) on first call."""
     if not cpu_supported():
+        print(f"sparkrl: the few-row float32 product needs AVX2 and FMA (this CPU: "
+              f"{torch.backends.cpu.get_cpu_capability()}); using the BLAS kernels", file=sys.stderr, flush=True)
         return False
     try:
         from torch.utils.cpp_extension import load
