@@ -1,6 +1,7 @@
 """The default model's cached forwards in each rollout precision, side by side: float32 on the kernels
 `--cpu-kernels auto` gives it, bfloat16 attending in bfloat16, and bfloat16 attending in float32 on a
-float32 KV cache (`Attention.attn_dtype`, the default where it pays). Decode steps (one new token) at
+float32 KV cache (`Attention.attn_dtype`, the default where it pays), and bfloat16 on the compiled
+product (`sparkrl.native`: the weights widened as they stream; where it can be built). Decode steps (one new token) at
 several row counts and verify-sized forwards (T new tokens, LM head on the last), beside a 192-token
 context; systems interleaved within each repeat, medians. Reports each forward's time, its ratio to
 float32, and the verify cost ratio (T-token forward / 1-token step) per precision and row count.
@@ -18,10 +19,14 @@ from pathlib import Path
 
 import torch
 
+from sparkrl import native
 from sparkrl.precision import RolloutCopy, _step_seconds, use_packed
 from sparkrl.weights import load_model
 
-SYSTEMS = {"float32": (torch.float32, False), "bf16": (torch.bfloat16, False), "bf16, fp32 attention": (torch.bfloat16, True)}
+SYSTEMS = {"float32": (torch.float32, False, None), "bf16": (torch.bfloat16, False, False),
+           "bf16, fp32 attention": (torch.bfloat16, True, False),
+           "bf16, compiled product": (torch.bfloat16, None, True)}  # (dtype, float32 attention, compiled product;
+# None: measured, as under --cpu-kernels auto)
 
 
 def main():
@@ -33,9 +38,13 @@ def main():
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     policy = load_model("default", with_tokenizer=False).model
-    models = {name: RolloutCopy(policy, dt, separate=True, packed=use_packed("auto", dt, policy), attention32=attn).model
-              for name, (dt, attn) in SYSTEMS.items()}  # as `precision.rollout_copy`, with the attention chosen
-    kernels = {name: {"packed": m.lm_head.packed, "weight_major": m.lm_head.weight_major} for name, m in models.items()}
+    if not native.available():
+        SYSTEMS.pop("bf16, compiled product")
+    models = {name: RolloutCopy(policy, dt, separate=True, packed=use_packed("auto", dt, policy), attention32=attn,
+                                native=fast).model
+              for name, (dt, attn, fast) in SYSTEMS.items()}  # as `precision.rollout_copy`, with the kernels chosen
+    kernels = {name: {"packed": m.lm_head.packed, "weight_major": m.lm_head.weight_major, "native": m.lm_head.native,
+                      "float32_attention": m.model.attn_dtype is not None} for name, m in models.items()}
     print("kernels:", kernels, flush=True)
     sizes = [(r, 1) for r in map(int, args.rows.split(","))]
     sizes += [(r, t) for r in map(int, args.verify_rows.split(",")) for t in map(int, args.tokens.split(",")) if t > 1]

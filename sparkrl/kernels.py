@@ -33,11 +33,12 @@ The row-major copy matters: left as a transposed view, the attention and element
 made a 64-row step 2.6x slower. Whether it pays is measured once per machine on the policy's own
 decode steps (`precision.weight_major_pays`).
 
-In float32 a layer with `native` set (`precision.use_native`, where a one-off measurement finds it
-faster: `precision.native_pays`) runs its weight-major products of `native.MIN_ROWS` to
-`native.MAX_ROWS` rows on the compiled kernel of `sparkrl.native`, also the 5-32-row ones a packed
-float32 layer would hand to its prepacked weight: the same sums in another order, the weight streamed
-once, no packing or blocking.
+A layer with `native` set (`precision.use_native`, where a one-off measurement finds it faster:
+`precision.native_pays`) runs the products `native.serves` on the compiled kernel of `sparkrl.native`
+whatever its other kernels: in float32 those of `native.MIN_ROWS` to `native.MAX_ROWS` rows (also the
+5-32-row ones a packed layer would hand to its prepacked weight), in bfloat16 all of them (a CPU without
+bfloat16 dot products: the weight widened as it streams, the sums in float32). The same sums in another
+order, the weight streamed once, no packing or blocking.
 """
 
 from __future__ import annotations
@@ -75,17 +76,18 @@ class Linear(nn.Linear):
 
     packed = False  # set per instance by `pack`
     weight_major = False  # set per instance by `precision.use_weight_major`
-    native = False  # set per instance by `precision.use_native`: few-row float32 products on `sparkrl.native`
+    native = False  # set per instance by `precision.use_native`: the products `native.serves` on `sparkrl.native`
     _pack = None  # (prepacked weight, the weight's (tensor id, version) it was made from)
     _fused = None  # `linears`' concatenation of this layer's weight with others' (on the first layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         x = dense(x)
+        product = self.product(x)
+        if product is not None:
+            return product(x, w, self.bias)
         if torch.is_grad_enabled() or x.dtype != w.dtype:
             return F.linear(x, w, self.bias)
-        if self.serves_weight_major(x):
-            return weight_major_linear(x, w, self.bias, compiled=self.native)
         if self.packed and x.device.type == "cpu":
             key = (id(w), w._version)
             if self._pack is None or self._pack[1] != key:
@@ -93,14 +95,22 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, self._pack[0], self.bias, "none", [], "")
         return F.linear(x, w, self.bias)
 
+    def product(self, x: torch.Tensor):
+        """The weight-streaming product that serves `forward(x)`, called as f(x, weight, bias): the compiled
+        one (`native.linear`, where `native` is set and it takes x) or a weight-major one; None where a
+        prepacked or plain `F.linear` serves, and always while gradients are recorded."""
+        if torch.is_grad_enabled() or x.dtype != self.weight.dtype:
+            return None
+        if self.native and native.serves(x, self.weight):
+            return native.linear
+        return weight_major_linear if self.serves_weight_major(x) else None
+
     def serves_weight_major(self, x: torch.Tensor) -> bool:
         """Whether `forward(x)` is a weight-major product: 1 to `WEIGHT_MAJOR_ROWS` rows, or to
         `PACKED_WEIGHT_MAJOR_ROWS` where a packed float32 layer's prepacked product serves the larger ones."""
         if not self.weight_major or torch.is_grad_enabled() or x.dtype != self.weight.dtype:
             return False
         most = WEIGHT_MAJOR_ROWS if not self.packed else PACKED_WEIGHT_MAJOR_ROWS if x.dtype == torch.float32 else 0
-        if self.native and x.dtype == torch.float32:
-            most = max(most, native.MAX_ROWS)
         return 1 <= x.numel() // x.shape[-1] <= most
 
     def __getstate__(self):  # copies (deepcopy, pickling) leave the prepacked and fused weights behind
@@ -120,10 +130,10 @@ def linears(x: torch.Tensor, *layers: Linear) -> tuple[torch.Tensor, ...]:
     prepacked weight), so an optimizer step or a refresh is never served stale; it costs the layers'
     memory once more (the default model's q/k/v and gate/up: 279 MB in float32). The outputs are views
     of one tensor."""
-    first = layers[0]
-    if len(layers) == 1 or not FUSE_LINEARS or not all(
-            l.serves_weight_major(x) and (l.bias is None) == (first.bias is None) and l.native == first.native
-            for l in layers):
+    first, x = layers[0], dense(x)
+    product = first.product(x)
+    if len(layers) == 1 or not FUSE_LINEARS or product is None or not all(
+            l.product(x) is product and (l.bias is None) == (first.bias is None) for l in layers):
         return tuple(l(x) for l in layers)
     tensors = tuple(t for l in layers for t in (l.weight, l.bias) if t is not None)
     versions = tuple(t._version for t in tensors)
@@ -132,22 +142,19 @@ def linears(x: torch.Tensor, *layers: Linear) -> tuple[torch.Tensor, ...]:
         w = torch.cat([l.weight.detach() for l in layers])
         b = None if first.bias is None else torch.cat([l.bias.detach() for l in layers])
         first._fused = f = (tensors, versions, w, b)
-    return weight_major_linear(x, f[2], f[3], compiled=first.native).split([l.out_features for l in layers], dim=-1)
+    return product(x, f[2], f[3]).split([l.out_features for l in layers], dim=-1)
 
 
 def weight_major_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                        parts: int | None = None, compiled: bool = False) -> torch.Tensor:
+                        parts: int | None = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` as `(w @ x^T)^T` (see the module doc): x (..., in) -> (..., out), row-major.
     The weight's output rows are split into `parts` blocks (default: `WEIGHT_MAJOR_PARTS`, else torch's
     thread count; one block where they do not divide evenly), one batched product. One row in one block
     (a single thread) is `F.linear`: both are matrix-vector products, and `F.linear` measured up to 4%
-    faster. compiled: float32 products of `native.MIN_ROWS` to `native.MAX_ROWS` rows run `native.linear`."""
+    faster."""
     out, inp = w.shape
     x2 = x.reshape(-1, inp)
     rows = x2.shape[0]
-    if compiled and native.MIN_ROWS <= rows <= native.MAX_ROWS and x.dtype == w.dtype == torch.float32 \
-            and x.device.type == "cpu" and w.is_contiguous():
-        return native.linear(x, w, bias)
     parts = parts or WEIGHT_MAJOR_PARTS or torch.get_num_threads()
     if out % parts or not w.is_contiguous():
         parts = 1

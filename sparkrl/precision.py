@@ -10,7 +10,11 @@ where a one-off measurement finds them faster (`packing_pays`; --cpu-kernels), i
 as weight-major products where a one-off measurement of its decode step finds those faster
 (`weight_major_pays`), and its attention in float32 over a float32 KV cache where a one-off
 measurement finds that faster (`float32_attention_pays`: torch's bfloat16 attention for one new token
-was 4-9x slower here). Exactness is relative to the rollout model; the gap to the master weights is
+was 4-9x slower here). Any copy's products run on the compiled kernel (`sparkrl.native`) where a one-off
+measurement finds that faster (`native_pays`): in float32 those of a few rows; in bfloat16 all of them, the
+weights widened to float32 as they stream, which is what makes bfloat16 rollouts pay on a CPU without
+bfloat16 arithmetic (torch's bfloat16 products there ran 5-9x slower than float32 ones from 32 rows up).
+Exactness is relative to the rollout model; the gap to the master weights is
 measured every step (`mismatch`) and can be corrected with truncated importance sampling
 (`grpo.grpo_loss`, --tis-cap).
 """
@@ -69,7 +73,8 @@ def bf16_speedup(policy: Transformer) -> float:
     (Timing float32 on plain `F.linear` against the faster bfloat16 kernels chose bfloat16 here, which
     was then no faster than float32 rollouts: BENCHMARKS.md "Cached attention in float32".)"""
     dev = policy.lm_head.weight.device
-    path = measurement_path("dtype", str(dev), policy.args.__dict__, {"rows": DTYPE_ROWS, "kernels": "auto"})
+    path = measurement_path("dtype", str(dev), policy.args.__dict__, {"rows": DTYPE_ROWS, "kernels": "auto",
+                                                                       "native": native.digest()})
     if path.exists():
         return json.loads(path.read_text())["speedup"]
     models = {dt: rollout_copy(policy, DTYPES[dt], separate=True).model
@@ -251,22 +256,24 @@ NATIVE_SIZES = ((1, 1), (8, 1), (32, 1), (1, 17))  # (rows, new tokens) of the f
 
 
 def native_pays(policy: Transformer) -> bool:
-    """Whether this float32 policy's forwards (decode steps of 1, 8 and 32 rows, a 17-token verify forward
-    of one row) run faster by 5% overall with its weight-major products of 2 to `native.MAX_ROWS` rows
-    on the compiled kernel (`sparkrl.native`) than on the kernels it has (medians of 6 interleaved
-    forwards each). False without weight-major products (the compiled kernel serves only those), off a
-    CPU, or where the kernel cannot be built. Measured once per machine, model and packing, and cached."""
+    """Whether this policy's forwards (decode steps of 1, 8 and 32 rows, a 17-token verify forward of one
+    row) run faster by 5% overall with the products `native.serves` on the compiled kernel
+    (`sparkrl.native`: float32 ones of 2 to `native.MAX_ROWS` rows, every bfloat16 one) than on the
+    kernels it has (medians of 6 interleaved forwards each). False off a CPU, for other dtypes, or where
+    the kernel cannot be built. Measured once per machine, model, dtype and kernels, and cached."""
     w = policy.lm_head.weight
-    if w.dtype != torch.float32 or w.device.type != "cpu" or not policy.lm_head.weight_major:
+    if w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu":
         return False
-    path = measurement_path("native", policy.args.__dict__, {"sizes": NATIVE_SIZES, "packed": policy.lm_head.packed,
-                                                             "rows": (native.MIN_ROWS, native.MAX_ROWS),
-                                                             "source": native.digest()})
+    path = measurement_path("native", str(w.dtype), policy.args.__dict__,
+                            {"sizes": NATIVE_SIZES, "packed": policy.lm_head.packed,
+                             "weight_major": policy.lm_head.weight_major, "rows": (native.MIN_ROWS, native.MAX_ROWS),
+                             "half_rows": native.HALF_ROWS, "source": native.digest()})
     if path.exists():
         return json.loads(path.read_text())["pays"]
     if not native.available():
         return False
-    print("sparkrl: timing the few-row float32 product on this machine (once; cached)", file=sys.stderr, flush=True)
+    print(f"sparkrl: timing the compiled few-row product in {str(w.dtype).removeprefix('torch.')} on this machine "
+          "(once; cached)", file=sys.stderr, flush=True)
     times = {name: {str(size): [] for size in NATIVE_SIZES} for name in ("blas", "native")}
     with kernels_restored(policy):
         for _ in range(2):  # interleaved: drift hits both alike
@@ -278,9 +285,8 @@ def native_pays(policy: Transformer) -> bool:
 
 
 def use_native(module: torch.nn.Module, on: bool = True) -> torch.nn.Module:
-    """Run every `Linear` of `module`'s float32 weight-major products of `native.MIN_ROWS` to
-    `native.MAX_ROWS` rows on the compiled kernel (on, where it is available; `Linear.native`) or on the
-    BLAS kernels."""
+    """Run the products of every `Linear` of `module` that `native.serves` on the compiled kernel (on, where
+    it is available; `Linear.native`) or on the BLAS kernels."""
     on = bool(on) and native.available()
     for m in module.modules():
         if isinstance(m, Linear):

@@ -233,6 +233,7 @@ def test_a_timing_leaves_the_kernels_and_prepacked_weights_as_it_found_them(tiny
     with precision.kernels_restored(model):
         pack(model, False)
     assert head.packed and head._pack is None  # packing changed: made again on the next forward
+    precision.use_native(model, False)  # (on, the compiled kernel would serve those 6 rows)
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3, 4, 5, 6]]))
     assert head._pack is not None
@@ -401,50 +402,67 @@ needs_native = pytest.mark.skipif(not native.available(), reason="the compiled f
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 17, native.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 17, native.MAX_ROWS, native.HALF_ROWS + 1])
 @pytest.mark.parametrize("n_out,n_in", [(1, 8), (5, 13), (162, 96), (7, 1539)])
-def test_the_compiled_few_row_product_matches_a_float64_reference(rows, n_out, n_in, bias):
+def test_the_compiled_few_row_product_matches_a_float64_reference(rows, n_out, n_in, bias, dtype):
     """Every tile shape: rows in tiles of 3 and their tails, output rows in blocks of 4 and their tails, inputs
-    in steps of 8 floats and a scalar remainder; a 3-D input; float32 rounding of the float64 product."""
-    lin = _layer(n_in, n_out, bias, dtype=F32)
+    in steps of 8 values and a scalar remainder; a 3-D input; the float32 or bfloat16 rounding of the float64
+    product. bfloat16: the weight widened as it streams, or into a block for more than one tile of rows, and
+    past `native.HALF_ROWS` rows a float32 product of the widened operands."""
+    lin = _layer(n_in, n_out, bias, dtype=dtype)
     torch.manual_seed(1)
-    x = torch.randn(rows, n_in)
+    x = torch.randn(rows, n_in).to(dtype)
     y = native.linear(x, lin.weight, lin.bias)
-    assert y.shape == (rows, n_out) and y.dtype == F32 and y.is_contiguous()
+    assert y.shape == (rows, n_out) and y.dtype == dtype and y.is_contiguous()
     _close_to_float64(y, x, lin)
-    x3 = torch.randn(1, rows, n_in)  # (1, rows, in): a decode step's shape
+    x3 = torch.randn(1, rows, n_in).to(dtype)  # (1, rows, in): a decode step's shape
     _close_to_float64(native.linear(x3, lin.weight, lin.bias), x3, lin)
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("weight_major", [True, False])
 @pytest.mark.parametrize("packed", [pytest.param(True, marks=needs_f32_packing), False])
-def test_weight_major_layers_run_the_compiled_product_up_to_its_rows_when_it_is_on(packed):
-    """On (`precision.use_native`): a weight-major float32 layer's products of 2 to `native.MAX_ROWS` rows,
-    also those a packed layer would hand to its prepacked weight, run the compiled kernel; one row, more
-    rows, a gradient-recording forward or a layer without weight-major products do not; off: as before."""
-    lin = pack(_layer(96, 160, True, dtype=F32), packed)
-    lin.weight_major = True
+def test_layers_run_the_compiled_product_where_it_serves_when_it_is_on(packed, weight_major, dtype):
+    """On (`precision.use_native`): a float32 layer's products of 2 to `native.MAX_ROWS` rows, also those a packed
+    layer would hand to its prepacked weight, and every product of a bfloat16 layer, run the compiled kernel
+    whatever the layer's other kernels; a float32 layer's one-row and larger products do not, nor a
+    gradient-recording forward; q/k/v-style `linears` run it once over the weights concatenated; off: as before."""
+    if dtype == BF16 and packed:
+        pytest.skip("a packed bfloat16 layer is the other case's subject")
+    lin = pack(_layer(96, 160, True, dtype=dtype), packed)
+    lin.weight_major = weight_major
     for on in (True, False):
         assert precision.use_native(lin, on) is lin and lin.native is on
         for rows in (1, 2, 5, native.MAX_ROWS, native.MAX_ROWS + 1):
-            x = torch.randn(rows, 96)
+            x = torch.randn(rows, 96).to(dtype)
             with torch.no_grad():
-                y = lin(x)
+                y, product = lin(x), lin.product(x)
             _close_to_float64(y, x, lin)
-            compiled = torch.equal(y, native.linear(x, lin.weight, lin.bias))
-            assert compiled == (on and native.MIN_ROWS <= rows <= native.MAX_ROWS), (on, rows)
+            served = dtype == BF16 or native.MIN_ROWS <= rows <= native.MAX_ROWS
+            assert (product is native.linear) == (on and served), (on, rows)
+            if on and served:
+                assert torch.equal(y, native.linear(x, lin.weight, lin.bias))
+            elif dtype == F32:  # another kernel: other float32 sums (bfloat16 ones may round alike)
+                assert not torch.equal(y, native.linear(x, lin.weight, lin.bias)), (on, rows)
     precision.use_native(lin, True)
-    x = torch.randn(3, 96, requires_grad=True)
+    x = torch.randn(3, 96, requires_grad=True).to(dtype)
     assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))  # gradients on: plain F.linear
-    lin.weight_major = False
-    assert not lin.serves_weight_major(x.detach())  # the compiled kernel serves weight-major products only
+    other = precision.use_native(pack(_layer(96, 48, True, seed=1, dtype=dtype), packed), True)
+    other.weight_major = weight_major
+    x = torch.randn(1, 4, 96).to(dtype)
+    with torch.no_grad():
+        fused = linears(x, lin, other)
+        assert all(torch.equal(a, native.linear(x, l.weight, l.bias)) for a, l in zip(fused, (lin, other)))
+        assert fused[0].data_ptr() + 160 * fused[0].element_size() == fused[1].data_ptr()  # views of one product
 
 
 def test_the_compiled_product_decision_is_measured_once_on_the_policy_and_cached(monkeypatch, tmp_path, tiny_llama):
     """A float32 policy copy with weight-major products times its forwards with and without the compiled kernel
-    (fake clock: 1.25x faster with it) and turns it on in every layer; cached; a tie leaves it off; without
-    weight-major products nothing is timed; --cpu-kernels other than auto never turn it on."""
+    (fake clock: 1.25x faster with it) and turns it on in every layer; cached; a copy on other kernels or in
+    bfloat16 is timed as such; a tie leaves it off; --cpu-kernels other than auto never turn it on."""
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "available", lambda: True)  # the clock is fake: no kernel runs
     calls = []
@@ -463,8 +481,11 @@ def test_the_compiled_product_decision_is_measured_once_on_the_policy_and_cached
     assert precision.native_pays(tiny_llama) and len(calls) == n  # cached
     stored = json.loads(next((tmp_path / "costs").glob("native-*.json")).read_text())
     assert stored["pays"] and stored["speedup"] == 1.25
-    off = RolloutCopy(tiny_llama, F32, weight_major=False, native=None)  # no weight-major products: not timed, off
-    assert not off.model.lm_head.native and len(calls) == n
+    plain = RolloutCopy(tiny_llama, F32, weight_major=False, native=None)  # other kernels: timed on those
+    assert plain.model.lm_head.native and len(calls) == 2 * n
+    half = RolloutCopy(tiny_llama, BF16, native=None)  # a bfloat16 copy: timed in bfloat16 (after its other kernels)
+    assert half.model.lm_head.native and half.model.lm_head.weight.dtype == BF16
+    assert len(list((tmp_path / "costs").glob("native-*.json"))) == 3
     assert precision.native_choice("auto") is None
     assert {precision.native_choice(c) for c in ("plain", "packed", "weight-major")} == {False}
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "other"))

@@ -204,6 +204,7 @@ def test_rollouts_record_the_rollout_models_logprob_of_every_token(tiny_llama, m
 @pytest.mark.parametrize("dtype,packed,head32,attn32,fast", [
     (torch.bfloat16, False, False, False, False), (torch.bfloat16, False, False, True, False),
     (torch.bfloat16, True, False, True, False), (torch.bfloat16, True, True, False, False),
+    (torch.bfloat16, False, False, True, True),
     (torch.float32, True, False, False, False), (torch.float32, True, False, False, True)])
 @pytest.mark.parametrize("mode", ["tree", "chain", "block"])
 def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32, attn32, fast):
@@ -212,7 +213,8 @@ def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32, a
     prepacked weights (whose products round differently from the plain ones: the reference is then
     the packed model's own forward), with a float32 LM head and attending in float32 (`attn32`: a float32
     cache; the reference attends in float32 too); so do a float32 policy and drafter on prepacked weights
-    (weight-major products for the fewest rows), also with the compiled few-row product (`fast`)."""
+    (weight-major products for the fewest rows); both also on the compiled few-row product (`fast`: in bf16
+    the weights widened to float32 as they stream, sums in float32)."""
     if packed and not packable(dtype, "cpu"):
         pytest.skip(f"this torch/CPU cannot prepack {dtype} weights")
     if fast and not native.available():
