@@ -6,8 +6,8 @@ Same model (the embedded default, in --dtype: float32 or bfloat16), same prompt,
 report the median time of each and the ratio of generated tokens/s. sparkrl runs as it does by
 default (bfloat16 on prepacked weights where they pay here, `--cpu-kernels auto`; weight-major
 products where those pay here); when either is on, the same sampler on plain `F.linear` weights runs
-beside it ("sparkrl-plain"); where the compiled few-row float32 product is on (`sparkrl.native`), the same
-copy with it off, its few-row products on the BLAS kernels, runs beside it too ("sparkrl-blas").
+beside it ("sparkrl-plain"); where the compiled kernels are on (`sparkrl.native`: few-row products, norms,
+RoPE), the same copy with them off, on torch's kernels, runs beside it too ("sparkrl-blas").
 
     .venv/bin/python bench/sampler_vs_hf.py --out bench/results
     .venv/bin/python bench/sampler_vs_hf.py --dtype bfloat16 --out bench/results
@@ -55,7 +55,7 @@ def main():
     packed = lm.model.lm_head.packed
     fast = packed or lm.model.lm_head.weight_major or lm.model.model.attn_dtype is not None
 
-    native_on = lm.model.lm_head.native  # the compiled few-row product, where the copy measured it pays
+    native_on = lm.model.lm_head.native  # the compiled kernels, where the copy measured they pay
 
     def ours(B, model=lm.model, compiled=native_on):
         if model is lm.model:  # the plain reference has no weight-major products for it to serve
@@ -74,7 +74,7 @@ def main():
     systems = {"sparkrl": ours, "transformers": theirs}
     if fast:  # the same sampler on plain weights (F.linear everywhere), side by side
         systems["sparkrl-plain"] = lambda B: ours(B, plain)
-    if native_on:  # the same copy with the BLAS kernels for its few-row products, side by side
+    if native_on:  # the same copy on torch's kernels (BLAS products, tensor-op norms and RoPE), side by side
         systems["sparkrl-blas"] = lambda B: ours(B, compiled=False)
     ours(1), theirs(1)  # warm-up
     rows = []
@@ -99,7 +99,7 @@ def main():
         print(f"batch {B:3d}: sparkrl {tps['sparkrl']:7.1f} tok/s, transformers {tps['transformers']:7.1f} tok/s, "
               f"ratio {row['ratio']:.2f}x" + (f"; fast / plain kernels {row['fast_over_plain']:.2f}x" if fast
                                               else "")
-              + (f"; compiled few-row product / BLAS {row['native_over_blas']:.2f}x" if native_on else ""),
+              + (f"; compiled kernels / torch's {row['native_over_blas']:.2f}x" if native_on else ""),
               flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,7 @@ import sys
 from dataclasses import dataclass
 import torch
 
+from sparkrl import native
 from sparkrl.config import TreeShape
 from sparkrl.machine import measurement_path
 
@@ -99,7 +100,7 @@ class CostModel:
                                 int(drafter.vocab_ids.numel()), shape.__dict__, ROWS, CONTEXT,
                                 {"packed": policy.lm_head.packed, "weight_major": policy.lm_head.weight_major,
                                  "engine": ENGINE, "attention": str(policy.model.attn_dtype),
-                                 **({"native": True} if policy.lm_head.native else {})})
+                                 **({"native": native.digest()} if policy.lm_head.native else {})})
         if path.exists():
             d = json.loads(path.read_text())
         else:

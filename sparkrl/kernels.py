@@ -132,8 +132,8 @@ def linears(x: torch.Tensor, *layers: Linear) -> tuple[torch.Tensor, ...]:
     of one tensor."""
     first, x = layers[0], dense(x)
     product = first.product(x)
-    if len(layers) == 1 or not FUSE_LINEARS or product is None or not all(
-            l.product(x) is product and (l.bias is None) == (first.bias is None) for l in layers):
+    flags = lambda l: (l.native, l.weight_major, l.packed, l.weight.dtype, l.bias is None)  # what picks the product
+    if len(layers) == 1 or not FUSE_LINEARS or product is None or any(flags(l) != flags(first) for l in layers[1:]):
         return tuple(l(x) for l in layers)
     tensors = tuple(t for l in layers for t in (l.weight, l.bias) if t is not None)
     versions = tuple(t._version for t in tensors)

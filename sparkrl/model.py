@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparkrl import native
 from sparkrl.kernels import Linear, dense, linears
 from sparkrl.logprobs import head_logprobs
 
@@ -111,6 +112,8 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    native = False  # set per instance by `precision.use_native`: no-grad CPU forwards on `native.rms_norm`
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -118,6 +121,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if self.native and dtype == self.weight.dtype and native.serves_elementwise(x):  # one call for the ops below
+            return native.rms_norm(x, self.weight, self.eps)
         if dtype == torch.float32:  # fused kernel, same maths
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.to(torch.promote_types(dtype, torch.float32))  # half precision in float32, float64 as it is
@@ -215,6 +220,7 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(D, args.rms_norm_eps)
             self.k_norm = RMSNorm(D, args.rms_norm_eps)
+        self.native = False  # RoPE on `native.rope` in no-grad CPU forwards (`precision.use_native`)
         self.attn_dtype: torch.dtype | None = None  # the dtype attention runs in and the cache keeps, if not the
         # inputs': float32 for a bfloat16 copy on a CPU whose bfloat16 attention is slower (`precision.RolloutCopy`)
 
@@ -228,7 +234,8 @@ class Attention(nn.Module):
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rope = native.rope if self.native and native.serves_elementwise(q) and cos.dtype == q.dtype else apply_rope
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         was, dt = q.dtype, self.attn_dtype or q.dtype
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
         if cache is None and ctx is None:

@@ -1,5 +1,7 @@
-"""A compiled product for a few rows (`csrc/small_linear.cpp`): y = x W^T + b with the weight streamed
-from memory once and the partial sums in float32 AVX2 registers; x and W both float32 or both bfloat16.
+"""Compiled CPU kernels for inference forwards: a product for a few rows (`csrc/small_linear.cpp`): y =
+x W^T + b with the weight streamed from memory once and the partial sums in float32 AVX2 registers, x
+and W both float32 or both bfloat16; and a decode step's RMSNorm and RoPE, each in one call
+(`csrc/decode_ops.cpp`).
 
 At the sizes of decode steps, tree verification and the acceptance walk (1 to 32 rows), a model's
 weights come from memory and the BLAS calls pay for packing and blocking made for large products:
@@ -15,10 +17,15 @@ float32 arithmetic. On a CPU without bfloat16 dot products that is what bfloat16
 "bfloat16 weights on a CPU without bfloat16 arithmetic"), so it takes every bfloat16 product: up to
 `HALF_ROWS` rows on the kernel, larger ones (prefills) as a float32 BLAS product of the widened operands.
 
-The kernel is compiled once per machine with torch's C++ extension loader (gcc, AVX2 and FMA; about
+At one row most of a decode step's time is not the weights but dispatching some 1,300 small tensor
+ops, and a norm (5-8 of them) and RoPE (7) are some 30 of a layer's 60: `rms_norm` and `rope` do each in
+one call, rounding a bfloat16 intermediate wherever the tensor ops do (BENCHMARKS.md "The compiled
+RMSNorm and RoPE").
+
+The kernels are compiled once per machine with torch's C++ extension loader (gcc, AVX2 and FMA; about
 15 s, cached under torch's extensions folder) the first time it is wanted; where the CPU lacks AVX2
 or FMA, or no compiler works, `available()` is False (with one line saying why) and the layers keep
-their other kernels. Whether it pays is measured per machine, model and dtype (`precision.native_pays`).
+torch's. Whether they pay is measured per machine, model and dtype (`precision.native_pays`, all together).
 """
 
 from __future__ import annotations
@@ -33,11 +40,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SOURCE = Path(__file__).parent / "csrc" / "small_linear.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("small_linear.cpp", "decode_ops.cpp")]
 MIN_ROWS, MAX_ROWS = 2, 32  # the float32 products it takes: a one-row one (a matrix-vector product) ran no faster
 # than the BLAS kernels' in a whole decode step here (0.95x, 1.00x), and past 32 rows oneDNN's prepacked ones were faster
-HALF_ROWS = 128  # bfloat16 products of up to this many rows run the kernel; larger ones widen both operands for a
-# float32 BLAS product (at 512 rows 0.8-1.0x the kernel's time here, at 128 rows 1.1-2.3x)
+HALF_ROWS = 512  # bfloat16 products of up to this many rows run the kernel (verify forwards of 8-16 trees, most
+# prefills); larger ones widen both operands for a float32 BLAS product. Against that product, in scratch timings
+# here, the kernel took 0.45-1.2x its time at 128 rows and 0.8-1.25x at 512 (the LM head faster, the 1536 x 576
+# layers slower); one 8 x 17-row verify forward ran 0.74x of float32 with the product past 128 rows
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # -fopenmp: torch's thread pool (at::parallel_for)
 
 
@@ -48,30 +58,30 @@ def cpu_supported() -> bool:
 
 @functools.cache
 def available() -> bool:
-    """Whether the compiled product can run here: built (or loaded from torch's cache) on first call."""
+    """Whether the compiled kernels can run here: built (or loaded from torch's cache) on first call."""
     if not cpu_supported():
-        print(f"sparkrl: the compiled few-row product needs AVX2 and FMA (this CPU: "
-              f"{torch.backends.cpu.get_cpu_capability()}); using the BLAS kernels", file=sys.stderr, flush=True)
+        print(f"sparkrl: the compiled kernels need AVX2 and FMA (this CPU: "
+              f"{torch.backends.cpu.get_cpu_capability()}); using torch's kernels", file=sys.stderr, flush=True)
         return False
     try:
         from torch.utils.cpp_extension import load
 
         if shutil.which("ninja") is None:  # the `ninja` package's binary, beside this interpreter in a venv
             os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        print("sparkrl: loading the compiled few-row product (compiled on first use: about 15 s once per machine)",
+        print("sparkrl: loading the compiled kernels (built on first use: about 20 s once per machine)",
               file=sys.stderr, flush=True)
-        load("sparkrl_native", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)
+        load("sparkrl_native", [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)
         return True
     except Exception as e:  # no compiler, no ninja, a failed build: the other kernels serve
-        print(f"sparkrl: the compiled few-row product is not available ({type(e).__name__}: "
-              f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using the BLAS kernels",
+        print(f"sparkrl: the compiled kernels are not available ({type(e).__name__}: "
+              f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using torch's kernels",
               file=sys.stderr, flush=True)
         return False
 
 
 def digest() -> str:
-    """A hash of the kernel's source and flags: cached timings of another kernel are not reused."""
-    return hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    """A hash of the kernels' sources and flags: cached timings of other kernels are not reused."""
+    return hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:12]
 
 
 def serves(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -85,6 +95,11 @@ def serves(x: torch.Tensor, w: torch.Tensor) -> bool:
     return w.dtype == torch.bfloat16 and rows >= 1
 
 
+def serves_elementwise(x: torch.Tensor) -> bool:
+    """Whether `rms_norm` and `rope` take x: a float32 or bfloat16 CPU tensor, no gradient recorded."""
+    return x.dtype in DTYPES and x.device.type == "cpu" and not torch.is_grad_enabled()
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` for a product `serves` takes: x (..., in), w (out, in) (`available()` must
     be True). bfloat16 past `HALF_ROWS` rows: a float32 product of the widened operands, rounded back."""
@@ -94,3 +109,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
     y = torch.ops.sparkrl_native.small_linear(x2.contiguous(), w, bias)
     return y.view(*x.shape[:-1], out)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """`model.RMSNorm`'s inference forward in one call (`csrc/decode_ops.cpp`): float32 or bfloat16 CPU x
+    (..., D) and w (D,) of x's dtype; the sums in float32, bfloat16 rounded as the module rounds it."""
+    return torch.ops.sparkrl_native.rms_norm(x.contiguous(), w, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`model.apply_rope` in one call (`csrc/decode_ops.cpp`): x (B, H, T, D) of any strides with unit stride
+    along D, cos and sin (B, 1, T, D), all float32 or all bfloat16 on the CPU; the result contiguous."""
+    return torch.ops.sparkrl_native.rope(x, cos.contiguous(), sin.contiguous())

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from sparkrl import native
 from sparkrl.kernels import HALF, Linear, pack, packable
-from sparkrl.model import Attention, Transformer
+from sparkrl.model import Attention, RMSNorm, Transformer
 from sparkrl.machine import measurement_path
 from sparkrl.sharding import full
 
@@ -156,11 +156,12 @@ PACKING_SIZES = ((8, 1), (32, 1), (1, 17))  # (rows, new tokens) of the forwards
 def kernels_restored(model: torch.nn.Module):
     """A timing that switches `model`'s kernels (`pack`, `use_weight_major`, `use_native`) leaves every
     `Linear` as it found it: its flags, and its prepacked weight unless the timing changed its packing
-    (then it is made again on the next forward); fused weights only where weight-major products serve.
-    The compiled few-row product is off meanwhile unless the timing turns it on: the BLAS kernels are
-    timed as such."""
+    (then it is made again on the next forward); fused weights only where weight-major products serve;
+    every `RMSNorm`'s and `Attention`'s flag. The compiled kernels are off meanwhile unless the timing turns them on: the
+    BLAS kernels are timed as such."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     was = [(m.packed, m.weight_major, m.native) for m in layers]
+    norms = [(m, m.native) for m in model.modules() if isinstance(m, (RMSNorm, Attention))]
     use_native(model, False)
     try:
         yield model
@@ -171,6 +172,8 @@ def kernels_restored(model: torch.nn.Module):
             if not weight_major:
                 m._fused = None
             m.packed, m.weight_major, m.native = packed, weight_major, compiled
+        for m, compiled in norms:
+            m.native = compiled
 
 
 def float32_packing_pays(policy: Transformer) -> bool:
@@ -257,10 +260,10 @@ NATIVE_SIZES = ((1, 1), (8, 1), (32, 1), (1, 17))  # (rows, new tokens) of the f
 
 def native_pays(policy: Transformer) -> bool:
     """Whether this policy's forwards (decode steps of 1, 8 and 32 rows, a 17-token verify forward of one
-    row) run faster by 5% overall with the products `native.serves` on the compiled kernel
-    (`sparkrl.native`: float32 ones of 2 to `native.MAX_ROWS` rows, every bfloat16 one) than on the
+    row) run faster by 5% overall on the compiled kernels (`sparkrl.native`: the products `native.serves`,
+    float32 ones of 2 to `native.MAX_ROWS` rows and every bfloat16 one; the norms and RoPE) than on the
     kernels it has (medians of 6 interleaved forwards each). False off a CPU, for other dtypes, or where
-    the kernel cannot be built. Measured once per machine, model, dtype and kernels, and cached."""
+    the kernels cannot be built. Measured once per machine, model, dtype and kernels, and cached."""
     w = policy.lm_head.weight
     if w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu":
         return False
@@ -272,7 +275,7 @@ def native_pays(policy: Transformer) -> bool:
         return json.loads(path.read_text())["pays"]
     if not native.available():
         return False
-    print(f"sparkrl: timing the compiled few-row product in {str(w.dtype).removeprefix('torch.')} on this machine "
+    print(f"sparkrl: timing the compiled kernels in {str(w.dtype).removeprefix('torch.')} on this machine "
           "(once; cached)", file=sys.stderr, flush=True)
     times = {name: {str(size): [] for size in NATIVE_SIZES} for name in ("blas", "native")}
     with kernels_restored(policy):
@@ -285,11 +288,12 @@ def native_pays(policy: Transformer) -> bool:
 
 
 def use_native(module: torch.nn.Module, on: bool = True) -> torch.nn.Module:
-    """Run the products of every `Linear` of `module` that `native.serves` on the compiled kernel (on, where
-    it is available; `Linear.native`) or on the BLAS kernels."""
+    """Run `module`'s no-grad CPU forwards on the compiled kernels where they serve (on, where they are
+    available) or on torch's: every `Linear`'s products that `native.serves`, every `RMSNorm`, and every
+    `Attention`'s RoPE (their `native` flags)."""
     on = bool(on) and native.available()
     for m in module.modules():
-        if isinstance(m, Linear):
+        if isinstance(m, (Linear, RMSNorm, Attention)):
             m.native = on
     return module
 
@@ -394,7 +398,7 @@ def use_packed(choice: str, dtype: torch.dtype, policy: Transformer) -> bool:
 def rollout_copy(module: torch.nn.Module, dtype: torch.dtype, cpu_kernels: str = "auto", head_float32: bool = False,
                  separate: bool = False) -> "RolloutCopy":
     """`module`'s `RolloutCopy` in `dtype` as --cpu-kernels `cpu_kernels` runs it: prepacked weights,
-    weight-major products, the compiled few-row product (`sparkrl.native`) and float32 attention each on,
+    weight-major products, the compiled kernels (`sparkrl.native`) and float32 attention each on,
     off, or measured (auto)."""
     return RolloutCopy(module, dtype, separate=separate, packed=use_packed(cpu_kernels, dtype, module),
                        head_float32=head_float32, weight_major=weight_major_choice(cpu_kernels),

@@ -270,7 +270,7 @@ class GRPORun:
             attention32 = float32_attention_wanted(self.rollout.model) if choice is None else choice
         weight_major, attention32 = world.broadcast((weight_major, attention32))
         use_float32_attention(use_weight_major(self.rollout.model, weight_major), attention32)
-        if native_on is None and world.is_main:  # the compiled few-row product, timed on the kernels chosen above
+        if native_on is None and world.is_main:  # the compiled kernels, timed on the kernels chosen above
             choice = native_choice(cfg.model.cpu_kernels)
             native_on = native_pays(self.rollout.model) if choice is None else choice
         native_on = use_native(self.rollout.model, world.broadcast((native_on,))[0]).lm_head.native

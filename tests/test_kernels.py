@@ -14,6 +14,7 @@ from torch import nn
 from sparkrl import native, precision
 from sparkrl.kernels import (PACKED_WEIGHT_MAJOR_ROWS, WEIGHT_MAJOR_ROWS, Linear, is_packed, linears, pack, packable,
                              weight_major_linear)
+from sparkrl.model import Attention, RMSNorm, apply_rope
 from sparkrl.precision import RolloutCopy, use_packed
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -224,11 +225,11 @@ def test_a_timing_leaves_the_kernels_and_prepacked_weights_as_it_found_them(tiny
     head = model.model.layers[0].mlp.up_proj
     made = head._pack
     assert made is not None
-    head.native = True  # the compiled few-row product: off while the BLAS kernels are timed, then back
+    precision.use_native(model, True)  # the compiled kernels: off while the BLAS kernels are timed, then back
     with precision.kernels_restored(model):
         precision.use_weight_major(model)
-        assert not head.native
-    assert head.native
+        assert not head.native and not model.model.norm.native and not model.model.layers[0].self_attn.native
+    assert head.native and model.model.norm.native and model.model.layers[0].self_attn.native
     assert head.packed and not head.weight_major and head._pack is made  # flags only: the packed weight kept
     with precision.kernels_restored(model):
         pack(model, False)
@@ -398,7 +399,7 @@ def test_the_weight_major_decision_is_measured_once_on_decode_steps_and_cached(m
     assert not any(m.weight_major for m in tiny_llama.modules() if isinstance(m, Linear))  # left as it was
 
 
-needs_native = pytest.mark.skipif(not native.available(), reason="the compiled few-row product is not available here")
+needs_native = pytest.mark.skipif(not native.available(), reason="the compiled kernels are not available here")
 
 
 @needs_native
@@ -457,6 +458,64 @@ def test_layers_run_the_compiled_product_where_it_serves_when_it_is_on(packed, w
         fused = linears(x, lin, other)
         assert all(torch.equal(a, native.linear(x, l.weight, l.bias)) for a, l in zip(fused, (lin, other)))
         assert fused[0].data_ptr() + 160 * fused[0].element_size() == fused[1].data_ptr()  # views of one product
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 64), (2, 7), (4, 1, 3, 10)])
+def test_the_compiled_rms_norm_matches_a_float64_reference(shape, dtype):
+    """`native.rms_norm` against the norm computed in float64 from the same inputs, within the dtype's rounding
+    (bfloat16: the normalised value and the product each rounded once); a non-contiguous input too."""
+    torch.manual_seed(0)
+    x, w = (torch.randn(shape) * 3).to(dtype), torch.randn(shape[-1]).to(dtype)
+    ref = w.double() * x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    tol = 2 ** -7 if dtype == BF16 else 2 ** -20
+    for inp in (x, x.transpose(0, -1).contiguous().transpose(0, -1)):
+        y = native.rms_norm(inp, w, 1e-5)
+        assert y.shape == x.shape and y.dtype == dtype
+        assert bool(((y.double() - ref).abs() <= tol * ref.abs() + 1e-6).all())
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_the_compiled_rope_matches_a_float64_reference(dtype):
+    """`native.rope` on a transposed (B, T, H, D) view, as attention passes it, against float64 rotate-half RoPE
+    from the same inputs, within the dtype's rounding; bfloat16 rounds as `model.apply_rope` does (equal)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 3, 8).to(dtype).transpose(1, 2)  # (B, H, T, D), not contiguous
+    emb = torch.randn(2, 1, 5, 4).repeat(1, 1, 1, 2)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    xd, c, s = x.double(), cos.double(), sin.double()
+    ref = xd * c + torch.cat((-xd[..., 4:], xd[..., :4]), -1) * s
+    y = native.rope(x, cos, sin)
+    assert y.shape == x.shape and y.is_contiguous() and y.dtype == dtype
+    scale = xd.abs() * c.abs() + torch.cat((xd[..., 4:], xd[..., :4]), -1).abs() * s.abs()
+    tol = 2 ** -6 if dtype == BF16 else 2 ** -20
+    assert bool(((y.double() - ref).abs() <= tol * scale + 1e-6).all())
+    if dtype == BF16:
+        assert torch.equal(y, apply_rope(x, cos, sin))
+
+
+@needs_native
+def test_norms_and_rope_run_compiled_only_when_on_and_never_while_training(tiny_llama, monkeypatch):
+    """`precision.use_native` turns the kernels on in every norm and attention; a no-grad forward then matches
+    torch's ops within float32 rounding, and a gradient-recording one is torch's own (differentiable)."""
+    model = copy.deepcopy(tiny_llama)
+    tokens = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        ref = model(tokens).hidden
+        precision.use_native(model, True)
+        assert all(m.native for m in model.modules() if isinstance(m, (RMSNorm, Attention)))
+        y = model(tokens).hidden
+    assert torch.allclose(y, ref, atol=1e-5, rtol=1e-5)
+    calls = []
+    for name in ("rms_norm", "rope"):
+        monkeypatch.setattr(native, name, lambda *a, f=getattr(native, name), name=name: calls.append(name) or f(*a))
+    out = model(tokens).hidden
+    assert out.requires_grad and not calls  # training: torch's ops
+    with torch.no_grad():
+        model(tokens)
+    assert set(calls) == {"rms_norm", "rope"}
 
 
 def test_the_compiled_product_decision_is_measured_once_on_the_policy_and_cached(monkeypatch, tmp_path, tiny_llama):

@@ -213,12 +213,12 @@ def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32, a
     prepacked weights (whose products round differently from the plain ones: the reference is then
     the packed model's own forward), with a float32 LM head and attending in float32 (`attn32`: a float32
     cache; the reference attends in float32 too); so do a float32 policy and drafter on prepacked weights
-    (weight-major products for the fewest rows); both also on the compiled few-row product (`fast`: in bf16
+    (weight-major products for the fewest rows); both also on the compiled kernels (`fast`: in bf16
     the weights widened to float32 as they stream, sums in float32)."""
     if packed and not packable(dtype, "cpu"):
         pytest.skip(f"this torch/CPU cannot prepack {dtype} weights")
     if fast and not native.available():
-        pytest.skip("the compiled few-row product is not available here")
+        pytest.skip("the compiled kernels are not available here")
     torch.manual_seed(0)
     master = small_policy()
     policy = pack(RolloutCopy(master, dtype, head_float32=head32, weight_major=dtype == torch.float32,

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1] / "sparkrl"
 
 # Optional or heavy dependencies that may be imported where they are used (each only costs when needed).
 # FSDP2 (torch.distributed.fsdp / .tensor): about a second of start-up, needed only by --shard-policy fsdp.
-# torch.utils.cpp_extension: the few-row product's build (setuptools and the compiler tooling), loaded when first wanted
+# torch.utils.cpp_extension: the compiled kernels' build (setuptools and the compiler tooling), loaded when first wanted
 LAZY_OK = {"matplotlib", "transformers", "datasets", "pyarrow", "math_verify", "huggingface_hub",
            "torch.distributed.fsdp", "torch.distributed.tensor", "torch.utils.cpp_extension"}
 

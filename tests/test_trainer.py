@@ -393,7 +393,7 @@ def test_float32_rollouts_run_the_compiled_few_row_product_where_measured_and_re
     from sparkrl import native
 
     if not native.available():
-        pytest.skip("the compiled few-row product is not available here")
+        pytest.skip("the compiled kernels are not available here")
     monkeypatch.setattr(trainer_mod, "native_pays", lambda model: True)  # this machine's measurement
     kw = dict(rollout_dtype="float32", cpu_kernels="auto")
     train(_cfg(tiny_model_dir, tmp_path / "r", steps=1, **kw), grader=ParityGrader())
