@@ -1,7 +1,9 @@
 """The compiled RMSNorm and RoPE (`sparkrl.native.rms_norm` / `rope`) against torch's ops, in the default
 model's decode step: the rollout copy as `--cpu-kernels auto` makes it in each dtype (its products on
 whatever kernels it measured), with every norm and attention's RoPE compiled or on torch's tensor ops.
-Interleaved within each repeat, medians; also the largest hidden-state difference between the two.
+Interleaved within each repeat, medians; also the largest hidden-state difference between the two, and
+each kernel alone per call against torch's ops (one norm of the default model's width, one RoPE of its
+query heads) at 1 to 512 positions.
 
     .venv/bin/python bench/decode_ops.py --out bench/results
 """
@@ -11,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
 
 from sparkrl import native
-from sparkrl.model import Attention, RMSNorm
+from sparkrl.model import Attention, RMSNorm, apply_rope
 from sparkrl.precision import _step_seconds, rollout_copy
 from sparkrl.weights import load_model
 
@@ -27,11 +30,33 @@ def use_ops(model, on: bool) -> None:
             m.native = on
 
 
+def per_call(dtype: torch.dtype, positions: int, repeats: int = 5, calls: int = 50) -> dict:
+    """Microseconds per call (median of `repeats` runs of `calls` calls) of a norm and a RoPE at `positions`
+    positions, torch's ops and compiled, interleaved."""
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    x = torch.randn(1, positions, 576).to(dtype)
+    q = torch.randn(1, positions, 9, 64).to(dtype).transpose(1, 2)  # (B, H, T, D) as attention passes it
+    cos, sin = torch.randn(1, 1, positions, 64).to(dtype), torch.randn(1, 1, positions, 64).to(dtype)
+    fns = {"norm_torch": lambda: norm(x), "norm_compiled": lambda: native.rms_norm(x, norm.weight, 1e-5),
+           "rope_torch": lambda: apply_rope(q, cos, sin), "rope_compiled": lambda: native.rope(q, cos, sin)}
+    t = {name: [] for name in fns}
+    with torch.no_grad():
+        for _ in range(repeats):
+            for name, f in fns.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    f()
+                t[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(v) for name, v in t.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--rows", default="1,8,32")
+    ap.add_argument("--rows", default="1,8,32,1x17,8x17", help="forwards timed: ROWS or ROWSxNEW_TOKENS")
     ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--positions", default="1,8,17,32,64,136,256,512", help="positions of the per-call timings")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     if not native.available():
@@ -47,22 +72,31 @@ def main():
                 use_ops(model, on)
                 hidden[on] = model(tokens).hidden.float()
         diff = float((hidden[True] - hidden[False]).abs().max())
-        for rows in map(int, args.rows.split(",")):
+        for size in args.rows.split(","):
+            rows, tokens = map(int, (size + "x1").split("x")[:2])
             t = {False: [], True: []}
             for _ in range(args.repeats):  # interleaved: drift hits both alike
                 for on in (False, True):
                     use_ops(model, on)
-                    t[on] += _step_seconds(model, rows=rows, context=192, reps=5)
+                    t[on] += _step_seconds(model, rows=rows, context=192, reps=5, tokens=tokens)
             ms = {on: statistics.median(v) * 1e3 for on, v in t.items()}
-            results.append({"dtype": name, "rows": rows, "torch_ms": ms[False], "compiled_ms": ms[True],
-                            "speedup": ms[False] / ms[True], "products_compiled": model.lm_head.native,
-                            "max_hidden_diff": diff})
-            print(f"{name} {rows:3d} rows: torch ops {ms[False]:.1f} ms, compiled {ms[True]:.1f} ms, "
+            results.append({"dtype": name, "rows": rows, "tokens": tokens, "torch_ms": ms[False],
+                            "compiled_ms": ms[True], "speedup": ms[False] / ms[True],
+                            "products_compiled": model.lm_head.native, "max_hidden_diff": diff})
+            print(f"{name} {rows:3d} rows x {tokens:2d} tokens: torch ops {ms[False]:.1f} ms, compiled {ms[True]:.1f} ms, "
                   f"{ms[False] / ms[True]:.3f}x (largest hidden-state difference {diff:.2e})", flush=True)
+    calls = []
+    for name in args.dtypes.split(","):
+        for n in map(int, args.positions.split(",")):
+            us = per_call(getattr(torch, name), n)
+            calls.append({"dtype": name, "positions": n, "us": us})
+            print(f"{name} {n:4d} positions, per call: norm {us['norm_torch']:.1f} -> {us['norm_compiled']:.1f} us "
+                  f"({us['norm_torch'] / us['norm_compiled']:.2f}x), RoPE {us['rope_torch']:.1f} -> "
+                  f"{us['rope_compiled']:.1f} us ({us['rope_torch'] / us['rope_compiled']:.2f}x)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_ops.json").write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
-                                                     "results": results}, indent=2))
+                                                     "results": results, "per_call": calls}, indent=2))
 
 
 if __name__ == "__main__":

@@ -55,11 +55,12 @@ def main():
     packed = lm.model.lm_head.packed
     fast = packed or lm.model.lm_head.weight_major or lm.model.model.attn_dtype is not None
 
-    native_on = lm.model.lm_head.native  # the compiled kernels, where the copy measured they pay
+    kinds = (lm.model.lm_head.native, lm.model.model.norm.native)  # the compiled products and ops, where they pay
+    native_on = any(kinds)
 
-    def ours(B, model=lm.model, compiled=native_on):
+    def ours(B, model=lm.model, compiled=True):
         if model is lm.model:  # the plain reference has no weight-major products for it to serve
-            use_native(model, compiled)
+            use_native(model, *(kinds if compiled else (False, False)))
         r = generate(model, [prompt], sc, (), response_generators(0, 1, B), group_size=B)
         return r.num_tokens
 
@@ -109,7 +110,7 @@ def main():
             "machine": platform.processor() or platform.machine(), "new_tokens": args.new_tokens,
             "repeats": args.repeats, "prompt_tokens": len(prompt), "dtype": args.dtype, "packed_weights": packed,
             "weight_major_kernels": lm.model.lm_head.weight_major,
-            "float32_attention": lm.model.model.attn_dtype is not None, "native_kernel": native_on}
+            "float32_attention": lm.model.model.attn_dtype is not None, "native_kernel": kinds[0], "compiled_ops": kinds[1]}
     name = "sampler_vs_hf" + ("" if args.dtype == "float32" else f"_{args.dtype}") + ("_packed" if packed else "")
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     _plot(rows, out / f"{name}.png", args.dtype)

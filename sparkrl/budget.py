@@ -100,7 +100,8 @@ class CostModel:
                                 int(drafter.vocab_ids.numel()), shape.__dict__, ROWS, CONTEXT,
                                 {"packed": policy.lm_head.packed, "weight_major": policy.lm_head.weight_major,
                                  "engine": ENGINE, "attention": str(policy.model.attn_dtype),
-                                 **({"native": native.digest()} if policy.lm_head.native else {})})
+                                 **({"native": native.digest()} if policy.lm_head.native else {}),
+                                 **({"ops": native.digest()} if policy.model.norm.native else {})})
         if path.exists():
             d = json.loads(path.read_text())
         else:

@@ -107,7 +107,7 @@ def make_drafting(cfg: DraftConfig, policy: Transformer, rollout_policy: Transfo
         return Drafting()
     rollout = RolloutCopy(drafter, rollout_policy.lm_head.weight.dtype, packed=rollout_policy.lm_head.packed,
                           weight_major=rollout_policy.lm_head.weight_major,  # the drafter's kernels follow the policy's
-                          native=rollout_policy.lm_head.native,
+                          native=rollout_policy.lm_head.native, ops=rollout_policy.model.norm.native,
                           attention32=rollout_policy.model.attn_dtype == torch.float32)
     rollout.model.bind(rollout_policy)
     projection, spark = make_spark(cfg, policy, drafter, temperature, resolved)

@@ -121,8 +121,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if self.native and dtype == self.weight.dtype and native.serves_elementwise(x):  # one call for the ops below
-            return native.rms_norm(x, self.weight, self.eps)
+        if self.native and dtype == self.weight.dtype and native.serves_elementwise(x, x.numel() // x.size(-1)):
+            return native.rms_norm(x, self.weight, self.eps)  # one call for the ops below
         if dtype == torch.float32:  # fused kernel, same maths
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.to(torch.promote_types(dtype, torch.float32))  # half precision in float32, float64 as it is
@@ -234,7 +234,8 @@ class Attention(nn.Module):
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        rope = native.rope if self.native and native.serves_elementwise(q) and cos.dtype == q.dtype else apply_rope
+        compiled = self.native and cos.dtype == q.dtype and native.serves_elementwise(q, q.size(0) * q.size(2))
+        rope = native.rope if compiled else apply_rope
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         was, dt = q.dtype, self.attn_dtype or q.dtype
         q, k, v = q.to(dt), k.to(dt), v.to(dt)

@@ -48,6 +48,9 @@ HALF_ROWS = 512  # bfloat16 products of up to this many rows run the kernel (ver
 # here, the kernel took 0.45-1.2x its time at 128 rows and 0.8-1.25x at 512 (the LM head faster, the 1536 x 576
 # layers slower); one 8 x 17-row verify forward ran 0.74x of float32 with the product past 128 rows
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
+OPS_TOKENS = 256  # the most positions `rms_norm` and `rope` take (one thread, where torch's ops are threaded):
+# per call, against torch's ops here, 1.1-7x faster from 1 to 136 positions, about even at 256 (a bfloat16 norm
+# 1.07x, RoPE 0.89x), slower at 512 (RoPE 0.80x) (bench/decode_ops.py)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # -fopenmp: torch's thread pool (at::parallel_for)
 
 
@@ -95,9 +98,10 @@ def serves(x: torch.Tensor, w: torch.Tensor) -> bool:
     return w.dtype == torch.bfloat16 and rows >= 1
 
 
-def serves_elementwise(x: torch.Tensor) -> bool:
-    """Whether `rms_norm` and `rope` take x: a float32 or bfloat16 CPU tensor, no gradient recorded."""
-    return x.dtype in DTYPES and x.device.type == "cpu" and not torch.is_grad_enabled()
+def serves_elementwise(x: torch.Tensor, tokens: int) -> bool:
+    """Whether `rms_norm` and `rope` take x, of `tokens` positions (rows x new tokens): a float32 or bfloat16
+    CPU tensor, no gradient recorded, at most `OPS_TOKENS` positions."""
+    return x.dtype in DTYPES and x.device.type == "cpu" and not torch.is_grad_enabled() and tokens <= OPS_TOKENS
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

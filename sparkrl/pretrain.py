@@ -113,7 +113,8 @@ def _generated(policy, tok, prompts: list[list[int]], cfg: PretrainConfig, eos_i
         key = json.dumps([chunk, to_dict(cfg.sampling), cfg.seed, offset + i, cfg.model.model,
                           str(policy.lm_head.weight.dtype)] + (["packed"] if policy.lm_head.packed else [])
                          + (["float32 attention"] if policy.model.attn_dtype == torch.float32 else [])
-                         + (["native"] if policy.lm_head.native else []))
+                         + (["native"] if policy.lm_head.native else [])
+                         + (["compiled ops"] if policy.model.norm.native else []))
         # ^ a file is reused only for the same work
         path = folder / f"{name}-{i // CHUNK:05d}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
         if not path.exists():
@@ -312,6 +313,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     tag = [cfg.model.model, str(pdt), policy.lm_head.packed, cfg.model.cpu_kernels]
     tag += ["float32 attention"] if policy.model.attn_dtype == torch.float32 else []
     tag += ["native"] if policy.lm_head.native else []
+    tag += ["compiled ops"] if policy.model.norm.native else []
     store = FeatureStore(out / "features", json.dumps(tag)) if cfg.feature_cache else None
     train_store = store if cfg.epochs > 1 else None
     if train_store is not None:

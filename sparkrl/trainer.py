@@ -40,8 +40,8 @@ from sparkrl.grpo import grpo_loss, group_advantages, mismatch
 from sparkrl.kernels import pack
 from sparkrl.machine import RateWatch, set_threads
 from sparkrl.model import Transformer, pad_right
-from sparkrl.precision import (RolloutCopy, float32_attention_choice, float32_attention_wanted, native_choice,
-                               native_pays, rollout_dtype, use_float32_attention, use_native, use_packed,
+from sparkrl.precision import (RolloutCopy, compiled_ops_pay, float32_attention_choice, float32_attention_wanted,
+                               native_choice, native_pays, rollout_dtype, use_float32_attention, use_native, use_packed,
                                use_weight_major, weight_major_choice, weight_major_pays)
 from sparkrl.rewards import Grader
 from sparkrl.rollout import Rollout, RoundStats, generate, response_generators
@@ -251,7 +251,7 @@ class GRPORun:
         # what samples; a resumed run keeps the dtype its start measured (another machine may measure otherwise)
         dt, packed = resolved.get("rollout_dtype"), resolved.get("packed_kernels")
         weight_major, attention32 = resolved.get("weight_major_kernels"), resolved.get("float32_attention")
-        native_on = resolved.get("native_kernel")
+        native_on, ops_on = resolved.get("native_kernel"), resolved.get("compiled_ops")
         if not dt and world.is_main:
             dt = str(rollout_dtype(cfg.model.rollout_dtype, policy)).removeprefix("torch.")
         if packed is None and world.is_main:
@@ -270,14 +270,18 @@ class GRPORun:
             attention32 = float32_attention_wanted(self.rollout.model) if choice is None else choice
         weight_major, attention32 = world.broadcast((weight_major, attention32))
         use_float32_attention(use_weight_major(self.rollout.model, weight_major), attention32)
-        if native_on is None and world.is_main:  # the compiled kernels, timed on the kernels chosen above
+        if world.is_main:  # the compiled kernels, timed on the kernels chosen above (a run before ops: measured)
             choice = native_choice(cfg.model.cpu_kernels)
-            native_on = native_pays(self.rollout.model) if choice is None else choice
-        native_on = use_native(self.rollout.model, world.broadcast((native_on,))[0]).lm_head.native
+            if native_on is None:
+                native_on = native_pays(self.rollout.model) if choice is None else choice
+            if ops_on is None:
+                ops_on = compiled_ops_pay(self.rollout.model) if choice is None else choice
+        model = use_native(self.rollout.model, *world.broadcast((native_on, ops_on)))
+        native_on, ops_on = model.lm_head.native, model.model.norm.native
         if world.is_main:
             write_run_config(cfg, {**resolved, "rollout_dtype": dt, "packed_kernels": packed,
                                    "weight_major_kernels": weight_major, "float32_attention": attention32,
-                                   "native_kernel": native_on})
+                                   "native_kernel": native_on, "compiled_ops": ops_on})
         with world.main_first():  # rank 0 times the machine for the budget (cached), the others read its timing
             d = make_drafting(cfg.draft, policy, self.rollout.model, cfg.sampling.temperature, cfg.seed)
         shards.wrap(policy)  # after the rollout copy and the drafter were made from the whole policy

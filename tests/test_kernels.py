@@ -478,22 +478,39 @@ def test_the_compiled_rms_norm_matches_a_float64_reference(shape, dtype):
 
 @needs_native
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_the_compiled_rope_matches_a_float64_reference(dtype):
+@pytest.mark.parametrize("D", [8, 64])
+def test_the_compiled_rope_matches_a_float64_reference(dtype, D):
     """`native.rope` on a transposed (B, T, H, D) view, as attention passes it, against float64 rotate-half RoPE
-    from the same inputs, within the dtype's rounding; bfloat16 rounds as `model.apply_rope` does (equal)."""
+    from the same inputs, within the dtype's rounding; bfloat16 rounds as `model.apply_rope` does (equal, also
+    for inf, NaN and values whose products round to a tie)."""
     torch.manual_seed(0)
-    x = torch.randn(2, 5, 3, 8).to(dtype).transpose(1, 2)  # (B, H, T, D), not contiguous
-    emb = torch.randn(2, 1, 5, 4).repeat(1, 1, 1, 2)
+    h = D // 2
+    x = torch.randn(2, 5, 3, D).to(dtype).transpose(1, 2)  # (B, H, T, D), not contiguous
+    emb = torch.randn(2, 1, 5, h).repeat(1, 1, 1, 2)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     xd, c, s = x.double(), cos.double(), sin.double()
-    ref = xd * c + torch.cat((-xd[..., 4:], xd[..., :4]), -1) * s
+    ref = xd * c + torch.cat((-xd[..., h:], xd[..., :h]), -1) * s
     y = native.rope(x, cos, sin)
     assert y.shape == x.shape and y.is_contiguous() and y.dtype == dtype
-    scale = xd.abs() * c.abs() + torch.cat((xd[..., 4:], xd[..., :4]), -1).abs() * s.abs()
+    scale = xd.abs() * c.abs() + torch.cat((xd[..., h:], xd[..., :h]), -1).abs() * s.abs()
     tol = 2 ** -6 if dtype == BF16 else 2 ** -20
     assert bool(((y.double() - ref).abs() <= tol * scale + 1e-6).all())
     if dtype == BF16:
         assert torch.equal(y, apply_rope(x, cos, sin))
+        odd = x.clone()
+        odd[0, 0, 0, :4] = torch.tensor([float("inf"), float("nan"), -float("inf"), 3e38])
+        odd[0, 1] = (1 + torch.arange(D) / 128).to(dtype)  # products with 16 significant bits: rounding ties
+        torch.testing.assert_close(native.rope(odd, cos, sin), apply_rope(odd, cos, sin), rtol=0, atol=0,
+                                   equal_nan=True)
+
+
+@needs_native
+def test_the_compiled_norm_and_rope_take_no_gradients_and_at_most_ops_tokens_positions():
+    x = torch.zeros(3, 576)
+    with torch.no_grad():
+        assert native.serves_elementwise(x, native.OPS_TOKENS) and native.serves_elementwise(x.bfloat16(), 1)
+        assert not native.serves_elementwise(x, native.OPS_TOKENS + 1) and not native.serves_elementwise(x.half(), 1)
+    assert not native.serves_elementwise(x, 1)  # gradients recorded: torch's ops
 
 
 @needs_native
@@ -518,35 +535,42 @@ def test_norms_and_rope_run_compiled_only_when_on_and_never_while_training(tiny_
     assert set(calls) == {"rms_norm", "rope"}
 
 
-def test_the_compiled_product_decision_is_measured_once_on_the_policy_and_cached(monkeypatch, tmp_path, tiny_llama):
-    """A float32 policy copy with weight-major products times its forwards with and without the compiled kernel
-    (fake clock: 1.25x faster with it) and turns it on in every layer; cached; a copy on other kernels or in
-    bfloat16 is timed as such; a tie leaves it off; --cpu-kernels other than auto never turn it on."""
+def test_the_compiled_kernels_decisions_are_measured_once_on_the_policy_and_cached(monkeypatch, tmp_path, tiny_llama):
+    """A float32 policy copy with weight-major products times its forwards on torch's kernels, with the compiled
+    norms and RoPE, and with the compiled products too (fake clock), and turns each on where it makes them 5%
+    faster, apart: products that lose do not keep the norms and RoPE off; cached; a copy on other kernels or in
+    bfloat16 is timed as such; a tie leaves both off; --cpu-kernels other than auto never turn them on."""
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "available", lambda: True)  # the clock is fake: no kernel runs
-    calls = []
+    calls, cost = [], {(False, False): 1.25, (False, True): 1.1, (True, True): 1.0}
 
     def fake_steps(model, rows=8, context=128, reps=5, tokens=1):
-        calls.append((rows, tokens, model.lm_head.native, model.model.layers[0].mlp.up_proj.native))
-        return [1.0 if model.lm_head.native else 1.25] * reps
+        kinds = (model.lm_head.native, model.model.norm.native)
+        assert model.model.layers[0].mlp.up_proj.native == kinds[0] and model.model.layers[0].self_attn.native == kinds[1]
+        calls.append((rows, tokens, kinds))
+        return [cost[kinds]] * reps
 
     monkeypatch.setattr(precision, "_step_seconds", fake_steps)
-    layers = [m for m in RolloutCopy(tiny_llama, F32, weight_major=True, native=None).model.modules()
-              if isinstance(m, Linear)]
-    assert layers and all(m.native for m in layers)
-    assert {(r, t) for r, t, *_ in calls} == set(precision.NATIVE_SIZES)
-    assert {c[2:] for c in calls} == {(False, False), (True, True)}
+    model = RolloutCopy(tiny_llama, F32, weight_major=True, native=None, ops=None).model
+    assert all(m.native for m in model.modules() if isinstance(m, (Linear, RMSNorm, Attention)))
+    assert {(r, t) for r, t, _ in calls} == set(precision.NATIVE_SIZES)
+    assert {c[2] for c in calls} == set(cost)
     n = len(calls)
-    assert precision.native_pays(tiny_llama) and len(calls) == n  # cached
+    assert precision.native_pays(tiny_llama) and precision.compiled_ops_pay(tiny_llama) and len(calls) == n  # cached
     stored = json.loads(next((tmp_path / "costs").glob("native-*.json")).read_text())
-    assert stored["pays"] and stored["speedup"] == 1.25
-    plain = RolloutCopy(tiny_llama, F32, weight_major=False, native=None)  # other kernels: timed on those
+    assert stored["pays"] and stored["ops"] and stored["speedup"] == pytest.approx(1.1)
+    plain = RolloutCopy(tiny_llama, F32, weight_major=False, native=None, ops=None)  # other kernels: timed on those
     assert plain.model.lm_head.native and len(calls) == 2 * n
-    half = RolloutCopy(tiny_llama, BF16, native=None)  # a bfloat16 copy: timed in bfloat16 (after its other kernels)
+    half = RolloutCopy(tiny_llama, BF16, native=None, ops=None)  # a bfloat16 copy: timed in bfloat16
     assert half.model.lm_head.native and half.model.lm_head.weight.dtype == BF16
     assert len(list((tmp_path / "costs").glob("native-*.json"))) == 3
     assert precision.native_choice("auto") is None
     assert {precision.native_choice(c) for c in ("plain", "packed", "weight-major")} == {False}
+    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "slower"))  # products that lose: the norms and RoPE alone
+    cost[(True, True)] = 1.3
+    model = RolloutCopy(tiny_llama, F32, weight_major=True, native=None, ops=None).model
+    assert not model.lm_head.native and model.model.norm.native and model.model.layers[0].self_attn.native
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "other"))
     monkeypatch.setattr(precision, "_step_seconds", lambda model, rows=8, context=128, reps=5, tokens=1: [1.0] * reps)
-    assert not RolloutCopy(tiny_llama, F32, weight_major=True, native=None).model.lm_head.native  # a tie
+    tie = RolloutCopy(tiny_llama, F32, weight_major=True, native=None, ops=None).model
+    assert not tie.lm_head.native and not tie.model.norm.native

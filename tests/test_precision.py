@@ -72,7 +72,8 @@ def test_the_rollout_dtype_compares_each_dtype_as_its_rollout_copy_runs(monkeypa
     monkeypatch.setattr(precision, "packing_pays", lambda dtype, device="cpu", policy=None: dtype == torch.bfloat16)
     monkeypatch.setattr(precision, "weight_major_pays", lambda model: model.lm_head.weight.dtype == torch.float32)
     monkeypatch.setattr(precision, "float32_attention_pays", lambda dtype, args: True)
-    monkeypatch.setattr(precision, "native_pays", lambda model: False)  # its own timing (tests/test_kernels.py)
+    monkeypatch.setattr(precision, "native_pays", lambda model: False)  # their own timing (tests/test_kernels.py)
+    monkeypatch.setattr(precision, "compiled_ops_pay", lambda model: False)
     seen = set()
     speed = {torch.float32: {1: 2.0, 8: 4.0, 64: 8.0}, torch.bfloat16: {1: 1.0, 8: 4.0, 64: 16.0}}
 

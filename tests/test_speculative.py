@@ -222,8 +222,8 @@ def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32, a
     torch.manual_seed(0)
     master = small_policy()
     policy = pack(RolloutCopy(master, dtype, head_float32=head32, weight_major=dtype == torch.float32,
-                              attention32=attn32, native=fast).model, packed)
-    assert policy.lm_head.native == fast
+                              attention32=attn32, native=fast, ops=fast).model, packed)
+    assert policy.lm_head.native == policy.model.norm.native == fast
     drafter = (DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args))
     drafter = use_native(use_weight_major(pack(use_float32_attention(drafter.to(dtype), attn32), packed),
                                           dtype == torch.float32), fast).bind(policy)

@@ -385,23 +385,29 @@ def test_bfloat16_rollouts_attend_in_float32_where_measured_and_resume_keeps_the
     assert attn(run.policy) == attn(run.drafter) == {None}
 
 
-def test_float32_rollouts_run_the_compiled_few_row_product_where_measured_and_resume_keeps_it(
+def test_float32_rollouts_run_the_compiled_kernels_where_measured_and_resume_keeps_them(
         tiny_model_dir, tmp_path, monkeypatch):
-    """A float32 run turns the compiled few-row product on where this machine's measurement says so, records
-    the choice, and a resumed run keeps it (whatever another machine would measure)."""
+    """A float32 run turns the compiled products and the compiled norms and RoPE on where this machine's
+    measurements say so, each on its own, records the choices, and a resumed run keeps them (whatever
+    another machine would measure)."""
     import sparkrl.trainer as trainer_mod
     from sparkrl import native
 
     if not native.available():
         pytest.skip("the compiled kernels are not available here")
-    monkeypatch.setattr(trainer_mod, "native_pays", lambda model: True)  # this machine's measurement
+    monkeypatch.setattr(trainer_mod, "native_pays", lambda model: True)  # this machine's measurements
+    monkeypatch.setattr(trainer_mod, "compiled_ops_pay", lambda model: False)
     kw = dict(rollout_dtype="float32", cpu_kernels="auto")
     train(_cfg(tiny_model_dir, tmp_path / "r", steps=1, **kw), grader=ParityGrader())
-    assert json.loads((tmp_path / "r" / "config.json").read_text())["resolved"]["native_kernel"] is True
+    resolved = json.loads((tmp_path / "r" / "config.json").read_text())["resolved"]
+    assert resolved["native_kernel"] is True and resolved["compiled_ops"] is False
     monkeypatch.setattr(trainer_mod, "native_pays", lambda model: False)  # another machine's
+    monkeypatch.setattr(trainer_mod, "compiled_ops_pay", lambda model: True)
     run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "r", steps=2, resume=True, **kw), grader=ParityGrader())
     run.grader.close()
-    assert run.rollout.model.lm_head.native and run.rollout.model.model.layers[0].mlp.up_proj.native
+    model = run.rollout.model
+    assert model.lm_head.native and model.model.layers[0].mlp.up_proj.native
+    assert not model.model.norm.native and not model.model.layers[0].self_attn.native
 
 
 def test_checkpoints_of_an_older_format_are_refused_not_ignored(tiny_model_dir, tmp_path):

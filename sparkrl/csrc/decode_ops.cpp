@@ -11,24 +11,58 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 namespace {
+
+// bfloat16 <-> float32 as bit operations the compiler vectorises (c10::BFloat16's conversions branch on NaN
+// and kept these loops scalar: a bfloat16 RoPE of 17 positions ran 0.5x of torch's ops): widening is a shift,
+// narrowing rounds to nearest even, as torch does, and keeps a NaN a NaN.
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) {
+  const uint32_t u = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline T narrow(float f);
+template <>
+inline float narrow<float>(float f) { return f; }
+template <>
+inline c10::BFloat16 narrow<c10::BFloat16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+}
+
+template <typename T>
+inline float round_as(float v) { return widen(narrow<T>(v)); }  // v rounded to T, back in float32
 
 template <typename T>
 void norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, double eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * D;
     T* yr = y + r * D;
-    float ss = 0.0f;
-    for (int64_t d = 0; d < D; ++d) {
-      const float v = static_cast<float>(xr[d]);
+    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // eight running sums: a reduction the compiler vectorises
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8)
+      for (int j = 0; j < 8; ++j) {
+        const float v = widen(xr[d + j]);
+        part[j] += v * v;
+      }
+    float ss = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    for (; d < D; ++d) {
+      const float v = widen(xr[d]);
       ss += v * v;
     }
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
-    for (int64_t d = 0; d < D; ++d) {
-      const T normed = static_cast<T>(static_cast<float>(xr[d]) * inv);  // (a no-op in float32)
-      yr[d] = static_cast<T>(static_cast<float>(w[d]) * static_cast<float>(normed));
-    }
+    for (d = 0; d < D; ++d)  // the normalised value rounded to T (a no-op in float32), then the weight
+      yr[d] = narrow<T>(widen(w[d]) * round_as<T>(widen(xr[d]) * inv));
   }
 }
 
@@ -60,12 +94,13 @@ void rope_rows(const at::Tensor& x, const T* c, const T* s, T* y) {
         const T* cr = c + (b * L + t) * D;
         const T* sr = s + (b * L + t) * D;
         T* yr = y + ((b * H + h) * L + t) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          const float rot = d < half ? -static_cast<float>(xr[d + half]) : static_cast<float>(xr[d - half]);
-          const T a = static_cast<T>(static_cast<float>(xr[d]) * static_cast<float>(cr[d]));
-          const T r = static_cast<T>(rot * static_cast<float>(sr[d]));
-          yr[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(r));
-        }
+        // x * cos + rotate_half(x) * sin, each product and the sum rounded to T as torch's ops round them;
+        // rotate_half(x) = (-x[half:], x[:half]): the two halves as two branch-free loops
+        for (int64_t d = 0; d < half; ++d)
+          yr[d] = narrow<T>(round_as<T>(widen(xr[d]) * widen(cr[d])) +
+                            round_as<T>(-widen(xr[d + half]) * widen(sr[d])));
+        for (int64_t d = half; d < D; ++d)
+          yr[d] = narrow<T>(round_as<T>(widen(xr[d]) * widen(cr[d])) + round_as<T>(widen(xr[d - half]) * widen(sr[d])));
       }
 }
 
