@@ -218,6 +218,16 @@ def apply_update(policy: Transformer, opt, max_grad_norm: float) -> dict:
     return {"grad_norm": float(grad_norm)}
 
 
+def settled(world: World, resolved: dict, decisions: dict) -> dict:
+    """Each named choice of a run (its rollout dtype and kernels): the one the run recorded (a resumed run
+    keeps what its start measured, whatever this machine would), else rank 0's `decisions[name]()`; every
+    rank gets rank 0's."""
+    got = {name: resolved.get(name) for name in decisions}
+    if world.is_main:
+        got = {name: decide() if got[name] is None else got[name] for name, decide in decisions.items()}
+    return dict(zip(got, world.broadcast(tuple(got.values()))))
+
+
 class GRPORun:
     """One GRPO run's state (policy, reference, optimizers, drafter, SPARK, data order); `step`
     makes one policy update. `train` drives it; `sparkrl bench` interleaves several.
@@ -248,40 +258,28 @@ class GRPORun:
         self.policy = policy = lm.model
         self.ref = None if cfg.grpo.kl_beta == 0 else shards.wrap(copy.deepcopy(policy).requires_grad_(False),
                                                                   frozen=True)
-        # what samples; a resumed run keeps the dtype its start measured (another machine may measure otherwise)
-        dt, packed = resolved.get("rollout_dtype"), resolved.get("packed_kernels")
-        weight_major, attention32 = resolved.get("weight_major_kernels"), resolved.get("float32_attention")
-        native_on, ops_on = resolved.get("native_kernel"), resolved.get("compiled_ops")
-        if not dt and world.is_main:
-            dt = str(rollout_dtype(cfg.model.rollout_dtype, policy)).removeprefix("torch.")
-        if packed is None and world.is_main:
-            packed = use_packed(cfg.model.cpu_kernels, getattr(torch, dt), policy)
-        dt, packed = world.broadcast((dt, packed))  # every rank samples in rank 0's choice
-        self.rollout = RolloutCopy(policy, getattr(torch, dt), separate=shards.sharded, packed=packed,  # unsharded
-                                   head_float32=cfg.model.rollout_head == "float32", weight_major=False,
-                                   attention32=False)
+        # what samples, on which kernels: each measured once by rank 0 (a resumed run keeps what its start chose)
+        k = cfg.model.cpu_kernels
+        dt = settled(world, resolved, {"rollout_dtype": lambda: str(rollout_dtype(cfg.model.rollout_dtype, policy))
+                                       .removeprefix("torch.")})["rollout_dtype"]
+        packed = settled(world, resolved, {"packed_kernels": lambda: use_packed(k, getattr(torch, dt), policy)})
+        self.rollout = RolloutCopy(policy, getattr(torch, dt), separate=shards.sharded,  # unsharded
+                                   packed=packed["packed_kernels"], head_float32=cfg.model.rollout_head == "float32",
+                                   weight_major=False, attention32=False)
         if self.ref is not None and not shards.sharded and self.ref.lm_head.weight.dtype == getattr(torch, dt):
-            pack(self.ref, packed)  # its no-grad forwards, as the rollout's; its weights never change: packed once
-        if weight_major is None and world.is_main:  # measured on the copy itself, by rank 0 alone
-            choice = weight_major_choice(cfg.model.cpu_kernels)
-            weight_major = weight_major_pays(self.rollout.model) if choice is None else choice
-        if attention32 is None and world.is_main:
-            choice = float32_attention_choice(cfg.model.cpu_kernels)
-            attention32 = float32_attention_wanted(self.rollout.model) if choice is None else choice
-        weight_major, attention32 = world.broadcast((weight_major, attention32))
-        use_float32_attention(use_weight_major(self.rollout.model, weight_major), attention32)
-        if world.is_main:  # the compiled kernels, timed on the kernels chosen above (a run before ops: measured)
-            choice = native_choice(cfg.model.cpu_kernels)
-            if native_on is None:
-                native_on = native_pays(self.rollout.model) if choice is None else choice
-            if ops_on is None:
-                ops_on = compiled_ops_pay(self.rollout.model) if choice is None else choice
-        model = use_native(self.rollout.model, *world.broadcast((native_on, ops_on)))
-        native_on, ops_on = model.lm_head.native, model.model.norm.native
+            pack(self.ref, packed["packed_kernels"])  # its no-grad forwards, as the rollout's; never changes: packed once
+        model = self.rollout.model
+        auto = lambda choice, measure: lambda: measure(model) if choice is None else choice  # measured under auto
+        kernels = settled(world, resolved, {
+            "weight_major_kernels": auto(weight_major_choice(k), weight_major_pays),
+            "float32_attention": auto(float32_attention_choice(k), float32_attention_wanted)})
+        use_float32_attention(use_weight_major(model, kernels["weight_major_kernels"]), kernels["float32_attention"])
+        compiled = settled(world, resolved, {  # timed on the kernels chosen above
+            "native_kernel": auto(native_choice(k), native_pays), "compiled_ops": auto(native_choice(k), compiled_ops_pay)})
+        use_native(model, compiled["native_kernel"], compiled["compiled_ops"])
+        compiled = {"native_kernel": model.lm_head.native, "compiled_ops": model.model.norm.native}  # where built
         if world.is_main:
-            write_run_config(cfg, {**resolved, "rollout_dtype": dt, "packed_kernels": packed,
-                                   "weight_major_kernels": weight_major, "float32_attention": attention32,
-                                   "native_kernel": native_on, "compiled_ops": ops_on})
+            write_run_config(cfg, {**resolved, "rollout_dtype": dt, **packed, **kernels, **compiled})
         with world.main_first():  # rank 0 times the machine for the budget (cached), the others read its timing
             d = make_drafting(cfg.draft, policy, self.rollout.model, cfg.sampling.temperature, cfg.seed)
         shards.wrap(policy)  # after the rollout copy and the drafter were made from the whole policy
