@@ -73,7 +73,8 @@ def available() -> bool:
             os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         print("sparkrl: loading the compiled kernels (built on first use: about 20 s once per machine)",
               file=sys.stderr, flush=True)
-        load("sparkrl_native", [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)
+        load("sparkrl_native", [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+             is_python_module=False)
         return True
     except Exception as e:  # no compiler, no ninja, a failed build: the other kernels serve
         print(f"sparkrl: the compiled kernels are not available ({type(e).__name__}: "

@@ -159,8 +159,8 @@ def kernels_restored(model: torch.nn.Module):
     """A timing that switches `model`'s kernels (`pack`, `use_weight_major`, `use_native`) leaves every
     `Linear` as it found it: its flags, and its prepacked weight unless the timing changed its packing
     (then it is made again on the next forward); fused weights only where weight-major products serve;
-    every `RMSNorm`'s and `Attention`'s flag. The compiled kernels are off meanwhile unless the timing turns them on: the
-    BLAS kernels are timed as such."""
+    and every `RMSNorm`'s and `Attention`'s flag. The compiled kernels are off meanwhile unless the timing
+    turns them on: torch's kernels are timed as such."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     was = [(m.packed, m.weight_major, m.native) for m in layers]
     norms = [(m, m.native) for m in model.modules() if isinstance(m, (RMSNorm, Attention))]
@@ -300,7 +300,7 @@ def _compiled_timing(policy: Transformer) -> dict:
     systems = {"torch": (False, False), "ops": (False, True), "all": (True, True)}  # (products, ops)
     times = {name: {str(size): [] for size in NATIVE_SIZES} for name in systems}
     with kernels_restored(policy):
-        for _ in range(2):  # interleaved: drift hits both alike
+        for _ in range(2):  # interleaved: drift hits all three alike
             for rows, tokens in NATIVE_SIZES:
                 for name, (products, ops) in systems.items():
                     use_native(policy, products, ops)

@@ -267,7 +267,7 @@ class GRPORun:
                                    packed=packed["packed_kernels"], head_float32=cfg.model.rollout_head == "float32",
                                    weight_major=False, attention32=False)
         if self.ref is not None and not shards.sharded and self.ref.lm_head.weight.dtype == getattr(torch, dt):
-            pack(self.ref, packed["packed_kernels"])  # its no-grad forwards, as the rollout's; never changes: packed once
+            pack(self.ref, packed["packed_kernels"])  # no-grad forwards, as the rollout's; weights fixed: packed once
         model = self.rollout.model
         auto = lambda choice, measure: lambda: measure(model) if choice is None else choice  # measured under auto
         kernels = settled(world, resolved, {
@@ -275,7 +275,8 @@ class GRPORun:
             "float32_attention": auto(float32_attention_choice(k), float32_attention_wanted)})
         use_float32_attention(use_weight_major(model, kernels["weight_major_kernels"]), kernels["float32_attention"])
         compiled = settled(world, resolved, {  # timed on the kernels chosen above
-            "native_kernel": auto(native_choice(k), native_pays), "compiled_ops": auto(native_choice(k), compiled_ops_pay)})
+            "native_kernel": auto(native_choice(k), native_pays),
+            "compiled_ops": auto(native_choice(k), compiled_ops_pay)})
         use_native(model, compiled["native_kernel"], compiled["compiled_ops"])
         compiled = {"native_kernel": model.lm_head.native, "compiled_ops": model.model.norm.native}  # where built
         if world.is_main:
