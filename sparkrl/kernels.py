@@ -79,6 +79,7 @@ class Linear(nn.Linear):
     native = False  # set per instance by `precision.use_native`: the products `native.serves` on `sparkrl.native`
     _pack = None  # (prepacked weight, the weight's (tensor id, version) it was made from)
     _fused = None  # `linears`' concatenation of this layer's weight with others' (on the first layer)
+    _pairs = None  # (`native.pack_pairs` of the weight the compiled product last took, that weight's (id, version))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -102,8 +103,19 @@ class Linear(nn.Linear):
         if torch.is_grad_enabled() or x.dtype != self.weight.dtype:
             return None
         if self.native and native.serves(x, self.weight):
-            return native.linear
+            return self._compiled
         return weight_major_linear if self.serves_weight_major(x) else None
+
+    def _compiled(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`native.linear`; a bfloat16 weight on a CPU with bfloat16 dot products repacked into pairs first
+        (`native.pack_pairs`), kept and remade the first time the weight has changed (as `_pack`). w: this
+        layer's weight or, from `linears`, its concatenation with others'."""
+        if w.dtype != torch.bfloat16 or not native.bf16_dot():
+            return native.linear(x, w, bias)
+        key = (id(w), w._version)
+        if self._pairs is None or self._pairs[1] != key:
+            self._pairs = (native.pack_pairs(w), key)
+        return native.linear(x, w, bias, pairs=self._pairs[0])
 
     def serves_weight_major(self, x: torch.Tensor) -> bool:
         """Whether `forward(x)` is a weight-major product: 1 to `WEIGHT_MAJOR_ROWS` rows, or to
@@ -117,6 +129,7 @@ class Linear(nn.Linear):
         state = self.__dict__.copy()
         state.pop("_pack", None)
         state.pop("_fused", None)
+        state.pop("_pairs", None)
         return state
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("small_linear.cpp", "decode_ops.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("small_linear.cpp", "decode_ops.cpp", "bf16_pairs.cpp")]
 MIN_ROWS, MAX_ROWS = 2, 32  # the float32 products it takes: a one-row one (a matrix-vector product) ran no faster
 # than the BLAS kernels' in a whole decode step here (0.95x, 1.00x), and past 32 rows oneDNN's prepacked ones were faster
 HALF_ROWS = 512  # bfloat16 products of up to this many rows run the kernel (verify forwards of 8-16 trees, most
@@ -105,14 +105,37 @@ def serves_elementwise(x: torch.Tensor, tokens: int) -> bool:
     return x.dtype in DTYPES and x.device.type == "cpu" and not torch.is_grad_enabled() and tokens <= OPS_TOKENS
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+@functools.cache
+def bf16_dot() -> bool:
+    """Whether bfloat16 products run on the CPU's bfloat16 dot products (AVX512-BF16; `csrc/bf16_pairs.cpp`),
+    on weights repacked into pairs (`pack_pairs`), instead of widening them to float32."""
+    return available() and bool(torch.ops.sparkrl_native.has_bf16_dot())
+
+
+def pack_pairs(w: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 weight (out, in) repacked for `linear(..., pairs=)`; None where that product cannot take it
+    (no `bf16_dot`, another dtype, an odd input size)."""
+    if not bf16_dot() or w.dtype != torch.bfloat16 or w.shape[1] % 2:
+        return None
+    return torch.ops.sparkrl_native.pack_pairs(w.detach().contiguous())
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           pairs: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` for a product `serves` takes: x (..., in), w (out, in) (`available()` must
-    be True). bfloat16 past `HALF_ROWS` rows: a float32 product of the widened operands, rounded back."""
+    be True); pairs: w as `pack_pairs` made it (bfloat16 on the CPU's dot products). bfloat16 past
+    `HALF_ROWS` rows: torch's own product where the CPU has bfloat16 dot products, else a float32
+    product of the widened operands, rounded back."""
     out, inp = w.shape
     x2 = x.reshape(-1, inp)
     if w.dtype != torch.float32 and x2.shape[0] > HALF_ROWS:
+        if pairs is not None:
+            return F.linear(x, w, bias)
         return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
-    y = torch.ops.sparkrl_native.small_linear(x2.contiguous(), w, bias)
+    if pairs is not None:
+        y = torch.ops.sparkrl_native.pairs_linear(x2.contiguous(), pairs, out, bias)
+    else:
+        y = torch.ops.sparkrl_native.small_linear(x2.contiguous(), w, bias)
     return y.view(*x.shape[:-1], out)
 
 

@@ -326,6 +326,8 @@ def use_native(module: torch.nn.Module, on: bool = True, ops: bool | None = None
     for m in module.modules():
         if isinstance(m, Linear):
             m.native = on
+            if not on:
+                m._pairs = None  # the compiled product's repacked weight
         elif isinstance(m, (RMSNorm, Attention)):
             m.native = ops
     return module

@@ -443,9 +443,9 @@ def test_layers_run_the_compiled_product_where_it_serves_when_it_is_on(packed, w
                 y, product = lin(x), lin.product(x)
             _close_to_float64(y, x, lin)
             served = dtype == BF16 or native.MIN_ROWS <= rows <= native.MAX_ROWS
-            assert (product is native.linear) == (on and served), (on, rows)
+            assert (product == lin._compiled) == (on and served), (on, rows)  # (bound methods: equal, not one)
             if on and served:
-                assert torch.equal(y, native.linear(x, lin.weight, lin.bias))
+                assert torch.equal(y, lin._compiled(x, lin.weight, lin.bias))
             elif dtype == F32:  # another kernel: other float32 sums (bfloat16 ones may round alike)
                 assert not torch.equal(y, native.linear(x, lin.weight, lin.bias)), (on, rows)
     precision.use_native(lin, True)
@@ -456,8 +456,39 @@ def test_layers_run_the_compiled_product_where_it_serves_when_it_is_on(packed, w
     x = torch.randn(1, 4, 96).to(dtype)
     with torch.no_grad():
         fused = linears(x, lin, other)
-        assert all(torch.equal(a, native.linear(x, l.weight, l.bias)) for a, l in zip(fused, (lin, other)))
+        assert all(torch.equal(a, l._compiled(x, l.weight, l.bias)) for a, l in zip(fused, (lin, other)))
         assert fused[0].data_ptr() + 160 * fused[0].element_size() == fused[1].data_ptr()  # views of one product
+        lin.weight.mul_(2)  # in place (an optimizer step, a refresh): no stale weight, repacked or fused, serves
+        _close_to_float64(lin(x), x, lin)
+        _close_to_float64(linears(x, lin, other)[0], x, lin)
+
+
+needs_bf16_dot = pytest.mark.skipif(not (native.available() and native.bf16_dot()),
+                                    reason="this CPU has no bfloat16 dot products (AVX512-BF16)")
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, native.HALF_ROWS + 1])
+@pytest.mark.parametrize("n_out,n_in", [(1, 8), (17, 14), (64, 96), (162, 1538)])
+def test_the_bfloat16_dot_product_on_repacked_pairs_matches_a_float64_reference(rows, n_out, n_in, bias):
+    """`native.linear` on a weight `native.pack_pairs` repacked: rows in tiles of 6 and every tail, outputs in
+    groups of 64 and blocks of 16 and their tails (the zero padding never written), a 3-D input; within
+    bfloat16's rounding of the float64 product; a row's outputs do not depend on the rows beside it; past
+    `native.HALF_ROWS` rows torch's product. An odd input size is not repacked."""
+    lin = _layer(n_in, n_out, bias, dtype=BF16)
+    pairs = native.pack_pairs(lin.weight)
+    torch.manual_seed(1)
+    x = torch.randn(rows, n_in).to(BF16)
+    y = native.linear(x, lin.weight, lin.bias, pairs=pairs)
+    assert y.shape == (rows, n_out) and y.dtype == BF16 and y.is_contiguous()
+    _close_to_float64(y, x, lin)
+    x3 = x[None]  # (1, rows, in): a decode step's shape
+    _close_to_float64(native.linear(x3, lin.weight, lin.bias, pairs=pairs), x3, lin)
+    if rows <= native.HALF_ROWS:
+        assert torch.equal(y[-1:], native.linear(x[-1:], lin.weight, lin.bias, pairs=pairs))
+    assert native.pack_pairs(_layer(n_in + 1, n_out, bias, dtype=BF16).weight) is None
+    assert native.pack_pairs(lin.weight.float()) is None
 
 
 @needs_native
