@@ -16,6 +16,12 @@ float32 arithmetic. On a CPU without bfloat16 dot products that is what bfloat16
 (torch's own bfloat16 products there ran 5-9x slower than float32 ones from 32 rows up; BENCHMARKS.md
 "bfloat16 weights on a CPU without bfloat16 arithmetic"), so it takes every bfloat16 product: up to
 `HALF_ROWS` rows on the kernel, larger ones (prefills) as a float32 BLAS product of the widened operands.
+On a CPU with bfloat16 dot products (AVX512-BF16) bfloat16 products run on those instead
+(`csrc/bf16_pairs.cpp`, `bf16_dot`): the weight repacked once into pairs of inputs (`pack_pairs`, kept by
+the layer until the weight changes), one instruction yielding 16 outputs; there torch's products past
+`HALF_ROWS` rows. Against oneDNN's prepacked products on this project's AVX512-BF16 CPU it made the default
+model's bfloat16 AR sampler 1.42x faster at one response (BENCHMARKS.md "bfloat16 dot products on
+repacked weights").
 
 At one row most of a decode step's time is not the weights but dispatching some 1,300 small tensor
 ops, and a norm (5-8 of them) and RoPE (7) are some 30 of a layer's 60: `rms_norm` and `rope` do each in
@@ -25,7 +31,8 @@ RMSNorm and RoPE").
 The kernels are compiled once per machine with torch's C++ extension loader (gcc, AVX2 and FMA; about
 15 s, cached under torch's extensions folder) the first time it is wanted; where the CPU lacks AVX2
 or FMA, or no compiler works, `available()` is False (with one line saying why) and the layers keep
-torch's. Whether they pay is measured per machine, model and dtype (`precision.native_pays`, all together).
+torch's. Whether they pay is measured per machine, model and dtype: the products (`precision.native_pays`)
+apart from the norms and RoPE (`precision.compiled_ops_pay`).
 """
 
 from __future__ import annotations
