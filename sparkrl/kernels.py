@@ -79,7 +79,7 @@ class Linear(nn.Linear):
     native = False  # set per instance by `precision.use_native`: the products `native.serves` on `sparkrl.native`
     _pack = None  # (prepacked weight, the weight's (tensor id, version) it was made from)
     _fused = None  # `linears`' concatenation of this layer's weight with others' (on the first layer)
-    _pairs = None  # (`native.pack_pairs` of the weight the compiled product last took, that weight's (id, version))
+    _pairs = None  # (`native.pack_pairs` of the weight the compiled product last took, that weight, its version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -112,10 +112,10 @@ class Linear(nn.Linear):
         layer's weight or, from `linears`, its concatenation with others'."""
         if w.dtype != torch.bfloat16 or not native.bf16_dot():
             return native.linear(x, w, bias)
-        key = (id(w), w._version)
-        if self._pairs is None or self._pairs[1] != key:
-            self._pairs = (native.pack_pairs(w), key)
-        return native.linear(x, w, bias, pairs=self._pairs[0])
+        p = self._pairs  # the weight itself is kept, not its id: a freed concatenation's id can come back
+        if p is None or p[1] is not w or p[2] != w._version:
+            self._pairs = p = (native.pack_pairs(w), w, w._version)
+        return native.linear(x, w, bias, pairs=p[0])
 
     def serves_weight_major(self, x: torch.Tensor) -> bool:
         """Whether `forward(x)` is a weight-major product: 1 to `WEIGHT_MAJOR_ROWS` rows, or to
