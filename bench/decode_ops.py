@@ -19,15 +19,9 @@ from pathlib import Path
 import torch
 
 from sparkrl import native
-from sparkrl.model import Attention, RMSNorm, apply_rope
-from sparkrl.precision import _step_seconds, rollout_copy
+from sparkrl.model import RMSNorm, apply_rope
+from sparkrl.precision import _step_seconds, rollout_copy, use_native
 from sparkrl.weights import load_model
-
-
-def use_ops(model, on: bool) -> None:
-    for m in model.modules():
-        if isinstance(m, (RMSNorm, Attention)):
-            m.native = on
 
 
 def per_call(dtype: torch.dtype, positions: int, repeats: int = 5, calls: int = 50) -> dict:
@@ -69,7 +63,7 @@ def main():
         with torch.no_grad():
             hidden = {}
             for on in (False, True):
-                use_ops(model, on)
+                use_native(model, model.lm_head.native, on)  # the norms and RoPE only
                 hidden[on] = model(tokens).hidden.float()
         diff = float((hidden[True] - hidden[False]).abs().max())
         for size in args.rows.split(","):
@@ -77,7 +71,7 @@ def main():
             t = {False: [], True: []}
             for _ in range(args.repeats):  # interleaved: drift hits both alike
                 for on in (False, True):
-                    use_ops(model, on)
+                    use_native(model, model.lm_head.native, on)  # the norms and RoPE only
                     t[on] += _step_seconds(model, rows=rows, context=192, reps=5, tokens=tokens)
             ms = {on: statistics.median(v) * 1e3 for on, v in t.items()}
             results.append({"dtype": name, "rows": rows, "tokens": tokens, "torch_ms": ms[False],

@@ -43,7 +43,8 @@ def main():
     models = {name: RolloutCopy(policy, dt, separate=True, packed=use_packed("auto", dt, policy), attention32=attn,
                                 native=fast, ops=fast).model
               for name, (dt, attn, fast) in SYSTEMS.items()}  # as `precision.rollout_copy`, with the kernels chosen
-    kernels = {name: {"packed": m.lm_head.packed, "weight_major": m.lm_head.weight_major, "native": m.lm_head.native, "compiled_ops": m.model.norm.native,
+    kernels = {name: {"packed": m.lm_head.packed, "weight_major": m.lm_head.weight_major, "native": m.lm_head.native,
+                      "compiled_ops": m.model.norm.native,
                       "float32_attention": m.model.attn_dtype is not None} for name, m in models.items()}
     print("kernels:", kernels, flush=True)
     sizes = [(r, 1) for r in map(int, args.rows.split(","))]
