@@ -1,9 +1,10 @@
-"""The compiled RMSNorm and RoPE (`sparkrl.native.rms_norm` / `rope`) against torch's ops, in the default
-model's decode step: the rollout copy as `--cpu-kernels auto` makes it in each dtype (its products on
-whatever kernels it measured), with every norm and attention's RoPE compiled or on torch's tensor ops.
-Interleaved within each repeat, medians; also the largest hidden-state difference between the two, and
-each kernel alone per call against torch's ops (one norm of the default model's width, one RoPE of its
-query heads) at 1 to 512 positions.
+"""The compiled RMSNorm, RoPE and SwiGLU step (`sparkrl.native.rms_norm` / `rope` / `silu_mul`) against
+torch's ops, in the default model's decode step: the rollout copy as `--cpu-kernels auto` makes it in each
+dtype (its products on whatever kernels it measured), with every norm, attention's RoPE and MLP's SwiGLU
+step compiled or on torch's tensor ops. Interleaved within each repeat, medians; also the largest
+hidden-state difference between the two, and each kernel alone per call against torch's ops (one norm of
+the default model's width, one RoPE of its query heads, one SwiGLU step on the halves of a fused gate/up
+output) at 1 to 512 positions.
 
     .venv/bin/python bench/decode_ops.py --out bench/results
 """
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from sparkrl import native
 from sparkrl.model import RMSNorm, apply_rope
@@ -25,15 +27,17 @@ from sparkrl.weights import load_model
 
 
 def per_call(dtype: torch.dtype, positions: int, repeats: int = 5, calls: int = 50) -> dict:
-    """Microseconds per call (median of `repeats` runs of `calls` calls) of a norm and a RoPE at `positions`
-    positions, torch's ops and compiled, interleaved."""
+    """Microseconds per call (median of `repeats` runs of `calls` calls) of a norm, a RoPE and a SwiGLU step at
+    `positions` positions, torch's ops and compiled, interleaved."""
     torch.manual_seed(0)
     norm = RMSNorm(576, 1e-5).to(dtype)
     x = torch.randn(1, positions, 576).to(dtype)
     q = torch.randn(1, positions, 9, 64).to(dtype).transpose(1, 2)  # (B, H, T, D) as attention passes it
     cos, sin = torch.randn(1, 1, positions, 64).to(dtype), torch.randn(1, 1, positions, 64).to(dtype)
+    gate, up = torch.randn(1, positions, 2 * 1536).to(dtype).split([1536, 1536], dim=-1)
     fns = {"norm_torch": lambda: norm(x), "norm_compiled": lambda: native.rms_norm(x, norm.weight, 1e-5),
-           "rope_torch": lambda: apply_rope(q, cos, sin), "rope_compiled": lambda: native.rope(q, cos, sin)}
+           "rope_torch": lambda: apply_rope(q, cos, sin), "rope_compiled": lambda: native.rope(q, cos, sin),
+           "swiglu_torch": lambda: F.silu(gate) * up, "swiglu_compiled": lambda: native.silu_mul(gate, up)}
     t = {name: [] for name in fns}
     with torch.no_grad():
         for _ in range(repeats):
@@ -63,7 +67,7 @@ def main():
         with torch.no_grad():
             hidden = {}
             for on in (False, True):
-                use_native(model, model.lm_head.native, on)  # the norms and RoPE only
+                use_native(model, model.lm_head.native, on)  # the norms, RoPE and SwiGLU only
                 hidden[on] = model(tokens).hidden.float()
         diff = float((hidden[True] - hidden[False]).abs().max())
         for size in args.rows.split(","):
@@ -71,7 +75,7 @@ def main():
             t = {False: [], True: []}
             for _ in range(args.repeats):  # interleaved: drift hits both alike
                 for on in (False, True):
-                    use_native(model, model.lm_head.native, on)  # the norms and RoPE only
+                    use_native(model, model.lm_head.native, on)  # the norms, RoPE and SwiGLU only
                     t[on] += _step_seconds(model, rows=rows, context=192, reps=5, tokens=tokens)
             ms = {on: statistics.median(v) * 1e3 for on, v in t.items()}
             results.append({"dtype": name, "rows": rows, "tokens": tokens, "torch_ms": ms[False],
@@ -86,7 +90,9 @@ def main():
             calls.append({"dtype": name, "positions": n, "us": us})
             print(f"{name} {n:4d} positions, per call: norm {us['norm_torch']:.1f} -> {us['norm_compiled']:.1f} us "
                   f"({us['norm_torch'] / us['norm_compiled']:.2f}x), RoPE {us['rope_torch']:.1f} -> "
-                  f"{us['rope_compiled']:.1f} us ({us['rope_torch'] / us['rope_compiled']:.2f}x)", flush=True)
+                  f"{us['rope_compiled']:.1f} us ({us['rope_torch'] / us['rope_compiled']:.2f}x), SwiGLU "
+                  f"{us['swiglu_torch']:.1f} -> {us['swiglu_compiled']:.1f} us "
+                  f"({us['swiglu_torch'] / us['swiglu_compiled']:.2f}x)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_ops.json").write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -1,7 +1,7 @@
 """Compiled CPU kernels for inference forwards: a product for a few rows (`csrc/small_linear.cpp`): y =
 x W^T + b with the weight streamed from memory once and the partial sums in float32 AVX2 registers, x
-and W both float32 or both bfloat16; and a decode step's RMSNorm and RoPE, each in one call
-(`csrc/decode_ops.cpp`).
+and W both float32 or both bfloat16; and a decode step's RMSNorm, RoPE and SwiGLU step (silu(gate) * up),
+each in one call (`csrc/decode_ops.cpp`).
 
 At the sizes of decode steps, tree verification and the acceptance walk (1 to 32 rows), a model's
 weights come from memory and the BLAS calls pay for packing and blocking made for large products:
@@ -24,15 +24,15 @@ model's bfloat16 AR sampler 1.42x faster at one response (BENCHMARKS.md "bfloat1
 repacked weights").
 
 At one row most of a decode step's time is not the weights but dispatching some 1,300 small tensor
-ops, and a norm (5-8 of them) and RoPE (7) are some 30 of a layer's 60: `rms_norm` and `rope` do each in
-one call, rounding a bfloat16 intermediate wherever the tensor ops do (BENCHMARKS.md "The compiled
-RMSNorm and RoPE").
+ops, and a norm (5-8 of them) and RoPE (7) are some 30 of a layer's 60: `rms_norm`, `rope` and SwiGLU's
+`silu_mul` do each in one call, rounding a bfloat16 intermediate wherever the tensor ops do (BENCHMARKS.md
+"The compiled RMSNorm and RoPE").
 
 The kernels are compiled once per machine with torch's C++ extension loader (gcc, AVX2 and FMA; about
 15 s, cached under torch's extensions folder) the first time it is wanted; where the CPU lacks AVX2
 or FMA, or no compiler works, `available()` is False (with one line saying why) and the layers keep
 torch's. Whether they pay is measured per machine, model and dtype: the products (`precision.native_pays`)
-apart from the norms and RoPE (`precision.compiled_ops_pay`).
+apart from the norms, RoPE and SwiGLU (`precision.compiled_ops_pay`).
 """
 
 from __future__ import annotations
@@ -150,6 +150,15 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """`model.RMSNorm`'s inference forward in one call (`csrc/decode_ops.cpp`): float32 or bfloat16 CPU x
     (..., D) and w (D,) of x's dtype; the sums in float32, bfloat16 rounded as the module rounds it."""
     return torch.ops.sparkrl_native.rms_norm(x.contiguous(), w, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`F.silu(gate) * up` in one call (`csrc/decode_ops.cpp`), SwiGLU's step between its products: gate and up
+    (..., F) of one shape, both float32 or both bfloat16 on the CPU, read in place where they are the two halves of
+    a fused gate/up output; bfloat16 rounds silu and the product as those two ops do. The result contiguous."""
+    F_ = gate.shape[-1]
+    y = torch.ops.sparkrl_native.silu_mul(gate.reshape(-1, F_), up.reshape(-1, F_))
+    return y.view(*gate.shape)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
