@@ -1,10 +1,11 @@
-"""The compiled RMSNorm, RoPE and SwiGLU step (`sparkrl.native.rms_norm` / `rope` / `silu_mul`) against
-torch's ops, in the default model's decode step: the rollout copy as `--cpu-kernels auto` makes it in each
-dtype (its products on whatever kernels it measured), with every norm, attention's RoPE and MLP's SwiGLU
-step compiled or on torch's tensor ops. Interleaved within each repeat, medians; also the largest
-hidden-state difference between the two, and each kernel alone per call against torch's ops (one norm of
-the default model's width, one RoPE of its query heads, one SwiGLU step on the halves of a fused gate/up
-output) at 1 to 512 positions.
+"""The compiled RMSNorm, RoPE, SwiGLU step and cached attention (`sparkrl.native.rms_norm` / `rope` /
+`silu_mul` / `attention`) against torch's ops, in the default model's decode step: the rollout copy as
+`--cpu-kernels auto` makes it in each dtype (its products on whatever kernels it measured), with every norm,
+attention (RoPE, cached attention) and MLP's SwiGLU step compiled or on torch's tensor ops. Interleaved within
+each repeat, medians; also the largest hidden-state difference between the two, and each kernel alone per
+call against torch's ops (one norm of the default model's width, one RoPE of its query heads, one SwiGLU step
+on the halves of a fused gate/up output) at 1 to 512 positions, and one layer's cached attention (SDPA) at
+1 to 32 sequences x 1 to 17 new tokens.
 
     .venv/bin/python bench/decode_ops.py --out bench/results
 """
@@ -49,12 +50,38 @@ def per_call(dtype: torch.dtype, positions: int, repeats: int = 5, calls: int = 
     return {name: statistics.median(v) for name, v in t.items()}
 
 
+def attention_per_call(dtype: torch.dtype, rows: int, new: int, span: int = 256, repeats: int = 5,
+                       calls: int = 50) -> dict:
+    """Microseconds per call of the cached attention of one layer of the default model (9 query heads over 3,
+    head size 64) for `rows` sequences x `new` new tokens over `span` cached positions: torch's SDPA (with the
+    transpose the layer makes) and compiled, interleaved."""
+    torch.manual_seed(0)
+    H, Hk, D = 9, 3, 64
+    q = torch.randn(rows, new, H, D).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(rows, Hk, span + 64, D).to(dtype) for _ in range(2))
+    mask = torch.ones(rows, 1, new, span, dtype=torch.bool)
+    fns = {"torch": lambda: F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask,
+                                                          enable_gqa=True).transpose(1, 2).reshape(rows, new, H * D),
+           "compiled": lambda: native.attention(q, k, v, mask, span, dtype)}
+    t = {name: [] for name in fns}
+    with torch.no_grad():
+        for _ in range(repeats):
+            for name, f in fns.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    f()
+                t[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(v) for name, v in t.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--rows", default="1,8,32,1x17,8x17", help="forwards timed: ROWS or ROWSxNEW_TOKENS")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--positions", default="1,8,17,32,64,136,256,512", help="positions of the per-call timings")
+    ap.add_argument("--attention", default="1x1,8x1,32x1,1x2,1x4,1x8,1x17,8x4",
+                    help="cached attention per call: ROWSxNEW_TOKENS")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     if not native.available():
@@ -67,7 +94,7 @@ def main():
         with torch.no_grad():
             hidden = {}
             for on in (False, True):
-                use_native(model, model.lm_head.native, on)  # the norms, RoPE and SwiGLU only
+                use_native(model, model.lm_head.native, on)  # the ops only, not the products
                 hidden[on] = model(tokens).hidden.float()
         diff = float((hidden[True] - hidden[False]).abs().max())
         for size in args.rows.split(","):
@@ -75,7 +102,7 @@ def main():
             t = {False: [], True: []}
             for _ in range(args.repeats):  # interleaved: drift hits both alike
                 for on in (False, True):
-                    use_native(model, model.lm_head.native, on)  # the norms, RoPE and SwiGLU only
+                    use_native(model, model.lm_head.native, on)  # the ops only, not the products
                     t[on] += _step_seconds(model, rows=rows, context=192, reps=5, tokens=tokens)
             ms = {on: statistics.median(v) * 1e3 for on, v in t.items()}
             results.append({"dtype": name, "rows": rows, "tokens": tokens, "torch_ms": ms[False],
@@ -93,10 +120,19 @@ def main():
                   f"{us['rope_compiled']:.1f} us ({us['rope_torch'] / us['rope_compiled']:.2f}x), SwiGLU "
                   f"{us['swiglu_torch']:.1f} -> {us['swiglu_compiled']:.1f} us "
                   f"({us['swiglu_torch'] / us['swiglu_compiled']:.2f}x)", flush=True)
+    attn = []
+    for name in args.dtypes.split(","):
+        for size in args.attention.split(","):
+            rows, new = map(int, size.split("x"))
+            us = attention_per_call(getattr(torch, name), rows, new)
+            attn.append({"dtype": name, "rows": rows, "new_tokens": new, "us": us})
+            print(f"{name} attention {rows:2d} rows x {new:2d} new tokens over 256 cached: SDPA {us['torch']:.1f} -> "
+                  f"{us['compiled']:.1f} us ({us['torch'] / us['compiled']:.2f}x)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_ops.json").write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
-                                                     "results": results, "per_call": calls}, indent=2))
+                                                     "results": results, "per_call": calls,
+                                                     "attention_per_call": attn}, indent=2))
 
 
 if __name__ == "__main__":

@@ -220,7 +220,7 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(D, args.rms_norm_eps)
             self.k_norm = RMSNorm(D, args.rms_norm_eps)
-        self.native = False  # RoPE on `native.rope` in no-grad CPU forwards (`precision.use_native`)
+        self.native = False  # RoPE and cached attention compiled in no-grad CPU forwards (`precision.use_native`)
         self.attn_dtype: torch.dtype | None = None  # the dtype attention runs in and the cache keeps, if not the
         # inputs': float32 for a bfloat16 copy on a CPU whose bfloat16 attention is slower (`precision.RolloutCopy`)
 
@@ -253,6 +253,9 @@ class Attention(nn.Module):
             cache.write(layer, ctx.write_rows, k, v)
             kbuf, vbuf = cache.k[layer], cache.v[layer]
             S = ctx.span
+            if self.native and native.serves_attention(q, kbuf):  # one call, written as o_proj reads it
+                out = native.attention(q, kbuf, vbuf, ctx.mask, S, was)
+                return self.o_proj(out.view(B, T, a.num_heads * a.head_dim))
             out = F.scaled_dot_product_attention(
                 q, kbuf[:, :, :S], vbuf[:, :, :S], attn_mask=ctx.mask, enable_gqa=True
             )

@@ -1,7 +1,7 @@
 """Compiled CPU kernels for inference forwards: a product for a few rows (`csrc/small_linear.cpp`): y =
 x W^T + b with the weight streamed from memory once and the partial sums in float32 AVX2 registers, x
-and W both float32 or both bfloat16; and a decode step's RMSNorm, RoPE and SwiGLU step (silu(gate) * up),
-each in one call (`csrc/decode_ops.cpp`).
+and W both float32 or both bfloat16; and a decode step's RMSNorm, RoPE, SwiGLU step (silu(gate) * up) and
+cached attention, each in one call (`csrc/decode_ops.cpp`).
 
 At the sizes of decode steps, tree verification and the acceptance walk (1 to 32 rows), a model's
 weights come from memory and the BLAS calls pay for packing and blocking made for large products:
@@ -58,6 +58,9 @@ DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 OPS_TOKENS = 256  # the most positions `rms_norm` and `rope` take (one thread, where torch's ops are threaded):
 # per call, against torch's ops here, 1.1-7x faster from 1 to 136 positions, about even at 256 (a bfloat16 norm
 # 1.07x, RoPE 0.89x), slower at 512 (RoPE 0.80x) (bench/decode_ops.py)
+ATTN_TOKENS = 4  # the most new tokens per sequence `attention` takes: decode steps and small verify forwards. Per
+# call against torch's SDPA (float32, 9 query heads over 3, 300 cached positions; a first timing beside another job)
+# 1.8-2.1x at 1 new token, 1.6-1.8x at 2, about even at 8 and 0.7x at 17, where SDPA's blocked products win
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # -fopenmp: torch's thread pool (at::parallel_for)
 
 
@@ -159,6 +162,25 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     F_ = gate.shape[-1]
     y = torch.ops.sparkrl_native.silu_mul(gate.reshape(-1, F_), up.reshape(-1, F_))
     return y.view(*gate.shape)
+
+
+def serves_attention(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether `attention` takes q (B, H, T, D) over the cache buffer k: float32 or bfloat16 CPU tensors of one
+    dtype, no gradient recorded, at most `ATTN_TOKENS` new tokens, D a multiple of 8."""
+    return (q.dtype in DTYPES and k.dtype == q.dtype and q.device.type == "cpu" and not torch.is_grad_enabled()
+            and q.shape[2] <= ATTN_TOKENS and q.shape[3] % 8 == 0)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, span: int,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """`F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask, enable_gqa=True)` in one
+    call (`csrc/decode_ops.cpp`), transposed to (B, T, H, D) in out_dtype (float32 or bfloat16; bfloat16 for
+    bfloat16 inputs): q (B, H, T, D) with unit stride along D, k and v a `KVCache`'s buffers (B, H_kv, capacity,
+    D), mask (B, 1, T, span) bool (True: may attend). Scores, softmax and sums in float32; a query with nothing
+    to attend to gets zeros."""
+    if span and mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    return torch.ops.sparkrl_native.attention(q, k, v, mask, span, out_dtype)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

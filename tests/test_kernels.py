@@ -565,6 +565,36 @@ def test_the_compiled_silu_mul_matches_a_float64_reference(shape, dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("dtypes", [(F32, F32), (F32, BF16), (BF16, BF16)])
+@pytest.mark.parametrize("T,D", [(1, 64), (5, 8), (17, 64)])
+def test_the_compiled_cached_attention_matches_a_float64_reference(dtypes, T, D):
+    """`native.attention` on a transposed q, as attention passes it, over cache buffers longer than the span
+    (grouped-query heads, 6 over 2), a ragged mask (one query sees nothing: zeros), against float64 softmax
+    attention from the same inputs within float32's rounding (plus the output's), transposed to (B, T, H, D)."""
+    dtype, out_dtype = dtypes
+    torch.manual_seed(0)
+    B, H, Hk, cap, S = 3, 6, 2, 40, 29
+    q = torch.randn(B, T, H, D).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(B, Hk, cap, D) * 2).to(dtype), torch.randn(B, Hk, cap, D).to(dtype)
+    mask = torch.rand(B, 1, T, S) < 0.7
+    mask[..., 0] = True
+    mask[1, 0, 0] = False
+    y = native.attention(q, k, v, mask, S, out_dtype)
+    assert y.shape == (B, T, H, D) and y.dtype == out_dtype and y.is_contiguous()
+    qd, kd, vd = q.double(), k[:, :, :S].double().repeat_interleave(H // Hk, 1), v[:, :, :S].double().repeat_interleave(H // Hk, 1)
+    scores = (qd @ kd.transpose(-1, -2)) / D ** 0.5
+    ref = torch.softmax(scores.masked_fill(~mask, -float("inf")), -1).nan_to_num(0.0) @ vd  # (B, H, T, D)
+    ref = ref.transpose(1, 2)
+    tol = 2 ** -8 if out_dtype == BF16 else 2 ** -18
+    assert bool(((y.double() - ref).abs() <= tol * (ref.abs() + 1) ).all())
+    assert bool((y[1, 0] == 0).all())
+    theirs = F.scaled_dot_product_attention(q.float(), k[:, :, :S].float(), v[:, :, :S].float(), attn_mask=mask,
+                                            enable_gqa=True).transpose(1, 2)
+    ok = mask.any(-1)[:, 0]  # (B, T): queries that see something
+    assert torch.allclose(y.float()[ok], theirs[ok], atol=2 ** -7 if out_dtype == BF16 else 1e-5, rtol=0)
+
+
+@needs_native
 def test_the_compiled_norm_and_rope_take_no_gradients_and_at_most_ops_tokens_positions():
     x = torch.zeros(3, 576)
     with torch.no_grad():
@@ -576,7 +606,8 @@ def test_the_compiled_norm_and_rope_take_no_gradients_and_at_most_ops_tokens_pos
 @needs_native
 def test_norms_and_rope_run_compiled_only_when_on_and_never_while_training(tiny_llama, monkeypatch):
     """`precision.use_native` turns the kernels on in every norm, attention and MLP; a no-grad forward then matches
-    torch's ops within float32 rounding, and a gradient-recording one is torch's own (differentiable)."""
+    torch's ops within float32 rounding (cached forwards with the compiled attention too), and a gradient-recording
+    one is torch's own (differentiable)."""
     model = copy.deepcopy(tiny_llama)
     tokens = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
@@ -586,13 +617,21 @@ def test_norms_and_rope_run_compiled_only_when_on_and_never_while_training(tiny_
         y = model(tokens).hidden
     assert torch.allclose(y, ref, atol=1e-5, rtol=1e-5)
     calls = []
-    for name in ("rms_norm", "rope", "silu_mul"):
+    for name in ("rms_norm", "rope", "silu_mul", "attention"):
         monkeypatch.setattr(native, name, lambda *a, f=getattr(native, name), name=name: calls.append(name) or f(*a))
     out = model(tokens).hidden
     assert out.requires_grad and not calls  # training: torch's ops
     with torch.no_grad():
         model(tokens)
-    assert set(calls) == {"rms_norm", "rope", "silu_mul"}
+        assert set(calls) == {"rms_norm", "rope", "silu_mul"}  # no cache: torch's attention
+        cached = []
+        for on in (True, False):  # cached chunks: compiled attention against torch's
+            precision.use_native(model, on)
+            calls.clear()
+            cache = model.new_cache(1, 16)
+            cached.append(torch.cat([model(tokens[:, :3], cache).hidden, model(tokens[:, 3:], cache).hidden], 1))
+            assert ("attention" in calls) == on
+    assert torch.allclose(cached[0], cached[1], atol=1e-5, rtol=1e-5) and torch.allclose(cached[0], ref, atol=1e-5)
 
 
 def test_the_compiled_kernels_decisions_are_measured_once_on_the_policy_and_cached(monkeypatch, tmp_path, tiny_llama):

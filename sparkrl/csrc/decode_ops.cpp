@@ -7,15 +7,21 @@
 // rope: x * cos + rotate_half(x) * sin (`apply_rope`, Hugging Face's rotate-half convention).
 // silu_mul: silu(gate) * up, SwiGLU's elementwise step (`MLP`), reading gate and up where the fused gate/up
 // product left them (strided rows) instead of two strided tensor ops and a temporary.
+// attention: softmax(q k^T / sqrt(D), masked) v over a KV cache for a few new tokens per sequence (a decode
+// step, a verify forward), grouped-query heads, written as (B, T, H, D) for the output projection.
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 namespace {
 
@@ -179,10 +185,173 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   return y;
 }
 
+// 8 values from memory as float32 (a bfloat16 widened by a shift into the high half)
+inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8f(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float hsum(__m256 v) {  // the 8 lanes' sum
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {  // (sum a, sum b, sum c, sum d)
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d), abcd = _mm256_hadd_ps(ab, cd);
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// o[0, 8 * NC) = inv * sum_s w[s] v[s * D + (0, 8 * NC)], the sums in NC registers; v read once
+template <int NC, typename TI, typename TO>
+void weighted_values_n(const float* w, const TI* v, int64_t D, int64_t S, float inv, TO* o) {
+  __m256 acc[NC];
+  for (int i = 0; i < NC; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    const __m256 ws = _mm256_set1_ps(w[s]);
+    for (int i = 0; i < NC; ++i) acc[i] = _mm256_fmadd_ps(ws, load8f(v + s * D + 8 * i), acc[i]);
+  }
+  alignas(32) float tmp[8 * NC];
+  for (int i = 0; i < NC; ++i) _mm256_store_ps(tmp + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
+  for (int d = 0; d < 8 * NC; ++d) o[d] = narrow<TO>(tmp[d]);
+}
+
+template <typename TI, typename TO>
+void weighted_values(const float* w, const TI* v, int64_t D, int64_t S, int64_t nc, float inv, TO* o) {
+  switch (nc) {
+    case 8: return weighted_values_n<8>(w, v, D, S, inv, o);
+    case 7: return weighted_values_n<7>(w, v, D, S, inv, o);
+    case 6: return weighted_values_n<6>(w, v, D, S, inv, o);
+    case 5: return weighted_values_n<5>(w, v, D, S, inv, o);
+    case 4: return weighted_values_n<4>(w, v, D, S, inv, o);
+    case 3: return weighted_values_n<3>(w, v, D, S, inv, o);
+    case 2: return weighted_values_n<2>(w, v, D, S, inv, o);
+    default: return weighted_values_n<1>(w, v, D, S, inv, o);
+  }
+}
+
+// One (sequence, key/value head) at a time, with every query row that reads it (its grouped query heads x
+// the new tokens): each cached key and value row is read from memory once for all of them (at a decode step
+// attention streams the cache: a float32 cache of 8 sequences x 300 positions is 3.7 MB a layer), and four
+// keys' dot products run side by side (one 64-term dot product alone waits on its adds). The scores of a
+// masked position are -inf; softmax in float32; then the weighted sum of the values. q (B, H, T, D) any
+// strides with unit stride along D, D a multiple of 8; k, v the cache buffers (B, Hk, capacity, D),
+// positions [0, S) read; mask (B, 1, T, S) with unit stride along S.
+template <typename TI, typename TO>
+void attend_heads(const at::Tensor& q, const TI* kb, const TI* vb, const at::Tensor& mask, TO* out, int64_t Hk,
+                  int64_t S, int64_t cap) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), G = H / Hk, R = G * T;
+  const int64_t qb = q.stride(0), qh = q.stride(1), qt = q.stride(2), mb = mask.stride(0), mt = mask.stride(2);
+  const TI* qp = q.data_ptr<TI>();
+  const bool* mp = mask.data_ptr<bool>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D)), neg = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(R * D), p(R * S);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hk, hk = task % Hk;
+      const TI* kh = kb + (b * Hk + hk) * cap * D;
+      const TI* vh = vb + (b * Hk + hk) * cap * D;
+      for (int64_t r = 0; r < R; ++r) {  // row r: query head hk * G + r / T, new token r % T; scaled once
+        const TI* qr = qp + b * qb + (hk * G + r / T) * qh + (r % T) * qt;
+        for (int64_t d = 0; d < D; ++d) qs[r * D + d] = widen(qr[d]) * scale;
+      }
+      int64_t s0 = 0;
+      for (; s0 + 4 <= S; s0 += 4) {  // scores, four keys x three query rows at a time (12 sums in registers)
+        const TI* k0 = kh + s0 * D;
+        int64_t r = 0;
+        for (; r + 3 <= R; r += 3) {
+          const float* q0 = qs.data() + r * D;
+          __m256 a[3][4];
+          for (int i = 0; i < 3; ++i)
+            for (int j = 0; j < 4; ++j) a[i][j] = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; d += 8) {
+            const __m256 x0 = _mm256_loadu_ps(q0 + d), x1 = _mm256_loadu_ps(q0 + D + d),
+                         x2 = _mm256_loadu_ps(q0 + 2 * D + d);
+            for (int j = 0; j < 4; ++j) {
+              const __m256 kj = load8f(k0 + j * D + d);
+              a[0][j] = _mm256_fmadd_ps(x0, kj, a[0][j]);
+              a[1][j] = _mm256_fmadd_ps(x1, kj, a[1][j]);
+              a[2][j] = _mm256_fmadd_ps(x2, kj, a[2][j]);
+            }
+          }
+          for (int i = 0; i < 3; ++i) _mm_storeu_ps(p.data() + (r + i) * S + s0, hsum4(a[i][0], a[i][1], a[i][2], a[i][3]));
+        }
+        for (; r < R; ++r) {
+          const float* qr = qs.data() + r * D;
+          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          for (int64_t d = 0; d < D; d += 8) {
+            const __m256 x = _mm256_loadu_ps(qr + d);
+            a0 = _mm256_fmadd_ps(x, load8f(k0 + d), a0);
+            a1 = _mm256_fmadd_ps(x, load8f(k0 + D + d), a1);
+            a2 = _mm256_fmadd_ps(x, load8f(k0 + 2 * D + d), a2);
+            a3 = _mm256_fmadd_ps(x, load8f(k0 + 3 * D + d), a3);
+          }
+          _mm_storeu_ps(p.data() + r * S + s0, hsum4(a0, a1, a2, a3));
+        }
+      }
+      for (; s0 < S; ++s0)
+        for (int64_t r = 0; r < R; ++r) {
+          __m256 a = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qs.data() + r * D + d), load8f(kh + s0 * D + d), a);
+          p[r * S + s0] = hsum(a);
+        }
+      for (int64_t r = 0; r < R; ++r) {  // softmax of the visible scores
+        float* pr = p.data() + r * S;
+        const bool* mr = mp + b * mb + (r % T) * mt;
+        float top = neg;
+        for (int64_t s = 0; s < S; ++s) top = std::max(top, mr[s] ? pr[s] : neg);
+        if (top == neg) top = 0.0f;  // nothing to attend to (no query here does that): zeros below, not NaN
+        for (int64_t s = 0; s < S; ++s)  // branch-free, so it vectorises
+          pr[s] = mr[s] ? exp_reduced(std::max(pr[s] - top, -87.0f)) : 0.0f;
+        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t s = 0;
+        for (; s + 8 <= S; s += 8)
+          for (int j = 0; j < 8; ++j) part[j] += pr[s + j];
+        float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        for (; s < S; ++s) sum += pr[s];
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        TO* o = out + ((b * T + r % T) * H + hk * G + r / T) * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 64)  // the weighted values, 64 of them at a time in registers
+          weighted_values(pr, vh + d0, D, S, std::min<int64_t>(64, D - d0) / 8, inv, o + d0);
+      }
+    }
+  });
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                     int64_t span, c10::ScalarType out_dtype) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k.scalar_type() == dtype && v.scalar_type() == dtype &&
+                  (out_dtype == at::kFloat || out_dtype == at::kBFloat16) && (dtype == at::kFloat || out_dtype == dtype),
+              "attention: q, k, v all float32 (out float32 or bfloat16) or all bfloat16 (out bfloat16)");
+  TORCH_CHECK(q.dim() == 4 && q.stride(3) == 1 && k.dim() == 4 && k.is_contiguous() && v.is_contiguous() &&
+                  k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3) && k.size(1) > 0 &&
+                  q.size(1) % k.size(1) == 0 && span >= 0 && span <= k.size(2) && q.device().is_cpu() &&
+                  k.device().is_cpu() && v.device().is_cpu(),
+              "attention: CPU q (B, H, T, D) with unit stride along D; contiguous k, v (B, Hk, capacity, D), H a "
+              "multiple of Hk; span <= capacity");
+  TORCH_CHECK(q.size(3) % 8 == 0, "attention: a head size that is a multiple of 8");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) == q.size(0) && mask.size(1) == 1 &&
+                  mask.size(2) == q.size(2) && mask.size(3) == span && (span == 0 || mask.stride(3) == 1),
+              "attention: bool mask (B, 1, T, span) with unit stride along span");
+  at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options().dtype(out_dtype));
+  const int64_t Hk = k.size(1), cap = k.size(2);
+  if (dtype == at::kBFloat16)
+    attend_heads(q, k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), mask, out.data_ptr<c10::BFloat16>(),
+                 Hk, span, cap);
+  else if (out_dtype == at::kBFloat16)
+    attend_heads(q, k.data_ptr<float>(), v.data_ptr<float>(), mask, out.data_ptr<c10::BFloat16>(), Hk, span, cap);
+  else
+    attend_heads(q, k.data_ptr<float>(), v.data_ptr<float>(), mask, out.data_ptr<float>(), Hk, span, cap);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sparkrl_native, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor", &silu_mul);
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, int span, ScalarType out_dtype) -> Tensor", &attention);
 }
