@@ -1,11 +1,10 @@
-"""The compiled RMSNorm, RoPE, SwiGLU step and cached attention (`sparkrl.native.rms_norm` / `rope` /
-`silu_mul` / `attention`) against torch's ops, in the default model's decode step: the rollout copy as
-`--cpu-kernels auto` makes it in each dtype (its products on whatever kernels it measured), with every norm,
-attention (RoPE, cached attention) and MLP's SwiGLU step compiled or on torch's tensor ops. Interleaved within
-each repeat, medians; also the largest hidden-state difference between the two, and each kernel alone per
-call against torch's ops (one norm of the default model's width, one RoPE of its query heads, one SwiGLU step
-on the halves of a fused gate/up output) at 1 to 512 positions, and one layer's cached attention (SDPA) at
-1 to 32 sequences x 1 to 17 new tokens.
+"""The compiled RMSNorm, RoPE and cached attention (`sparkrl.native.rms_norm` / `rope` / `attention`) against
+torch's ops, in the default model's decode step: the rollout copy as `--cpu-kernels auto` makes it in each
+dtype (its products on whatever kernels it measured), with every norm and attention (RoPE, cached attention)
+compiled or on torch's tensor ops. Interleaved within each repeat, medians; also the largest hidden-state
+difference between the two, and each kernel alone per call against torch's ops (one norm of the default
+model's width, one RoPE of its query heads) at 1 to 512 positions, and one layer's cached attention (SDPA)
+at 1 to 32 sequences x 1 to 17 new tokens.
 
     .venv/bin/python bench/decode_ops.py --out bench/results
 """
@@ -28,17 +27,15 @@ from sparkrl.weights import load_model
 
 
 def per_call(dtype: torch.dtype, positions: int, repeats: int = 5, calls: int = 50) -> dict:
-    """Microseconds per call (median of `repeats` runs of `calls` calls) of a norm, a RoPE and a SwiGLU step at
-    `positions` positions, torch's ops and compiled, interleaved."""
+    """Microseconds per call (median of `repeats` runs of `calls` calls) of a norm and a RoPE at `positions`
+    positions, torch's ops and compiled, interleaved."""
     torch.manual_seed(0)
     norm = RMSNorm(576, 1e-5).to(dtype)
     x = torch.randn(1, positions, 576).to(dtype)
     q = torch.randn(1, positions, 9, 64).to(dtype).transpose(1, 2)  # (B, H, T, D) as attention passes it
     cos, sin = torch.randn(1, 1, positions, 64).to(dtype), torch.randn(1, 1, positions, 64).to(dtype)
-    gate, up = torch.randn(1, positions, 2 * 1536).to(dtype).split([1536, 1536], dim=-1)
     fns = {"norm_torch": lambda: norm(x), "norm_compiled": lambda: native.rms_norm(x, norm.weight, 1e-5),
-           "rope_torch": lambda: apply_rope(q, cos, sin), "rope_compiled": lambda: native.rope(q, cos, sin),
-           "swiglu_torch": lambda: F.silu(gate) * up, "swiglu_compiled": lambda: native.silu_mul(gate, up)}
+           "rope_torch": lambda: apply_rope(q, cos, sin), "rope_compiled": lambda: native.rope(q, cos, sin)}
     t = {name: [] for name in fns}
     with torch.no_grad():
         for _ in range(repeats):
@@ -117,9 +114,7 @@ def main():
             calls.append({"dtype": name, "positions": n, "us": us})
             print(f"{name} {n:4d} positions, per call: norm {us['norm_torch']:.1f} -> {us['norm_compiled']:.1f} us "
                   f"({us['norm_torch'] / us['norm_compiled']:.2f}x), RoPE {us['rope_torch']:.1f} -> "
-                  f"{us['rope_compiled']:.1f} us ({us['rope_torch'] / us['rope_compiled']:.2f}x), SwiGLU "
-                  f"{us['swiglu_torch']:.1f} -> {us['swiglu_compiled']:.1f} us "
-                  f"({us['swiglu_torch'] / us['swiglu_compiled']:.2f}x)", flush=True)
+                  f"{us['rope_compiled']:.1f} us ({us['rope_torch'] / us['rope_compiled']:.2f}x)", flush=True)
     attn = []
     for name in args.dtypes.split(","):
         for size in args.attention.split(","):

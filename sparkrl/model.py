@@ -263,8 +263,6 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    native = False  # set per instance by `precision.use_native`: no-grad CPU forwards on `native.silu_mul`
-
     def __init__(self, args: ModelArgs):
         super().__init__()
         d, f, b = args.hidden_size, args.intermediate_size, args.mlp_bias
@@ -274,8 +272,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = linears(x, self.gate_proj, self.up_proj)
-        if self.native and gate.dtype == up.dtype and native.serves_elementwise(gate, gate.numel() // gate.size(-1)):
-            return self.down_proj(native.silu_mul(gate, up))  # one call, reading the fused output in place
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -1,7 +1,7 @@
 """Compiled CPU kernels for inference forwards: a product for a few rows (`csrc/small_linear.cpp`): y =
 x W^T + b with the weight streamed from memory once and the partial sums in float32 AVX2 registers, x
-and W both float32 or both bfloat16; and a decode step's RMSNorm, RoPE, SwiGLU step (silu(gate) * up) and
-cached attention, each in one call (`csrc/decode_ops.cpp`).
+and W both float32 or both bfloat16; and a decode step's RMSNorm, RoPE and cached attention, each in one
+call (`csrc/decode_ops.cpp`).
 
 At the sizes of decode steps, tree verification and the acceptance walk (1 to 32 rows), a model's
 weights come from memory and the BLAS calls pay for packing and blocking made for large products:
@@ -24,15 +24,16 @@ model's bfloat16 AR sampler 1.42x faster at one response (BENCHMARKS.md "bfloat1
 repacked weights").
 
 At one row most of a decode step's time is not the weights but dispatching some 1,300 small tensor
-ops, and a norm (5-8 of them) and RoPE (7) are some 30 of a layer's 60: `rms_norm`, `rope` and SwiGLU's
-`silu_mul` do each in one call, rounding a bfloat16 intermediate wherever the tensor ops do (BENCHMARKS.md
-"The compiled RMSNorm and RoPE").
+ops, and a norm (5-8 of them) and RoPE (7) are some 30 of a layer's 60: `rms_norm` and `rope` do each in
+one call, rounding a bfloat16 intermediate wherever the tensor ops do (BENCHMARKS.md "The compiled
+RMSNorm and RoPE"). `attention` reads the KV cache once per key/value head for all its query rows (SDPA's
+CPU kernel is made for long blocks, and torch's bfloat16 one was 4-9x slower for one new token).
 
 The kernels are compiled once per machine with torch's C++ extension loader (gcc, AVX2 and FMA; about
 15 s, cached under torch's extensions folder) the first time it is wanted; where the CPU lacks AVX2
 or FMA, or no compiler works, `available()` is False (with one line saying why) and the layers keep
 torch's. Whether they pay is measured per machine, model and dtype: the products (`precision.native_pays`)
-apart from the norms, RoPE and SwiGLU (`precision.compiled_ops_pay`).
+apart from the norms, RoPE and attention (`precision.compiled_ops_pay`).
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 OPS_TOKENS = 256  # the most positions `rms_norm` and `rope` take (one thread, where torch's ops are threaded):
 # per call, against torch's ops here, 1.1-7x faster from 1 to 136 positions, about even at 256 (a bfloat16 norm
 # 1.07x, RoPE 0.89x), slower at 512 (RoPE 0.80x) (bench/decode_ops.py)
-ATTN_TOKENS = 4  # the most new tokens per sequence `attention` takes: decode steps and small verify forwards. Per
-# call against torch's SDPA (float32, 9 query heads over 3, 300 cached positions; a first timing beside another job)
-# 1.8-2.1x at 1 new token, 1.6-1.8x at 2, about even at 8 and 0.7x at 17, where SDPA's blocked products win
+ATTN_TOKENS = 17  # the most new tokens per sequence `attention` takes: decode steps and verify forwards of up to
+# 16-node trees. Per call against torch's SDPA here (one layer of the default model over 256 cached positions,
+# bench/decode_ops.py): float32 2.3-2.6x at 1 new token, 1.6x at 4, 1.26x at 8, 1.06x at 17; bfloat16 (torch's
+# bfloat16 SDPA) 11-18x at 1, 1.03x at 17
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # -fopenmp: torch's thread pool (at::parallel_for)
 
 
@@ -153,15 +155,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """`model.RMSNorm`'s inference forward in one call (`csrc/decode_ops.cpp`): float32 or bfloat16 CPU x
     (..., D) and w (D,) of x's dtype; the sums in float32, bfloat16 rounded as the module rounds it."""
     return torch.ops.sparkrl_native.rms_norm(x.contiguous(), w, eps)
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`F.silu(gate) * up` in one call (`csrc/decode_ops.cpp`), SwiGLU's step between its products: gate and up
-    (..., F) of one shape, both float32 or both bfloat16 on the CPU, read in place where they are the two halves of
-    a fused gate/up output; bfloat16 rounds silu and the product as those two ops do. The result contiguous."""
-    F_ = gate.shape[-1]
-    y = torch.ops.sparkrl_native.silu_mul(gate.reshape(-1, F_), up.reshape(-1, F_))
-    return y.view(*gate.shape)
 
 
 def serves_attention(q: torch.Tensor, k: torch.Tensor) -> bool:

@@ -14,7 +14,7 @@ was 4-9x slower here). Any copy's products run on the compiled kernel (`sparkrl.
 measurement finds that faster (`native_pays`): in float32 those of a few rows; in bfloat16 all of them, the
 weights widened to float32 as they stream, which is what makes bfloat16 rollouts pay on a CPU without
 bfloat16 arithmetic (torch's bfloat16 products there ran 5-9x slower than float32 ones from 32 rows up);
-apart from that, its norms, RoPE and SwiGLU step run as one compiled call each where that is measured faster
+apart from that, its norms, RoPE and cached attention run as one compiled call each where that is measured faster
 (`compiled_ops_pay`).
 Exactness is relative to the rollout model; the gap to the master weights is
 measured every step (`mismatch`) and can be corrected with truncated importance sampling
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from sparkrl import native
 from sparkrl.kernels import HALF, Linear, pack, packable
-from sparkrl.model import MLP, Attention, RMSNorm, Transformer
+from sparkrl.model import Attention, RMSNorm, Transformer
 from sparkrl.machine import measurement_path
 from sparkrl.sharding import full
 
@@ -159,11 +159,11 @@ def kernels_restored(model: torch.nn.Module):
     """A timing that switches `model`'s kernels (`pack`, `use_weight_major`, `use_native`) leaves every
     `Linear` as it found it: its flags, and its prepacked weight unless the timing changed its packing
     (then it is made again on the next forward); fused weights only where weight-major products serve;
-    and every `RMSNorm`'s, `Attention`'s and `MLP`'s flag. The compiled kernels are off meanwhile unless the timing
+    and every `RMSNorm`'s and `Attention`'s flag. The compiled kernels are off meanwhile unless the timing
     turns them on: torch's kernels are timed as such."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     was = [(m.packed, m.weight_major, m.native) for m in layers]
-    norms = [(m, m.native) for m in model.modules() if isinstance(m, (RMSNorm, Attention, MLP))]
+    norms = [(m, m.native) for m in model.modules() if isinstance(m, (RMSNorm, Attention))]
     use_native(model, False)
     try:
         yield model
@@ -267,15 +267,15 @@ def native_pays(policy: Transformer) -> bool:
 
 
 def compiled_ops_pay(policy: Transformer) -> bool:
-    """Whether this policy's norms, RoPE and SwiGLU step run faster as one compiled call each (`native.rms_norm`,
-    `native.rope`, `native.silu_mul`) than as torch's tensor ops (`_compiled_timing`)."""
+    """Whether this policy's norms, RoPE and cached attention run faster as one compiled call each
+    (`native.rms_norm`, `native.rope`, `native.attention`) than as torch's tensor ops (`_compiled_timing`)."""
     return _compiled_timing(policy)["ops"]
 
 
 def _compiled_timing(policy: Transformer) -> dict:
     """Times this policy's forwards (decode steps of 1, 8 and 32 rows, a 17-token verify forward of one row;
-    medians of 6 interleaved forwards each) on torch's kernels, with the compiled norms, RoPE and SwiGLU step
-    ("ops"), and with those and the compiled products too. The ops pay where they make the forwards 3%
+    medians of 6 interleaved forwards each) on torch's kernels, with the compiled norms, RoPE and cached
+    attention ("ops"), and with those and the compiled products too. The ops pay where they make the forwards 3%
     faster, as the geometric mean over the sizes: they save a per-forward cost (dispatching tensor ops), so
     every size counts alike, and they run the same arithmetic in fewer calls, so the bar is lower than the
     products'. The products pay ("pays") where they make the forwards 5% faster again, over the sum of the
@@ -320,7 +320,7 @@ def _compiled_timing(policy: Transformer) -> dict:
 def use_native(module: torch.nn.Module, on: bool = True, ops: bool | None = None) -> torch.nn.Module:
     """Run `module`'s no-grad CPU forwards on the compiled kernels where they serve (where they are
     available) or on torch's: every `Linear`'s products that `native.serves` (on; their `native` flag), and
-    every `RMSNorm`, `Attention`'s RoPE and `MLP`'s SwiGLU step (ops, the same as on unless given; their `native`
+    every `RMSNorm` and `Attention`'s RoPE and cached attention (ops, the same as on unless given; their `native`
     flags)."""
     on = bool(on) and native.available()
     ops = (on if ops is None else bool(ops)) and native.available()
@@ -329,7 +329,7 @@ def use_native(module: torch.nn.Module, on: bool = True, ops: bool | None = None
             m.native = on
             if not on:
                 m._pairs = None  # the compiled product's repacked weight
-        elif isinstance(m, (RMSNorm, Attention, MLP)):
+        elif isinstance(m, (RMSNorm, Attention)):
             m.native = ops
     return module
 

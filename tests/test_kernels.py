@@ -14,7 +14,7 @@ from torch import nn
 from sparkrl import native, precision
 from sparkrl.kernels import (PACKED_WEIGHT_MAJOR_ROWS, WEIGHT_MAJOR_ROWS, Linear, is_packed, linears, pack, packable,
                              weight_major_linear)
-from sparkrl.model import MLP, Attention, RMSNorm, apply_rope
+from sparkrl.model import Attention, RMSNorm, apply_rope
 from sparkrl.precision import RolloutCopy, use_packed
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -536,35 +536,6 @@ def test_the_compiled_rope_matches_a_float64_reference(dtype, D):
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("shape", [(1, 1, 1536), (3, 5, 64), (2, 7)])
-def test_the_compiled_silu_mul_matches_a_float64_reference(shape, dtype):
-    """`native.silu_mul` on the two halves of a fused gate/up output (strided rows), as `MLP` passes them, and
-    on separate tensors, against float64 silu(gate) * up from the same inputs within the dtype's rounding
-    (bfloat16: silu and the product each rounded once), gates from -100 to 100 (past the exp's clamp); bfloat16
-    equal to torch's ops for 99% of random inputs (the two exps round silu apart near ties); NaN stays NaN."""
-    torch.manual_seed(0)
-    F_ = shape[-1]
-    fused = (torch.randn(*shape[:-1], 2 * F_) * 4).to(dtype)
-    fused.view(-1)[:6] = torch.tensor([-100.0, 100.0, -88.5, 88.5, 0.0, -0.0])
-    gate, up = fused.split([F_, F_], dim=-1)
-    g, u = gate.double(), up.double()
-    silu = g / (1 + torch.exp(-g))
-    ref = silu * u
-    tol = 2 ** -7 if dtype == BF16 else 2 ** -21
-    for a, b in ((gate, up), (gate.contiguous(), up.contiguous())):
-        y = native.silu_mul(a, b)
-        assert y.shape == gate.shape and y.is_contiguous() and y.dtype == dtype
-        assert bool(((y.double() - ref).abs() <= tol * ref.abs() + 1e-30).all())
-    if dtype == BF16:  # torch's exp and this one round silu apart only near ties
-        gate, up = (torch.randn(2, 64, 1536) * 4).to(dtype)
-        assert (native.silu_mul(gate, up) != F.silu(gate) * up).float().mean() < 0.01
-    nan = gate.clone()
-    nan.view(-1)[0] = float("nan")
-    assert torch.isnan(native.silu_mul(nan, up).view(-1)[0])
-
-
-@needs_native
 @pytest.mark.parametrize("dtypes", [(F32, F32), (F32, BF16), (BF16, BF16)])
 @pytest.mark.parametrize("T,D", [(1, 64), (5, 8), (17, 64)])
 def test_the_compiled_cached_attention_matches_a_float64_reference(dtypes, T, D):
@@ -605,7 +576,7 @@ def test_the_compiled_norm_and_rope_take_no_gradients_and_at_most_ops_tokens_pos
 
 @needs_native
 def test_norms_and_rope_run_compiled_only_when_on_and_never_while_training(tiny_llama, monkeypatch):
-    """`precision.use_native` turns the kernels on in every norm, attention and MLP; a no-grad forward then matches
+    """`precision.use_native` turns the kernels on in every norm and attention; a no-grad forward then matches
     torch's ops within float32 rounding (cached forwards with the compiled attention too), and a gradient-recording
     one is torch's own (differentiable)."""
     model = copy.deepcopy(tiny_llama)
@@ -613,17 +584,17 @@ def test_norms_and_rope_run_compiled_only_when_on_and_never_while_training(tiny_
     with torch.no_grad():
         ref = model(tokens).hidden
         precision.use_native(model, True)
-        assert all(m.native for m in model.modules() if isinstance(m, (RMSNorm, Attention, MLP)))
+        assert all(m.native for m in model.modules() if isinstance(m, (RMSNorm, Attention)))
         y = model(tokens).hidden
     assert torch.allclose(y, ref, atol=1e-5, rtol=1e-5)
     calls = []
-    for name in ("rms_norm", "rope", "silu_mul", "attention"):
+    for name in ("rms_norm", "rope", "attention"):
         monkeypatch.setattr(native, name, lambda *a, f=getattr(native, name), name=name: calls.append(name) or f(*a))
     out = model(tokens).hidden
     assert out.requires_grad and not calls  # training: torch's ops
     with torch.no_grad():
         model(tokens)
-        assert set(calls) == {"rms_norm", "rope", "silu_mul"}  # no cache: torch's attention
+        assert set(calls) == {"rms_norm", "rope"}  # no cache: torch's attention
         cached = []
         for on in (True, False):  # cached chunks: compiled attention against torch's
             precision.use_native(model, on)

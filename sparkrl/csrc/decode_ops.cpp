@@ -5,8 +5,6 @@
 //
 // rms_norm: y = w * (x / sqrt(mean(x^2) + eps)) over the last dimension, the sums in float32 (`RMSNorm`).
 // rope: x * cos + rotate_half(x) * sin (`apply_rope`, Hugging Face's rotate-half convention).
-// silu_mul: silu(gate) * up, SwiGLU's elementwise step (`MLP`), reading gate and up where the fused gate/up
-// product left them (strided rows) instead of two strided tensor ops and a temporary.
 // attention: softmax(q k^T / sqrt(D), masked) v over a KV cache for a few new tokens per sequence (a decode
 // step, a verify forward), grouped-query heads, written as (B, T, H, D) for the output projection.
 #include <ATen/Parallel.h>
@@ -130,66 +128,29 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return y;
 }
 
-// exp(x) for x in [-87, 89] (callers clamp), branch-free so the loop around it vectorises (std::exp kept it
-// scalar): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, Cody-Waite), e^r by Cephes' degree-7
-// polynomial, 2^n written into the exponent bits. About 1 ulp in float32 (tested against float64); from
-// x = 88.03 up (n = 128) it is inf, as float32's exp is from 88.72.
-inline float exp_reduced(float x) {
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-template <typename T>
-void silu_mul_rows(const T* g, const T* u, T* y, int64_t rows, int64_t F, int64_t sg, int64_t su) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* gr = g + r * sg;
-    const T* ur = u + r * su;
-    T* yr = y + r * F;
-    for (int64_t d = 0; d < F; ++d) {
-      const float v = widen(gr[d]);
-      // silu(v) = v / (1 + e^-v); e^-v clamped into exp_reduced's range (past it the quotient is v, or -0 as
-      // e^-v is inf), a NaN kept by the comparisons' order; silu rounded to T as F.silu rounds it
-      const float e = exp_reduced(std::min(std::max(-v, -87.0f), 89.0f));
-      yr[d] = narrow<T>(round_as<T>(v / (1.0f + e)) * widen(ur[d]));
-    }
-  }
-}
-
-// rows x F views with unit stride along F and one stride between rows (a (..., F) slice of the fused output)
-at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  const auto dtype = gate.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && up.scalar_type() == dtype,
-              "silu_mul: gate and up both float32 or both bfloat16");
-  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && gate.stride(1) == 1 && up.stride(1) == 1 &&
-                  gate.device().is_cpu() && up.device().is_cpu(),
-              "silu_mul: CPU gate and up (rows, F) of one shape, unit stride along F");
-  const int64_t rows = gate.size(0), F = gate.size(1);
-  at::Tensor y = at::empty({rows, F}, gate.options());
-  if (dtype == at::kFloat)
-    silu_mul_rows(gate.data_ptr<float>(), up.data_ptr<float>(), y.data_ptr<float>(), rows, F, gate.stride(0),
-                  up.stride(0));
-  else
-    silu_mul_rows(gate.data_ptr<c10::BFloat16>(), up.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), rows,
-                  F, gate.stride(0), up.stride(0));
-  return y;
-}
-
 // 8 values from memory as float32 (a bfloat16 widened by a shift into the high half)
 inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8f(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// exp(x) of 8 values in [-87, 89] (callers clamp): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts,
+// Cody-Waite), e^r by Cephes' degree-7 polynomial, 2^n written into the exponent bits. About 1 ulp in
+// float32 (tested against float64); from x = 88.03 up (n = 128) it is inf, as float32's exp is from 88.72.
+inline __m256 exp8(__m256 x) {
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 inline float hsum(__m256 v) {  // the 8 lanes' sum
@@ -302,8 +263,16 @@ void attend_heads(const at::Tensor& q, const TI* kb, const TI* vb, const at::Ten
         float top = neg;
         for (int64_t s = 0; s < S; ++s) top = std::max(top, mr[s] ? pr[s] : neg);
         if (top == neg) top = 0.0f;  // nothing to attend to (no query here does that): zeros below, not NaN
-        for (int64_t s = 0; s < S; ++s)  // branch-free, so it vectorises
-          pr[s] = mr[s] ? exp_reduced(std::max(pr[s] - top, -87.0f)) : 0.0f;
+        const __m256 top8 = _mm256_set1_ps(top), lo = _mm256_set1_ps(-87.0f);
+        int64_t s8 = 0;
+        for (; s8 + 8 <= S; s8 += 8) {  // e^(score - top), 0 where masked
+          const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mr + s8));
+          const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(m8), _mm256_setzero_si256()));
+          const __m256 e = exp8(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(pr + s8), top8), lo));
+          _mm256_storeu_ps(pr + s8, _mm256_and_ps(e, keep));
+        }
+        for (; s8 < S; ++s8)
+          pr[s8] = mr[s8] ? _mm256_cvtss_f32(exp8(_mm256_set1_ps(std::max(pr[s8] - top, -87.0f)))) : 0.0f;
         float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         int64_t s = 0;
         for (; s + 8 <= S; s += 8)
@@ -352,6 +321,5 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 TORCH_LIBRARY_FRAGMENT(sparkrl_native, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
-  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor", &silu_mul);
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, int span, ScalarType out_dtype) -> Tensor", &attention);
 }
