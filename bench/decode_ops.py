@@ -26,6 +26,19 @@ from sparkrl.precision import _step_seconds, rollout_copy, use_native
 from sparkrl.weights import load_model
 
 
+def interleaved_us(fns: dict, repeats: int, calls: int) -> dict:
+    """Microseconds per call of each of `fns`: the median of `repeats` runs of `calls` calls, interleaved."""
+    t = {name: [] for name in fns}
+    with torch.no_grad():
+        for _ in range(repeats):
+            for name, f in fns.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    f()
+                t[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(v) for name, v in t.items()}
+
+
 def per_call(dtype: torch.dtype, positions: int, repeats: int = 5, calls: int = 50) -> dict:
     """Microseconds per call (median of `repeats` runs of `calls` calls) of a norm and a RoPE at `positions`
     positions, torch's ops and compiled, interleaved."""
@@ -36,15 +49,7 @@ def per_call(dtype: torch.dtype, positions: int, repeats: int = 5, calls: int = 
     cos, sin = torch.randn(1, 1, positions, 64).to(dtype), torch.randn(1, 1, positions, 64).to(dtype)
     fns = {"norm_torch": lambda: norm(x), "norm_compiled": lambda: native.rms_norm(x, norm.weight, 1e-5),
            "rope_torch": lambda: apply_rope(q, cos, sin), "rope_compiled": lambda: native.rope(q, cos, sin)}
-    t = {name: [] for name in fns}
-    with torch.no_grad():
-        for _ in range(repeats):
-            for name, f in fns.items():
-                start = time.perf_counter()
-                for _ in range(calls):
-                    f()
-                t[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(v) for name, v in t.items()}
+    return interleaved_us(fns, repeats, calls)
 
 
 def attention_per_call(dtype: torch.dtype, rows: int, new: int, span: int = 256, repeats: int = 5,
@@ -60,15 +65,7 @@ def attention_per_call(dtype: torch.dtype, rows: int, new: int, span: int = 256,
     fns = {"torch": lambda: F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask,
                                                           enable_gqa=True).transpose(1, 2).reshape(rows, new, H * D),
            "compiled": lambda: native.attention(q, k, v, mask, span, dtype)}
-    t = {name: [] for name in fns}
-    with torch.no_grad():
-        for _ in range(repeats):
-            for name, f in fns.items():
-                start = time.perf_counter()
-                for _ in range(calls):
-                    f()
-                t[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(v) for name, v in t.items()}
+    return interleaved_us(fns, repeats, calls)
 
 
 def main():
