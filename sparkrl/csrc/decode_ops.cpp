@@ -195,8 +195,8 @@ void weighted_values(const float* w, const TI* v, int64_t D, int64_t S, int64_t 
 // One (sequence, key/value head) at a time, with every query row that reads it (its grouped query heads x
 // the new tokens): each cached key and value row is read from memory once for all of them (at a decode step
 // attention streams the cache: a float32 cache of 8 sequences x 300 positions is 3.7 MB a layer), and four
-// keys' dot products run side by side (one 64-term dot product alone waits on its adds). The scores of a
-// masked position are -inf; softmax in float32; then the weighted sum of the values. q (B, H, T, D) any
+// keys' dot products run side by side (one 64-term dot product alone waits on its adds). Every position's
+// score is computed; the softmax (float32) gives a masked one weight 0; then the weighted sum of the values. q (B, H, T, D) any
 // strides with unit stride along D, D a multiple of 8; k, v the cache buffers (B, Hk, capacity, D),
 // positions [0, S) read; mask (B, 1, T, S) with unit stride along S.
 template <typename TI, typename TO>
