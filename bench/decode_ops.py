@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -24,19 +23,7 @@ from sparkrl import native
 from sparkrl.model import RMSNorm, apply_rope
 from sparkrl.precision import _step_seconds, rollout_copy, use_native
 from sparkrl.weights import load_model
-
-
-def interleaved_us(fns: dict, repeats: int, calls: int) -> dict:
-    """Microseconds per call of each of `fns`: the median of `repeats` runs of `calls` calls, interleaved."""
-    t = {name: [] for name in fns}
-    with torch.no_grad():
-        for _ in range(repeats):
-            for name, f in fns.items():
-                start = time.perf_counter()
-                for _ in range(calls):
-                    f()
-                t[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(v) for name, v in t.items()}
+from timing import interleaved_us
 
 
 def per_call(dtype: torch.dtype, positions: int, repeats: int = 5, calls: int = 50) -> dict:
