@@ -46,12 +46,13 @@ from sparkrl.config import TreeShape
 from sparkrl.machine import measurement_path
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-ENGINE = 7  # part of the timing cache's key: bumped when a round's work or its timing changes (2: a tree
+ENGINE = 8  # part of the timing cache's key: bumped when a round's work or its timing changes (2: a tree
 # of n nodes drafts min(depth, n) levels; sizes timed in turn, 3 repeats, 7 row counts; 3: the
 # acceptance walk runs the LM head only for the rows still walking; 4: timed on the policy's own text,
 # not random tokens; the drafter's catch-up runs its head at one position per row; 5: weight-major products
 # split per thread, from one row; 6: q/k/v and gate/up as one weight-major product each; 7: packed float32
-# layers leave 1-4 rows to weight-major products)
+# layers leave 1-4 rows to weight-major products; 8: the acceptance walk's LM head also covers first-child
+# paths, `verify.PathLogits`)
 GAIN = 0.9  # a tree is chosen when predicted at least 10% faster per committed token than an AR step: the
 # cost model's error (measured at 8 rows: 1-node trees predicted 1.08x ran at 0.96x) must not turn a
 # predicted gain into a loss

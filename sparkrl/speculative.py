@@ -28,7 +28,12 @@ from sparkrl.model import KVCache, Transformer, pad_right
 from sparkrl.rollout import (HIT, MISS, UNDRAFTED, Batch, Round, RoundStats, decode_one_token, generate,
                              prefill, sample_with_logprob)
 from sparkrl.sampling import target_probs
-from sparkrl.verify import Acceptance, accept_chain, accept_tree
+from sparkrl.verify import Acceptance, PathLogits, accept_chain, accept_tree
+
+
+PATH_ROWS = 6  # LM-head rows of one acceptance-walk call (`verify.PathLogits`): on the CPU measured, a
+# bfloat16 head product of up to 6-8 rows costs about what one row costs (BENCHMARKS, "The acceptance walk's
+# LM head along the first choices")
 
 
 class NoAdaptation:
@@ -174,8 +179,8 @@ class Speculation:
             q.index_copy_(2, drafter.vocab_ids, prop.q)
             acc = accept_chain(tree.tokens[:, 1:], q, node_logits, sampling.temperature, sampling.top_p,
                                u[:, :shape.depth + 1], self.vocab)
-        else:  # the LM head runs only on the nodes the acceptance walk visits
-            acc = accept_tree(tree, lambda r, n: policy.logits(out.hidden[r, n]), sampling.temperature,
+        else:  # the LM head runs on the nodes the acceptance walk visits, and the first choices below them
+            acc = accept_tree(tree, PathLogits(policy.logits, out.hidden, tree, PATH_ROWS), sampling.temperature,
                               sampling.top_p, u, shape.depth, self.vocab)
         n_acc = acc.n_accepted
         kept = torch.cat([torch.zeros_like(acc.path[:, :1]), acc.path.clamp(min=0)], 1)  # (B, 1+D) root + path

@@ -144,6 +144,60 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
                       torch.stack(targets, 1) if vocab is not None else None)
 
 
+class PathLogits:
+    """Policy logits at tree nodes for the acceptance walk (`accept_tree`'s callable), computed on demand.
+    Each LM-head call also covers the first-child path below every node asked for (the drafter's first
+    choice, then its first choice, ...), as long as the call stays within `rows` rows: while a product is
+    bound by reading the head's weights, a few rows cost what one row does (one response: one pass over
+    the head per round for a walk that follows the first choices, instead of one per level). With more
+    walking rows than `rows` / 2, each call covers just the nodes asked for, as a plain head would.
+
+    head: hidden (n, d) -> logits (n, V); hidden: (B, N, d) the verify forward's final hidden states."""
+
+    def __init__(self, head, hidden: torch.Tensor, tree: Tree, rows: int):
+        self.head, self.hidden, self.rows = head, hidden, rows
+        B, N = tree.tokens.shape
+        dev = tree.tokens.device
+        child = tree.valid & (tree.parents >= 0)
+        first = torch.full((B, N + 1), N, dtype=torch.long, device=dev).scatter_reduce_(
+            1, torch.where(child, tree.parents, N), torch.arange(N, device=dev).expand(B, N), "amin")[:, :N]
+        self.first = torch.where(first < N, first, -1)  # (B, N) each node's first child, -1 for a leaf
+        self.call = torch.full((B, N), -1, dtype=torch.long, device=dev)  # which head call holds (row, node)
+        self.row = torch.zeros((B, N), dtype=torch.long, device=dev)  # and in which of its rows
+        self.kept = []  # each head call's logits
+
+    def __call__(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        call = self.call[rows, nodes]
+        lo, hi = torch.stack([call.min(), call.max()]).tolist()  # host sync
+        if lo < 0:
+            missing = call < 0
+            self._compute(rows[missing], nodes[missing])
+            call = self.call[rows, nodes]
+            lo, hi = torch.stack([call.min(), call.max()]).tolist()
+        at = self.row[rows, nodes]
+        if lo == hi:
+            return self.kept[lo][at]
+        out = self.kept[-1].new_empty(rows.numel(), self.kept[-1].shape[-1])
+        for c in range(lo, hi + 1):
+            m = call == c
+            out[m] = self.kept[c][at[m]]
+        return out
+
+    def _compute(self, rows: torch.Tensor, nodes: torch.Tensor) -> None:
+        """Logits at (rows, nodes) and down each one's first-child path, within `self.rows` rows."""
+        length = max(1, self.rows // rows.numel())
+        path = [nodes]
+        for _ in range(length - 1):
+            prev = path[-1]
+            path.append(torch.where(prev >= 0, self.first[rows, prev.clamp(min=0)], -1))
+        at = torch.stack(path, 1)  # (n, length), -1 past a leaf
+        ok = at >= 0
+        r, n = rows[:, None].expand_as(at)[ok], at[ok]
+        self.kept.append(self.head(self.hidden[r, n]))
+        self.call[r, n] = len(self.kept) - 1
+        self.row[r, n] = torch.arange(r.numel(), device=r.device)
+
+
 def accept_chain(tokens: torch.Tensor, q: torch.Tensor, logits: torch.Tensor, temperature: float, top_p: float,
                  u: torch.Tensor, vocab: torch.Tensor | None = None) -> Acceptance:
     """Speculative sampling for chains drawn from q.

@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 from sparkrl.sampling import target_probs
-from sparkrl.verify import Tree, accept_chain, accept_tree
+from sparkrl.verify import PathLogits, Tree, accept_chain, accept_tree
 
 V, L = 4, 3  # vocabulary, committed tokens per sequence
 
@@ -169,6 +169,76 @@ def test_tree_masks():
              torch.tensor([[0, 1, 1, 2]]))
     m = t.ancestor_mask()[0].int().tolist()
     assert m == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+
+
+class CountedHead:
+    """An LM head over 'hidden states' that are the logits themselves, recording each call's row count."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls.append(h.shape[0])
+        return h.clone()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 1000])
+def test_path_logits_walk_equals_the_full_table(rows):
+    """`PathLogits` (the head on asked nodes and their first-child paths, within `rows` rows a call) gives
+    the walk over the full logits table, on ragged trees; no call exceeds max(rows, rows asked), and with
+    rows 1 it makes one call per level walked, as a per-level head does."""
+    g = torch.Generator().manual_seed(1)
+    B, depth = 24, 3
+    target, draft = ToyLM(3), ToyLM(4)
+    trees = [build_tree(draft, (), depth, 2, 0.8, g) for _ in range(B)]
+    N = max(len(t[0]) for t in trees)
+    tok, par = torch.zeros(B, N, dtype=torch.long), torch.full((B, N), -1)
+    val, dep = torch.zeros(B, N, dtype=torch.bool), torch.zeros(B, N, dtype=torch.long)
+    logits = torch.zeros(B, N, V)
+    for b, (t, p, d, paths) in enumerate(trees):
+        n = len(t)
+        tok[b, :n], par[b, :n], dep[b, :n], val[b, :n] = torch.tensor(t), torch.tensor(p), torch.tensor(d), True
+        logits[b, :n] = torch.stack([target.logits(q) for q in paths])
+    tree = Tree(tok, par, val, dep)
+    u = torch.rand(B, depth + 1, generator=g, dtype=torch.float64)
+    head = CountedHead()
+    lazy = accept_tree(tree, PathLogits(head, logits, tree, rows), 1.0, 0.9, u, depth, vocab=torch.arange(V))
+    full = accept_tree(tree, logits, 1.0, 0.9, u, depth, vocab=torch.arange(V))
+    for f in ("path", "n_accepted", "bonus", "last", "rejected", "logp", "targets"):
+        assert torch.equal(getattr(lazy, f), getattr(full, f)), f
+    walked = (lazy.n_accepted + 1).clamp(max=depth + 1)
+    length = max(1, rows // B)  # the first call: every row's first-child path from the root, this long at most
+    first_call = 0
+    for b in range(B):
+        node, n = 0, 0
+        while node >= 0 and n < length:
+            n += 1
+            node = next((j for j in range(N) if val[b, j] and par[b, j] == node), -1)
+        first_call += n
+    assert head.calls[0] == first_call
+    assert all(c <= max(rows, B) for c in head.calls)
+    if rows == 1:
+        assert len(head.calls) == int(walked.max()) and sum(head.calls) == int(walked.sum())
+
+
+def test_path_logits_one_call_along_the_first_choices():
+    """One response, a tree whose policy favours the drafter's first child at every level: the walk
+    reaches the bottom with one head call over the root and the first-child path; a walk that leaves that
+    path at level 1 needs one more call, starting at the node it took."""
+    # root 0; children 1 (token 1, first) and 2 (token 2); 1 -> 3 (token 1) -> 4 (token 1); 2 -> 5 (token 3)
+    tree = Tree(torch.tensor([[0, 1, 2, 1, 1, 3]]), torch.tensor([[-1, 0, 0, 1, 3, 2]]),
+                torch.ones(1, 6, dtype=torch.bool), torch.tensor([[0, 1, 1, 2, 3, 2]]))
+    u = torch.full((1, 4), 0.5, dtype=torch.float64)
+    for favoured, calls, path in ((1, [4], [1, 3, 4]), (2, [4, 2], [2, 5, -1])):
+        logits = torch.full((1, 6, V), -30.0)
+        logits[0, :, 1] = 30.0  # along the first children: token 1 everywhere
+        logits[0, 0] = -30.0
+        logits[0, 0, favoured] = 30.0  # the root's token: the first child's or the second's
+        logits[0, 2, :] = -30.0
+        logits[0, 2, 3] = 30.0  # below the second child: its child's token 3
+        head = CountedHead()
+        acc = accept_tree(tree, PathLogits(head, logits, tree, 8), 1.0, 1.0, u, 3)
+        assert acc.path[0].tolist() == path and head.calls == calls
 
 
 def test_tree_walk_asks_for_logits_only_where_rows_still_walk():
