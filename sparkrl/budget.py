@@ -46,13 +46,13 @@ from sparkrl.config import TreeShape
 from sparkrl.machine import measurement_path
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-ENGINE = 8  # part of the timing cache's key: bumped when a round's work or its timing changes (2: a tree
+ENGINE = 9  # part of the timing cache's key: bumped when a round's work or its timing changes (2: a tree
 # of n nodes drafts min(depth, n) levels; sizes timed in turn, 3 repeats, 7 row counts; 3: the
 # acceptance walk runs the LM head only for the rows still walking; 4: timed on the policy's own text,
 # not random tokens; the drafter's catch-up runs its head at one position per row; 5: weight-major products
 # split per thread, from one row; 6: q/k/v and gate/up as one weight-major product each; 7: packed float32
 # layers leave 1-4 rows to weight-major products; 8: the acceptance walk's LM head also covers first-child
-# paths, `verify.PathLogits`)
+# paths, `verify.PathLogits`; 9: sampling on the compiled nucleus with the compiled ops)
 GAIN = 0.9  # a tree is chosen when predicted at least 10% faster per committed token than an AR step: the
 # cost model's error (measured at 8 rows: 1-node trees predicted 1.08x ran at 0.96x) must not turn a
 # predicted gain into a loss
@@ -81,7 +81,7 @@ class CostModel:
     rounds: dict[int, list[float]]  # node count (0 = autoregressive) -> seconds of one whole engine round,
     # per row count: drafting, the drafter's catch-up, verification, acceptance walk, commit
     accepted: dict[int, list[float]]  # drafts accepted per row in those timed rounds
-    level: list[float]  # seconds one more accepted level adds per round (the LM head and target p on B rows)
+    level: list[float]  # seconds one more accepted level adds per round (the LM head, nucleus and sample on B rows)
 
     def seconds(self, B: int, nodes: int, accepted: float | None = None) -> float:
         """Seconds of a round of `nodes` nodes over B rows; with `accepted` (drafts per row), corrected

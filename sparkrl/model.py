@@ -445,6 +445,12 @@ class Transformer(nn.Module):
         missing, unexpected = self.load_state_dict(state, strict=False)
         return [k for k in missing if not (self.args.tie_word_embeddings and k == "lm_head.weight")], unexpected
 
+    @property
+    def compiled_ops(self) -> bool:
+        """Whether no-grad CPU forwards run the compiled norms, RoPE and attention, and sampling the compiled
+        nucleus (`precision.use_native`'s ops)."""
+        return self.model.norm.native
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head, float32 logits: (..., d) -> (..., V). With `head32`, the product itself runs in float32
         (float32 weights on the upcast hidden states) instead of rounding the logits to the model's dtype."""

@@ -29,6 +29,12 @@ one call, rounding a bfloat16 intermediate wherever the tensor ops do (BENCHMARK
 RMSNorm and RoPE"). `attention` reads the KV cache once per key/value head for all its query rows (SDPA's
 CPU kernel is made for long blocks, and torch's bfloat16 one was 4-9x slower for one new token).
 
+After the LM head, `nucleus` samples a row in one call: the softmax, the top-p nucleus, the token in id
+order and its log-probability. torch's ops find the nucleus with a top-256 preselection, then top-4096, then a
+full sort; this model's nucleus at T 1 is often wider than 256 tokens, and the kernel finds it from one pass
+(a histogram of the softmax's mass) and sorts only the tokens near its edge: 3.7x faster at one row, 4.5-6.9x
+at 8-64 (bench/decode_ops.py). It runs where the norms, RoPE and attention do (`Transformer.compiled_ops`).
+
 The kernels are compiled once per machine with torch's C++ extension loader (gcc, AVX2 and FMA; about
 15 s, cached under torch's extensions folder) the first time it is wanted; where the CPU lacks AVX2
 or FMA, or no compiler works, `available()` is False (with one line saying why) and the layers keep
@@ -180,3 +186,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`model.apply_rope` in one call (`csrc/decode_ops.cpp`): x (B, H, T, D) of any strides with unit stride
     along D, cos and sin (B, 1, T, D), all float32 or all bfloat16 on the CPU; the result contiguous."""
     return torch.ops.sparkrl_native.rope(x, cos.contiguous(), sin.contiguous())
+
+
+def nucleus(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor):
+    """`sampling.sample_nucleus` in one call (`csrc/decode_ops.cpp`): float32 CPU logits (N, V), temperature > 0,
+    0 < top_p < 1, float64 uniforms u (N,) -> (probs (N, K), ids (N, K), token (N,), logp (N,)); each row's
+    nucleus in id order, then ids of probability 0 it does not hold. One pass for the softmax and a histogram of
+    its mass instead of sorting the vocabulary; only the tokens near the nucleus's edge are sorted."""
+    return tuple(torch.ops.sparkrl_native.nucleus(logits.contiguous(), temperature, top_p,
+                                                  u.to(torch.float64).contiguous()))

@@ -268,7 +268,9 @@ def native_pays(policy: Transformer) -> bool:
 
 def compiled_ops_pay(policy: Transformer) -> bool:
     """Whether this policy's norms, RoPE and cached attention run faster as one compiled call each
-    (`native.rms_norm`, `native.rope`, `native.attention`) than as torch's tensor ops (`_compiled_timing`)."""
+    (`native.rms_norm`, `native.rope`, `native.attention`) than as torch's tensor ops (`_compiled_timing`).
+    Sampling follows the same switch (`Transformer.compiled_ops`: the compiled nucleus, `native.nucleus`), which
+    this timing leaves out: per call it ran 3.7-6.9x faster than torch's ops here (bench/decode_ops.py)."""
     return _compiled_timing(policy)["ops"]
 
 
@@ -321,7 +323,7 @@ def use_native(module: torch.nn.Module, on: bool = True, ops: bool | None = None
     """Run `module`'s no-grad CPU forwards on the compiled kernels where they serve (where they are
     available) or on torch's: every `Linear`'s products that `native.serves` (on; their `native` flag), and
     every `RMSNorm` and `Attention`'s RoPE and cached attention (ops, the same as on unless given; their `native`
-    flags)."""
+    flags), and with those a `Transformer`'s sampling (`Transformer.compiled_ops`)."""
     on = bool(on) and native.available()
     ops = (on if ops is None else bool(ops)) and native.available()
     for m in module.modules():

@@ -22,7 +22,7 @@ import torch
 
 from sparkrl.config import SamplingConfig
 from sparkrl.model import KVCache, Output, Transformer, pad_right
-from sparkrl.sampling import logprob_of, position_uniforms, response_keys, sample
+from sparkrl.sampling import logprob_of, position_uniforms, response_keys, sample, sample_nucleus
 
 HIT, MISS, UNDRAFTED = 1, 0, -1
 """Per-token drafting outcome: an accepted draft; the target's token where the drafter proposed other
@@ -228,12 +228,16 @@ def decode_one_token(model: Transformer, cache: KVCache, tokens: torch.Tensor, s
     feed a drafter)."""
     out = model(tokens[:, None], cache, taps=taps)
     cache.commit(n_keep=torch.ones(len(tokens), dtype=torch.long, device=tokens.device))
-    nxt, logp = sample_with_logprob(model.logits(out.hidden[:, -1]), sampling, u)
+    nxt, logp = sample_with_logprob(model.logits(out.hidden[:, -1]), sampling, u, model.compiled_ops)
     return nxt, logp, out
 
 
-def sample_with_logprob(logits: torch.Tensor, sampling: SamplingConfig, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens (N,) sampled from logits (N, V) at uniforms u (N,), and their log-probabilities (N,)."""
+def sample_with_logprob(logits: torch.Tensor, sampling: SamplingConfig, u: torch.Tensor, compiled: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens (N,) sampled from logits (N, V) at uniforms u (N,), and their log-probabilities (N,);
+    compiled: on the compiled kernel where it serves (`sampling.sample_nucleus`)."""
+    if compiled:
+        return sample_nucleus(logits, sampling.temperature, sampling.top_p, u, compiled)[2:]
     nxt = sample(logits, sampling.temperature, sampling.top_p, u)  # (N,)
     return nxt, logprob_of(logits, nxt, sampling.temperature)
 
@@ -251,7 +255,7 @@ def generate(model: Transformer, prompts: list[list[int]], sampling: SamplingCon
     cache, logits, _ = prefill(model, prompts, max(map(len, prompts)) + sampling.max_new_tokens, group_size)
     batch = Batch(generators, eos_ids, sampling.max_new_tokens)
     stats = RoundStats()
-    nxt, logp = sample_with_logprob(logits, sampling, batch.uniforms()[:, 0])  # (B,)
+    nxt, logp = sample_with_logprob(logits, sampling, batch.uniforms()[:, 0], model.compiled_ops)  # (B,)
     batch.commit([[t] for t in nxt.tolist()], [[x] for x in logp.tolist()])  # host sync: tokens go to Python lists
     while True:
         if progress is not None:

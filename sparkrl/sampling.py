@@ -5,12 +5,15 @@ top-p (the smallest set of most likely tokens whose mass reaches top_p, renormal
 is greedy: p is a point mass on the argmax (lowest index on ties).
 
 The nucleus is found with a top-k pre-selection instead of a full-vocabulary sort; the rows whose top-k
-mass does not reach top_p take a wider top-k, then a full sort, so the result is exact.
+mass does not reach top_p take a wider top-k, then a full sort, so the result is exact. `sample_nucleus`
+can instead run the compiled kernel (`native.nucleus`), which finds it from one pass over the vocabulary.
 """
 
 from __future__ import annotations
 
 import torch
+
+from sparkrl import native
 
 _PRESELECT = (256, 4096)  # candidate counts tried in turn before falling back to a full sort
 
@@ -147,6 +150,19 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tens
         return sample_from(torch.softmax(logits.float() / temperature, -1), u)
     probs, ids = nucleus(logits, temperature, top_p)
     return sample_in_id_order(probs, ids, u)
+
+
+def sample_nucleus(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor, compiled: bool = False):
+    """`nucleus`, the token `sample` draws at uniforms u (N,) and that token's `logprob_of`, together:
+    (probs (N, K), ids (N, K), token (N,), logp (N,)), the sparse p in no particular order. compiled: in one
+    call of the compiled kernel (`native.nucleus`; the rollout copy's compiled ops, `precision.use_native`)
+    where it serves: float32 CPU logits, temperature > 0, 0 < top_p < 1. It keeps tied tokens at the edge of
+    the nucleus lower ids first, where topk's order is unspecified."""
+    if compiled and temperature > 0 and 0 < top_p < 1 and logits.dtype == torch.float32 and logits.device.type == "cpu":
+        return native.nucleus(logits, temperature, top_p, u)
+    probs, ids = nucleus(logits, temperature, top_p)
+    x = ids[:, 0] if temperature == 0 else sample_in_id_order(probs, ids, u)
+    return probs, ids, x, logprob_of(logits, x, temperature)
 
 
 def sample_in_id_order(probs: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

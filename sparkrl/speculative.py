@@ -27,7 +27,7 @@ from sparkrl.drafters.tree import Proposal
 from sparkrl.model import KVCache, Transformer, pad_right
 from sparkrl.rollout import (HIT, MISS, UNDRAFTED, Batch, Round, RoundStats, decode_one_token, generate,
                              prefill, sample_with_logprob)
-from sparkrl.sampling import target_probs
+from sparkrl.sampling import sample_nucleus
 from sparkrl.verify import Acceptance, PathLogits, accept_chain, accept_tree
 
 
@@ -125,7 +125,7 @@ class Speculation:
         rows = torch.arange(len(prompts), device=device).repeat_interleave(G)
         self.dcache.keep_rows(rows)
         self.batch = Batch(self.generators, eos_ids, self.sampling.max_new_tokens)
-        root, logp = sample_with_logprob(logits, self.sampling, self.batch.uniforms()[:, 0])  # (N,)
+        root, logp = sample_with_logprob(logits, self.sampling, self.batch.uniforms()[:, 0], policy.compiled_ops)  # (N,)
         self.batch.commit([[t] for t in root.tolist()], [[x] for x in logp.tolist()])  # host sync
         last_feat = None if feats is None else feats[rows, lens[rows] - 1][:, None]  # (N, 1, d)
         self.state = catch_up(drafter, self.dcache, root[:, None], last_feat, torch.ones_like(root))
@@ -181,7 +181,7 @@ class Speculation:
                                u[:, :shape.depth + 1], self.vocab)
         else:  # the LM head runs on the nodes the acceptance walk visits, and the first choices below them
             acc = accept_tree(tree, PathLogits(policy.logits, out.hidden, tree, PATH_ROWS), sampling.temperature,
-                              sampling.top_p, u, shape.depth, self.vocab)
+                              sampling.top_p, u, shape.depth, self.vocab, policy.compiled_ops)
         n_acc = acc.n_accepted
         kept = torch.cat([torch.zeros_like(acc.path[:, :1]), acc.path.clamp(min=0)], 1)  # (B, 1+D) root + path
         self.pcache.commit(kept, n_acc + 1)
@@ -214,7 +214,7 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
     row count B in `rows`, B copies of a `context`-token text the policy sampled itself, then `repeats`
     timed rounds (after one untimed) of every size in `sizes` (0: an autoregressive round), sizes in
     turn, the fastest kept; also the drafts those rounds accepted per row, and what one more accepted
-    level costs (LM head + target p on B rows of the policy's hidden states in that text).
+    level costs (LM head + the nucleus and a sample on B rows of the policy's hidden states in that text).
     Sampling at temperature 1, top-p 0.95; random numbers from fixed generators (the global RNG is
     left alone).
 
@@ -249,10 +249,10 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
             out["rounds"][n].append(s)
             out["accepted"][n].append(a)
         h = hidden[torch.arange(context - B, context) % context]  # (B, d) the text's last B positions
-        level = []
+        level, u = [], torch.rand(B, generator=torch.Generator().manual_seed(B), dtype=torch.float64)
         for _ in range(repeats + 1):
             t = time.perf_counter()
-            target_probs(policy.logits(h), sampling.temperature, sampling.top_p)
+            sample_nucleus(policy.logits(h), sampling.temperature, sampling.top_p, u, policy.compiled_ops)
             level.append(time.perf_counter() - t)
         out["level"].append(min(level[1:]))
     return out

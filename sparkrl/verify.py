@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparkrl.sampling import logprob_of, nucleus, sample_from, sample_in_id_order, target_probs
+from sparkrl.sampling import logprob_of, sample_from, sample_nucleus, target_probs
 
 
 @dataclass
@@ -79,7 +79,7 @@ class Acceptance:
 
 
 def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.Tensor, max_depth: int,
-                vocab: torch.Tensor | None = None) -> Acceptance:
+                vocab: torch.Tensor | None = None, compiled: bool = False) -> Acceptance:
     """Walk every row's tree with point-mass acceptance.
 
     logits: (B, N, V) policy logits at every node (the distribution of the token after the node),
@@ -89,6 +89,7 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
     No node may be deeper than max_depth.
     vocab: token ids (Vd,); when given, the result carries the target p on them at every visited
     node (SPARK's feedback).
+    compiled: sample on the compiled nucleus kernel (`sampling.sample_nucleus`).
     """
     B, N = tree.tokens.shape
     dev = tree.tokens.device
@@ -113,13 +114,13 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
 
     for level in range(max_depth + 1):
         lg = at(walking, cur[walking])  # (n, V)
-        probs, ids = nucleus(lg, temperature, top_p)  # (n, W) p on its nucleus (a few hundred tokens), sparse
+        # p on its nucleus (n, W), sparse, and the tokens committed here, sampled in token-id order: which token a
+        # uniform picks depends on the row alone, not on how its probability ties were sorted (which can depend
+        # on the batch)
+        probs, ids, x_w, logp = sample_nucleus(lg, temperature, top_p, u[walking, level], compiled)
         visited.append(cur)
-        # in token-id order: which token a uniform picks depends on the row alone, not on how its
-        # probability ties were sorted (which can depend on the batch)
-        x_w = sample_in_id_order(probs.double(), ids, u[walking, level])  # the tokens committed here
         x = spread(x_w, walking)  # (B,)
-        logps.append(spread(logprob_of(lg, x_w, temperature), walking))
+        logps.append(spread(logp, walking))
         if vocab is not None:
             dense = torch.zeros(lg.shape, dtype=torch.float32, device=dev).scatter_(1, ids, probs)
             targets.append(spread(dense[:, vocab], walking))

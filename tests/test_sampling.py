@@ -6,9 +6,10 @@ import pytest
 import torch
 from scipy.stats import chisquare, kstest
 
+from sparkrl import native
 from sparkrl.config import SamplingConfig
 from sparkrl.rollout import generate, response_generators
-from sparkrl.sampling import nucleus, position_uniforms, sample, sample_from, target_probs
+from sparkrl.sampling import logprob_of, nucleus, position_uniforms, sample, sample_from, sample_nucleus, target_probs
 
 
 def reference_p(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -91,6 +92,93 @@ def test_a_batch_nucleus_equals_each_rows_own_with_distinct_ids():
     assert int((target_probs(logits[5:], 1.0, 0.95) > 0).sum()) in (950, 951)  # 0.95 of 1000 equal tokens, rounded
 
 
+needs_native = pytest.mark.skipif(not native.available(), reason="the compiled kernels are not available here")
+
+
+def dense(probs: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor:
+    return torch.zeros(len(probs), V, dtype=torch.float64).scatter_(1, ids, probs.double())
+
+
+def id_order_token(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """float64 reference of sampling in token-id order: the first id whose cumulative p exceeds u * total."""
+    cdf = p.double().cumsum(-1)
+    return (cdf <= (u * cdf[:, -1])[:, None]).sum(-1).clamp(max=p.shape[1] - 1)
+
+
+@needs_native
+@pytest.mark.parametrize("V", [1001, 49152])  # not a multiple of 8; the default model's vocabulary
+@pytest.mark.parametrize("scale", [0.01, 1.0, 8.0])  # flat (a nucleus of most tokens), typical, peaked
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 0.95), (0.7, 0.5), (1.3, 0.999), (1.0, 0.05)])
+def test_the_compiled_nucleus_matches_a_float64_reference(V, scale, temperature, top_p):
+    """`native.nucleus`: the nucleus rule checked in float64 on its support (as for `target_probs`), p
+    renormalised, distinct ids (the padding of narrower rows too), the token the float64
+    inverse CDF in id order picks at each uniform, and its log-probability before top-p."""
+    g = torch.Generator().manual_seed(V)
+    logits = torch.randn(5, V, generator=g) * scale
+    logits[4, :3] += 30.0  # one row with a nucleus of a few tokens beside wide ones: padded
+    u = torch.rand(5, generator=g, dtype=torch.float64)
+    probs, ids, token, logp = native.nucleus(logits, temperature, top_p, u)
+    got = dense(probs, ids, V)
+    p64 = torch.softmax(logits.double() / temperature, -1)
+    for row, keep in zip(p64, got > 0):
+        kept, dropped = row[keep], row[~keep]
+        if len(dropped):
+            assert kept.min() >= dropped.max() * (1 - 1e-6)
+        assert kept.sum() >= top_p - 1e-6 and kept.sum() - kept.min() < top_p + 1e-6
+    assert torch.allclose(got[got > 0], (p64 / (p64 * (got > 0)).sum(-1, keepdim=True))[got > 0], atol=1e-6)
+    assert torch.allclose(got, reference_p(logits, temperature, top_p), atol=1e-3)
+    assert torch.allclose(probs.double().sum(-1), torch.ones(5).double())
+    assert all(len(set(row.tolist())) == len(row) for row in ids)
+    assert torch.equal(token, id_order_token(got, u))
+    ref_logp = torch.log_softmax(logits.double() / temperature, -1).gather(1, token[:, None])[:, 0]
+    assert torch.allclose(logp.double(), ref_logp, atol=2e-5)
+
+
+@needs_native
+def test_the_compiled_nucleus_keeps_ties_lower_ids_first_and_skips_impossible_tokens():
+    """Equal logits at the nucleus's edge: the lower ids are kept; -inf logits never enter it; a row with one
+    possible token samples it whatever the uniform."""
+    logits = torch.full((3, 1000), -float("inf"))
+    logits[0, 100:200] = 0.0  # 100 equal tokens: top-p 0.495 keeps the first 50 by id
+    logits[1, 7] = 0.0  # one possible token
+    logits[2] = torch.arange(1000).float() % 3  # three tie groups of 333-334 tokens each
+    u = torch.tensor([0.3, 0.999, 0.6], dtype=torch.float64)
+    probs, ids, token, logp = native.nucleus(logits, 1.0, 0.495, u)
+    got = dense(probs, ids, 1000)
+    assert set(got[0].nonzero()[:, 0].tolist()) == set(range(100, 150))
+    assert got[1, 7] == 1.0 and token[1] == 7 and logp[1] == 0.0
+    top = (torch.arange(1000) % 3 == 2).nonzero()[:, 0]  # the most likely group (0.665 of the mass) ...
+    kept = got[2].nonzero()[:, 0]
+    assert torch.equal(kept, top[:len(kept)])  # ... its lowest ids, as many as reach top-p
+    assert torch.equal(token, id_order_token(got, u))
+
+
+@needs_native
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 0.95), (0.6, 0.8)])
+def test_sample_nucleus_compiled_or_not_gives_the_same_tokens(temperature, top_p):
+    """Both ways of `sample_nucleus` give the same p up to float32 rounding and sample the same token at each
+    uniform, but where the uniform falls within that rounding of a token's edge in the CDF (a nucleus of some
+    20,000 tokens may end one token apart); where the kernel does not serve (greedy, top-p 1) it takes the
+    tensor ops."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 49152, generator=g) * torch.linspace(0.5, 6, 64)[:, None]
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    a, b = sample_nucleus(logits, temperature, top_p, u, True), sample_nucleus(logits, temperature, top_p, u, False)
+    pa, pb = dense(*a[:2], 49152), dense(*b[:2], 49152)
+    edge = ((pa > 0) != (pb > 0)).sum(-1)  # rows whose nuclei end one token apart: renormalised a little apart
+    assert edge.max() <= 1 and torch.allclose(pa[edge == 0], pb[edge == 0], rtol=1e-5, atol=1e-9)
+    differ = (a[2] != b[2]).nonzero()[:, 0]
+    assert len(differ) <= 2
+    for r in differ.tolist():  # the uniform within rounding of the edge between the two tokens
+        edge = pa[r, :max(a[2][r], b[2][r])].sum()
+        assert abs(float(edge) - float(u[r] * pa[r].sum())) < 1e-4
+    same = a[2] == b[2]
+    assert torch.allclose(a[3][same], b[3][same], atol=1e-5)
+    assert torch.equal(b[3], logprob_of(logits, b[2], temperature))
+    for t, p in ((0.0, 0.9), (1.0, 1.0)):
+        assert torch.equal(sample_nucleus(logits, t, p, u, True)[2], sample(logits, t, p, u))
+
+
 def test_greedy_is_argmax_whatever_the_uniform():
     logits = torch.randn(4, 50)
     for u in (torch.zeros(4), torch.rand(4), torch.full((4,), 1 - 1e-16)):
@@ -98,12 +186,16 @@ def test_greedy_is_argmax_whatever_the_uniform():
 
 
 @pytest.mark.parametrize("top_p", [0.9, 1.0])
-def test_samples_follow_p_chi_square(top_p):
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_native)])
+def test_samples_follow_p_chi_square(top_p, compiled):
+    """`sample`, and `sample_nucleus` on the compiled kernel where it serves (top-p < 1), against p."""
     torch.manual_seed(1)
     logits = torch.randn(1, 12) * 1.5
     p = target_probs(logits, 0.8, top_p)[0].double()
     n = 20000  # the uniforms of one response's first n positions
-    draws = sample(logits.expand(n, -1), 0.8, top_p, position_uniforms(torch.tensor([7]), torch.arange(n)[None])[0])
+    u = position_uniforms(torch.tensor([7]), torch.arange(n)[None])[0]
+    draws = sample_nucleus(logits.expand(n, -1).contiguous(), 0.8, top_p, u, True)[2] if compiled else \
+        sample(logits.expand(n, -1), 0.8, top_p, u)
     counts = torch.bincount(draws, minlength=12).double()
     assert counts[p == 0].sum() == 0  # never outside the top-p support
     support = p > 0

@@ -7,9 +7,11 @@
 // rope: x * cos + rotate_half(x) * sin (`apply_rope`, Hugging Face's rotate-half convention).
 // attention: softmax(q k^T / sqrt(D), masked) v over a KV cache for a few new tokens per sequence (a decode
 // step, a verify forward), grouped-query heads, written as (B, T, H, D) for the output projection.
+// nucleus: top-p sampling of a row of logits and the sampled token's log-probability (below).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -316,10 +318,227 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
+
+// nucleus: the sampling after a decode step's LM head, per row of logits (N, V): x = logits / T - max, p =
+// softmax, the nucleus (tokens by descending p, ties lower id first, kept while the mass before them is below
+// top_p), renormalised, listed in token-id order; the token the row's uniform u picks from it in id order (the
+// inverse CDF, `sampling.sample_in_id_order`); and log softmax at that token (`sampling.logprob_of`). Nothing
+// sorts the vocabulary: one pass makes exp(x) and a histogram of the mass by x (16 bins per unit, 40 units:
+// below that a token's p is under 4e-18 of the top one's); the nucleus ends in the first bin where the mass
+// reaches top_p; only the tokens of that bin and its two neighbours are sorted, to find the last one kept.
+constexpr int BINS_PER_UNIT = 16, BIN_UNITS = 40, NBINS = BINS_PER_UNIT * BIN_UNITS;
+
+struct Nucleus {
+  std::vector<float> p;       // the nucleus's probabilities, renormalised, in id order
+  std::vector<int64_t> id;    // their token ids, ascending
+  int64_t token = 0;          // the sampled token
+  float logp = 0.0f;          // its log-probability under softmax(x), before top-p
+};
+
+// x (V) and e = exp(x) (V) are the row's scratch buffers
+Nucleus nucleus_row(const float* logits, int64_t V, float T, double top_p, double u, std::vector<float>& x,
+                    std::vector<float>& e) {
+  __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(logits + i));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, m8);
+  float lmax = *std::max_element(lanes, lanes + 8);
+  for (; i < V; ++i) lmax = std::max(lmax, logits[i]);
+  const float m = lmax / T;  // = max(logits / T): division by T > 0 keeps the order
+  // x, e (0 where x < -87, as float32's exp underflows there), their sum, and the mass histogram: one copy per
+  // lane, so that the adds of neighbouring tokens (often in one bin) do not wait on each other
+  std::vector<double> mass(8 * (NBINS + 1), 0.0);  // bin NBINS: too far below to matter
+  const __m256 t8 = _mm256_set1_ps(T), top = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.0f);
+  const __m256 scale = _mm256_set1_ps(-float(BINS_PER_UNIT)), last = _mm256_set1_ps(float(NBINS));
+  __m256d s4a = _mm256_setzero_pd(), s4b = _mm256_setzero_pd();
+  alignas(32) int32_t bins[8];
+  alignas(32) float ev8[8];
+  for (i = 0; i + 8 <= V; i += 8) {
+    const __m256 l8 = _mm256_loadu_ps(logits + i);
+    const __m256 xv = _mm256_sub_ps(T == 1.0f ? l8 : _mm256_div_ps(l8, t8), top);  // (logits / 1 = logits)
+    const __m256 ev = _mm256_and_ps(exp8(_mm256_max_ps(xv, lo)), _mm256_cmp_ps(xv, lo, _CMP_GE_OQ));
+    _mm256_storeu_ps(x.data() + i, xv);
+    _mm256_storeu_ps(e.data() + i, ev);
+    _mm256_store_ps(ev8, ev);
+    s4a = _mm256_add_pd(s4a, _mm256_cvtps_pd(_mm256_castps256_ps128(ev)));
+    s4b = _mm256_add_pd(s4b, _mm256_cvtps_pd(_mm256_extractf128_ps(ev, 1)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bins), _mm256_cvttps_epi32(_mm256_min_ps(_mm256_mul_ps(xv, scale), last)));
+    for (int l = 0; l < 8; ++l) mass[l * (NBINS + 1) + bins[l]] += ev8[l];
+  }
+  double sums[8];
+  _mm256_storeu_pd(sums, s4a);
+  _mm256_storeu_pd(sums + 4, s4b);
+  double s = 0.0;
+  for (double v : sums) s += v;
+  for (; i < V; ++i) {
+    x[i] = logits[i] / T - m;
+    e[i] = x[i] >= -87.0f ? std::exp(x[i]) : 0.0f;
+    s += e[i];
+    mass[int(std::min(-x[i] * BINS_PER_UNIT, float(NBINS)))] += e[i];
+  }
+  // bin b: x in (-(b + 1) / 16, -b / 16]. The nucleus ends in bin b* (the mass reaches top_p there): tokens
+  // with x > hi (above bin b* - 1) are kept for certain, those with x <= low (below bin b* + 1) are out, and the
+  // bins between are sorted (the bins' sums run in another order than the walk below). Where the histogram's
+  // mass falls short, every possible token is sorted.
+  double cum = 0.0;
+  int b_end = -1;
+  for (int b = 0; b < NBINS && b_end < 0; ++b) {
+    for (int l = 0; l < 8; ++l) cum += mass[l * (NBINS + 1) + b];
+    if (cum >= top_p * s) b_end = b;
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  float hi = b_end < 0 ? inf : -float(std::max(b_end - 1, 0)) / BINS_PER_UNIT;
+  float low = b_end < 0 ? -inf : -float(b_end + 2) / BINS_PER_UNIT;
+  double certain = 0.0;  // the mass (times s) of the tokens kept for certain
+  std::vector<std::pair<float, int64_t>> edge;  // (x, id) of the tokens between
+  {
+    const __m256 hi8 = _mm256_set1_ps(hi), low8 = _mm256_set1_ps(low);
+    __m256d c4a = _mm256_setzero_pd(), c4b = _mm256_setzero_pd();
+    for (i = 0; i + 8 <= V; i += 8) {
+      const __m256 xv = _mm256_loadu_ps(x.data() + i);
+      const __m256 above = _mm256_cmp_ps(xv, hi8, _CMP_GT_OQ);
+      const __m256 ev = _mm256_and_ps(_mm256_loadu_ps(e.data() + i), above);
+      c4a = _mm256_add_pd(c4a, _mm256_cvtps_pd(_mm256_castps256_ps128(ev)));
+      c4b = _mm256_add_pd(c4b, _mm256_cvtps_pd(_mm256_extractf128_ps(ev, 1)));
+      int between = _mm256_movemask_ps(_mm256_andnot_ps(above, _mm256_cmp_ps(xv, low8, _CMP_GT_OQ)));
+      for (; between; between &= between - 1) {
+        const int l = __builtin_ctz(between);
+        edge.emplace_back(x[i + l], i + l);
+      }
+    }
+    _mm256_storeu_pd(sums, c4a);
+    _mm256_storeu_pd(sums + 4, c4b);
+    for (double v : sums) certain += v;
+    for (; i < V; ++i) {
+      if (x[i] > hi) certain += e[i];
+      else if (x[i] > low) edge.emplace_back(x[i], i);
+    }
+  }
+  // a wide edge (a flat distribution: thousands of tokens within 3/16 of each other) narrowed the same way
+  // before it is sorted, by histograms of 64 bins over its range
+  while (edge.size() > 256 && b_end >= 0 && hi > low) {
+    const float width = (hi - low) / 64;
+    if (!(width > 0)) break;
+    std::vector<double> sub(65, 0.0);
+    for (const auto& [xj, j] : edge) sub[std::min(int((hi - xj) / width), 64)] += e[j];
+    double c = certain;
+    int k_end = -1;
+    for (int k = 0; k <= 64 && k_end < 0; ++k) {
+      c += sub[k];
+      if (c >= top_p * s) k_end = k;
+    }
+    if (k_end < 0) break;
+    const float new_hi = hi - std::max(k_end - 1, 0) * width, new_low = hi - (k_end + 2) * width;
+    if (!(new_hi < hi || new_low > low)) break;  // no narrower (equal values)
+    std::vector<std::pair<float, int64_t>> rest;
+    for (const auto& pr : edge) {
+      if (pr.first > new_hi) certain += e[pr.second];
+      else if (pr.first > new_low) rest.push_back(pr);
+    }
+    edge.swap(rest);
+    hi = new_hi;
+    low = new_low;
+  }
+  std::sort(edge.begin(), edge.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  // the last token kept, (x, id): a token is kept iff it comes no later in the order (x desc, id asc)
+  double before = certain / s;
+  float x_end = hi;
+  int64_t id_end = -1;  // with x_end = hi: only x > hi
+  for (const auto& [xj, j] : edge) {
+    if (before >= top_p) break;
+    before += float(double(e[j]) / s);
+    x_end = xj;
+    id_end = j;
+  }
+  Nucleus out;
+  double kept = 0.0;
+  const __m256 end8 = _mm256_set1_ps(x_end);
+  for (i = 0; i < V; i += 8) {
+    int in = 0;
+    if (i + 8 <= V) {
+      const __m256 xv = _mm256_loadu_ps(x.data() + i);
+      in = _mm256_movemask_ps(_mm256_cmp_ps(xv, end8, _CMP_GE_OQ));
+    } else {
+      for (int l = 0; i + l < V; ++l) in |= (x[i + l] >= x_end) << l;
+    }
+    for (; in; in &= in - 1) {
+      const int64_t j = i + __builtin_ctz(in);
+      if (x[j] == x_end && j > id_end) continue;
+      const float pj = float(double(e[j]) / s);
+      out.p.push_back(pj);
+      out.id.push_back(j);
+      kept += pj;
+    }
+  }
+  // renormalised; the token at u in id order
+  double total = 0.0;
+  for (float& pj : out.p) {
+    pj = float(pj / kept);
+    total += pj;
+  }
+  const double at = u * total;
+  double c = 0.0;
+  out.token = -1;
+  for (size_t k = 0; k < out.p.size(); ++k) {
+    if (out.p[k] > 0) out.token = out.id[k];  // (u within rounding of 1: the last possible token)
+    c += out.p[k];
+    if (c > at) break;
+  }
+  out.logp = float(double(x[out.token]) - std::log(s));
+  return out;
+}
+
+std::vector<at::Tensor> nucleus(const at::Tensor& logits, double temperature, double top_p, const at::Tensor& u) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous() &&
+                  logits.device().is_cpu() && logits.size(1) > 0,
+              "nucleus: contiguous float32 CPU logits (N, V)");
+  TORCH_CHECK(u.scalar_type() == at::kDouble && u.dim() == 1 && u.size(0) == logits.size(0) && u.is_contiguous() &&
+                  u.device().is_cpu(),
+              "nucleus: float64 CPU uniforms (N,)");
+  TORCH_CHECK(temperature > 0 && top_p > 0 && top_p < 1, "nucleus: temperature > 0 and 0 < top_p < 1");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  std::vector<Nucleus> rows(N);
+  const float* x = logits.data_ptr<float>();
+  const double* uu = u.data_ptr<double>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xs(V), e(V);
+    for (int64_t r = begin; r < end; ++r) rows[r] = nucleus_row(x + r * V, V, float(temperature), top_p, uu[r], xs, e);
+  });
+  size_t K = 1;
+  for (const auto& r : rows) K = std::max(K, r.p.size());
+  at::Tensor probs = at::zeros({N, int64_t(K)}, logits.options());
+  at::Tensor ids = at::empty({N, int64_t(K)}, logits.options().dtype(at::kLong));
+  at::Tensor token = at::empty({N}, ids.options()), logp = at::empty({N}, logits.options());
+  float* pp = probs.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  std::vector<char> held(V);
+  for (int64_t r = 0; r < N; ++r) {
+    const auto& row = rows[r];
+    std::copy(row.p.begin(), row.p.end(), pp + r * K);
+    std::copy(row.id.begin(), row.id.end(), ip + r * K);
+    if (row.p.size() < K) {  // the other columns: probability 0 on the lowest ids the row does not hold
+      std::fill(held.begin(), held.end(), 0);
+      for (int64_t j : row.id) held[j] = 1;
+      int64_t j = 0;
+      for (size_t k = row.p.size(); k < K; ++k) {
+        while (held[j]) ++j;
+        ip[r * K + k] = j++;
+      }
+    }
+    token.data_ptr<int64_t>()[r] = row.token;
+    logp.data_ptr<float>()[r] = row.logp;
+  }
+  return {probs, ids, token, logp};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sparkrl_native, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
+  m.def("nucleus(Tensor logits, float temperature, float top_p, Tensor u) -> Tensor[]", &nucleus);
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, int span, ScalarType out_dtype) -> Tensor", &attention);
 }
