@@ -32,7 +32,7 @@ CPU kernel is made for long blocks, and torch's bfloat16 one was 4-9x slower for
 After the LM head, `nucleus` samples a row in one call: the softmax, the top-p nucleus, the token in id
 order and its log-probability. torch's ops find the nucleus with a top-256 preselection, then top-4096, then a
 full sort; this model's nucleus at T 1 is often wider than 256 tokens, and the kernel finds it from one pass
-(a histogram of the softmax's mass) and sorts only the tokens near its edge: 3.7x faster at one row, 4.5-6.9x
+(a histogram of the softmax's mass) and sorts only the tokens near its edge: 3.8x faster at one row, 4.2-4.7x
 at 8-64 (bench/decode_ops.py). It runs where the norms, RoPE and attention do (`Transformer.compiled_ops`).
 
 The kernels are compiled once per machine with torch's C++ extension loader (gcc, AVX2 and FMA; about

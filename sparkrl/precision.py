@@ -270,7 +270,7 @@ def compiled_ops_pay(policy: Transformer) -> bool:
     """Whether this policy's norms, RoPE and cached attention run faster as one compiled call each
     (`native.rms_norm`, `native.rope`, `native.attention`) than as torch's tensor ops (`_compiled_timing`).
     Sampling follows the same switch (`Transformer.compiled_ops`: the compiled nucleus, `native.nucleus`), which
-    this timing leaves out: per call it ran 3.7-6.9x faster than torch's ops here (bench/decode_ops.py)."""
+    this timing leaves out: per call it ran 3.8-4.7x faster than torch's ops here (bench/decode_ops.py)."""
     return _compiled_timing(policy)["ops"]
 
 
