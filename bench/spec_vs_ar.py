@@ -16,6 +16,7 @@ generation, draft training and policy training.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 import time
@@ -48,6 +49,9 @@ def main():
     ap.add_argument("--fixed-upto", type=int, default=1 << 30,
                     help="run the full-proposal-every-round system only up to this many responses")
     ap.add_argument("--tree", default="5,4,16", help="depth,branch,nodes")
+    ap.add_argument("--tree-stop", type=float, default=DraftConfig.tree_stop, help="as sparkrl's --tree-stop")
+    ap.add_argument("--also-stop", type=float, default=None,
+                    help="also the full proposal every round with this --tree-stop, interleaved with the others")
     ap.add_argument("--skip", type=int, default=0, help="problems to skip (e.g. those used for pretraining)")
     ap.add_argument("--grpo-step", action="store_true")
     ap.add_argument("--budget", default="auto", choices=("auto", "adaptive"), help="the DRAFT+budget system's budget")
@@ -59,7 +63,7 @@ def main():
     args = ap.parse_args()
     depth, branch, nodes = map(int, args.tree.split(","))
     dcfg = DraftConfig(draft=args.draft, draft_checkpoint=args.draft_checkpoint, tree_depth=depth, tree_branch=branch,
-                       tree_nodes=nodes, budget=args.budget, block_size=args.block_size)
+                       tree_nodes=nodes, tree_stop=args.tree_stop, budget=args.budget, block_size=args.block_size)
     lm = load_model("default", dtype=args.dtype)
     dt = lm.model.lm_head.weight.dtype
     lm.model = rollout_copy(lm.model, dt, args.cpu_kernels).model  # as sparkrl's rollout copy
@@ -82,6 +86,11 @@ def main():
             budgeted: lambda ps: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
                                                       response_generators(0, P, G), dcfg.shape(), G, budget=budget),
         }
+        also = f"{spec} (tree stop {args.also_stop})"
+        if args.also_stop is not None:
+            other = dataclasses.replace(dcfg.shape(), stop=args.also_stop)
+            systems[also] = lambda ps: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
+                                                            response_generators(0, P, G), other, G)
         if P * G > args.fixed_upto:  # the full proposal every round is known to lose there; save the time
             del systems[spec]
         times, tokens, stats = ({k: [] for k in systems} for _ in range(3))
@@ -103,12 +112,18 @@ def main():
                "budget_tree_rounds": [sb.tree_rounds, sb.rounds],
                "split_s": {k: getattr(st or sb, k) for k in ("draft_s", "verify_s", "accept_s")},
                "accept_at_depth": (st or sb).accept_at_depth}
+        if also in stats:
+            sa = RoundStats.merge(stats[also], concurrent=False)
+            row["also"] = {"tree_stop": args.also_stop, "aal": sa.aal, "accept_at_depth": sa.accept_at_depth,
+                           "split_s": {k: getattr(sa, k) for k in ("draft_s", "verify_s", "accept_s")}}
+            print(f"{P}x{G}: {also} {tps[also]:.1f} tok/s ({row['ratio'][also]:.2f}x, AAL {sa.aal:.2f}), "
+                  f"split {row['also']['split_s']}", flush=True)
         rows.append(row)
         fixed = f"{spec} {tps[spec]:.1f} tok/s ({row['ratio'][spec]:.2f}x, AAL {st.aal:.2f}), " if st else ""
         print(f"{P}x{G}: AR {tps['autoregressive']:.1f} tok/s, {fixed}with budget {tps[budgeted]:.1f} tok/s "
               f"({row['ratio'][budgeted]:.2f}x, {sb.tree_rounds}/{sb.rounds} drafted rounds, AAL {sb.aal:.2f}), "
               f"split {row['split_s']}", flush=True)
-    result = {"meta": {"draft": args.draft, "block_size": args.block_size, "heldout": args.heldout, "tree": [depth, branch, nodes], "max_new_tokens": args.max_new_tokens, "data": args.data,
+    result = {"meta": {"draft": args.draft, "block_size": args.block_size, "tree_stop": args.tree_stop, "heldout": args.heldout, "tree": [depth, branch, nodes], "max_new_tokens": args.max_new_tokens, "data": args.data,
                        "dtype": args.dtype, "budget": args.budget, "packed_weights": lm.model.lm_head.packed,
                        "float32_attention": lm.model.model.attn_dtype is not None,
                        "draft_checkpoint": args.draft_checkpoint, "repeats": args.repeats,

@@ -208,3 +208,39 @@ def test_build_tree_equals_brute_force_reference(tiny_llama, shape, smaller, see
                 # a node has a context iff it was expanded, i.e. it is above the last level drafted (a
                 # tree of n nodes drafts min(depth, n) levels)
                 assert (node[i] >= 0) == (len(paths[i]) < min(shape.depth, nodes))
+
+
+def _frontier_mass(ref: Reference, shape: TreeShape) -> list[float]:
+    """Draft probability held by the frontier (the `branch` best recorded nodes) of levels 1 .. depth - 1."""
+    k = shape.branch
+    lp = ref.logp(())
+    kids = [((int(ref.ids[i]),), float(lp[i])) for i in range(lp.shape[0])]
+    out = []
+    for level in range(1, shape.depth):
+        frontier = sorted(kids, key=lambda c: -c[1])[:k]
+        out.append(sum(torch.tensor(s, dtype=torch.float64).exp().item() for _, s in frontier))
+        kids = []
+        for path, s in frontier:
+            lp = ref.logp(path)
+            best = lp.topk(k).indices.tolist()
+            kids += [(path + (int(ref.ids[i]),), s + float(lp[i])) for i in best]
+    return out
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_a_tree_stops_below_the_first_level_whose_every_frontier_is_unlikely(tiny_llama, level):
+    """With `stop`, build_tree drafts no level below the first one whose frontier holds less draft probability
+    than `stop` in every row (float64 reference), and the tree is the one drafted to that depth."""
+    shape = TreeShape(4, 2, 8)
+    drafter, cache, root, z, a, h, inputs = _setup(tiny_llama, 1, False)
+    mass = [max(m) for m in zip(*[_frontier_mass(Reference(drafter, tiny_llama, inputs, r), shape) for r in range(B)])]
+    assert all(x > y for x, y in zip(mass, mass[1:]))  # a child's path is never likelier than its parent's
+    stop = (mass[level - 1] + (mass[level - 2] if level > 1 else 1.0)) / 2  # below level - 1's, above level's
+    with torch.no_grad():
+        tree, _ = draft_tree(drafter, cache, root, z, a, h, TreeShape(4, 2, 8, stop=stop), 8)
+        assert cache.pending == shape.branch * (level - 1)  # levels 2 .. level drafted
+        cache.commit(n_keep=torch.zeros(B, dtype=torch.long))
+        want, _ = draft_tree(drafter, cache, root, z, a, h, TreeShape(level, 2, 8), 8)
+        cache.commit(n_keep=torch.zeros(B, dtype=torch.long))
+    assert torch.equal(tree.tokens, want.tokens) and torch.equal(tree.parents, want.parents)
+    assert int(tree.depth.max()) == level

@@ -4,7 +4,9 @@ Level 1 is the top-`branch` tokens of the drafter's distribution after the root.
 level the current frontier (the `branch` best nodes of the previous level by cumulative draft
 log-probability) is expanded in one drafter forward, each frontier node proposing its top-`branch`
 children, and the `branch` best children by cumulative log-probability form the next frontier.
-Finally the `nodes` best recorded nodes overall make the tree. A child's cumulative log-probability
+Finally the `nodes` best recorded nodes overall make the tree. With `shape.stop`, no deeper level is drafted
+once every row's frontier holds less draft probability than that (EAGLE-2's point: the draft's confidence
+tracks acceptance), so an unsure drafter proposes a shallower, smaller tree. A child's cumulative log-probability
 never exceeds its parent's, so the chosen set is closed under ancestors. Everything here depends on
 the drafter's distribution only, so the candidates are deterministic (point masses).
 
@@ -89,6 +91,8 @@ def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Ten
     # a node at depth d ranks below its d - 1 ancestors, so a tree of n nodes never reaches below depth n:
     # levels past that are not drafted (the budget's small trees cost less; the kept nodes are the same)
     for level in range(2, min(shape.depth, nodes or shape.nodes) + 1):
+        if shape.stop and bool((score.exp().sum(-1) < shape.stop).all()):  # host sync: every frontier unlikely
+            break
         P = cache.pending
         mask = torch.cat([front_anc, torch.eye(F, dtype=torch.bool, device=dev).expand(B, F, F)], -1)
         step = drafter(rec_tok[-1], front_feat, cache, tree_mask=mask,
