@@ -94,8 +94,9 @@ class TreeShape(Checked):
     """tree: point-mass top-k trees; chain: `depth` tokens sampled from q; block: DFlash greedy blocks of
     `depth` tokens (point masses)."""
     stop: float = 0.0
-    """tree: no deeper level is drafted once the draft probability of every row's frontier (its paths' summed
-    probabilities) is below this: their children could add at most that many accepted tokens (0: every level)."""
+    """tree: a row's tree gets no deeper level once its frontier's draft probability (its paths' summed
+    probabilities) is below this: their children could add at most that many accepted tokens; no deeper level is
+    drafted once every row has stopped (0: every level)."""
 
     def validate(self):
         _check(self.depth <= self.nodes,
@@ -270,9 +271,9 @@ class DraftConfig(Checked):
     tree_nodes: int = 16
     """Draft nodes verified per response per round (the root not counted)."""
     tree_stop: float = 0.15
-    """Stop drafting deeper tree levels once every response's frontier holds less draft probability than this
-    (the most its children could add to the accepted tokens; at one response on this CPU a level costs about
-    0.16 of an autoregressive step); 0: draft every level."""
+    """A response's draft tree gets no deeper level once its frontier holds less draft probability than this (the
+    most its children could add to the accepted tokens; at one response on this CPU a level costs about 0.16 of an
+    autoregressive step), and no deeper level is drafted once every response has stopped; 0: every level."""
     draft_mode: Literal["tree", "chain"] = "tree"
     """tree: top-k trees of point-mass candidates; chain: tree-depth tokens sampled from the draft,
     accepted with min(1, p/q)."""

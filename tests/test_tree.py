@@ -230,17 +230,62 @@ def _frontier_mass(ref: Reference, shape: TreeShape) -> list[float]:
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_a_tree_stops_below_the_first_level_whose_every_frontier_is_unlikely(tiny_llama, level):
     """With `stop`, build_tree drafts no level below the first one whose frontier holds less draft probability
-    than `stop` in every row (float64 reference), and the tree is the one drafted to that depth."""
+    than `stop` in every row (float64 reference), and each row's tree is the one drafted to the depth where its
+    own frontier fell below `stop`."""
     shape = TreeShape(4, 2, 8)
     drafter, cache, root, z, a, h, inputs = _setup(tiny_llama, 1, False)
-    mass = [max(m) for m in zip(*[_frontier_mass(Reference(drafter, tiny_llama, inputs, r), shape) for r in range(B)])]
+    rows = [_frontier_mass(Reference(drafter, tiny_llama, inputs, r), shape) for r in range(B)]
+    mass = [max(m) for m in zip(*rows)]
     assert all(x > y for x, y in zip(mass, mass[1:]))  # a child's path is never likelier than its parent's
     stop = (mass[level - 1] + (mass[level - 2] if level > 1 else 1.0)) / 2  # below level - 1's, above level's
+    own = [next((i + 1 for i, m in enumerate(r) if m < stop), shape.depth) for r in rows]  # each row's depth
+    assert max(own) == level
     with torch.no_grad():
         tree, _ = draft_tree(drafter, cache, root, z, a, h, TreeShape(4, 2, 8, stop=stop), 8)
         assert cache.pending == shape.branch * (level - 1)  # levels 2 .. level drafted
         cache.commit(n_keep=torch.zeros(B, dtype=torch.long))
-        want, _ = draft_tree(drafter, cache, root, z, a, h, TreeShape(level, 2, 8), 8)
+        for r in range(B):
+            want, _ = draft_tree(drafter, cache, root, z, a, h, TreeShape(own[r], 2, 8), 8)
+            cache.commit(n_keep=torch.zeros(B, dtype=torch.long))
+            assert sorted(_paths_valid(tree, r)) == sorted(_paths_valid(want, r))
+    assert int(tree.depth[tree.valid].max()) == level
+
+
+def test_a_tree_with_a_stop_is_each_rows_own_whatever_the_batch(tiny_llama):
+    """A stop between the rows' frontier probabilities stops some rows and not others: each row's valid nodes
+    are those it gets drafted alone (a batch, or a data-parallel rank's share of it, changes no row's tree),
+    and a stopped row has no valid node below its stopping level."""
+    shape = TreeShape(4, 2, 8)
+    drafter, cache, root, z, a, h, inputs = _setup(tiny_llama, 1, False)
+    level2 = [_frontier_mass(Reference(drafter, tiny_llama, inputs, r), shape)[1] for r in range(B)]
+    stop = (sorted(level2)[0] + sorted(level2)[1]) / 2  # the least likely row stops below level 2, the others go on
+    stopped = [m < stop for m in level2]
+    assert any(stopped) and not all(stopped)
+    stopping = TreeShape(4, 2, 8, stop=stop)
+
+    def valid_paths(tree, r):
+        return sorted(_paths_valid(tree, r))
+
+    with torch.no_grad():
+        batch, _ = draft_tree(drafter, cache, root, z, a, h, stopping, 8)
         cache.commit(n_keep=torch.zeros(B, dtype=torch.long))
-    assert torch.equal(tree.tokens, want.tokens) and torch.equal(tree.parents, want.parents)
-    assert int(tree.depth.max()) == level
+        for r in range(B):
+            alone = copy.deepcopy(cache)
+            alone.keep_rows(torch.tensor([r]))
+            tree, _ = draft_tree(drafter, alone, root[r:r + 1], z[r:r + 1], a[r:r + 1], h[r:r + 1], stopping, 8)
+            assert valid_paths(batch, r) == valid_paths(tree, 0)
+            if stopped[r]:
+                assert max(map(len, valid_paths(batch, r))) <= 2
+
+
+def _paths_valid(tree, row):
+    """Token paths of a row's valid nodes (padding nodes have parent -1 and are skipped)."""
+    toks, par, val = tree.tokens[row].tolist(), tree.parents[row].tolist(), tree.valid[row].tolist()
+    paths = {0: ()}
+    for i in range(1, len(toks)):
+        if val[i]:
+            assert 0 <= par[i] < i and par[i] in paths
+            paths[i] = paths[par[i]] + (toks[i],)
+        else:
+            assert par[i] == -1
+    return [p for i, p in paths.items() if i]

@@ -4,9 +4,10 @@ Level 1 is the top-`branch` tokens of the drafter's distribution after the root.
 level the current frontier (the `branch` best nodes of the previous level by cumulative draft
 log-probability) is expanded in one drafter forward, each frontier node proposing its top-`branch`
 children, and the `branch` best children by cumulative log-probability form the next frontier.
-Finally the `nodes` best recorded nodes overall make the tree. With `shape.stop`, no deeper level is drafted
-once every row's frontier holds less draft probability than that (EAGLE-2's point: the draft's confidence
-tracks acceptance), so an unsure drafter proposes a shallower, smaller tree. A child's cumulative log-probability
+Finally the `nodes` best recorded nodes overall make the tree. With `shape.stop`, a row whose frontier holds
+less draft probability than that records no deeper nodes (EAGLE-2's point: the draft's confidence tracks
+acceptance; its tree is padded with invalid nodes), and once every row has stopped no deeper level is drafted,
+so an unsure drafter proposes a shallower, smaller tree. A child's cumulative log-probability
 never exceeds its parent's, so the chosen set is closed under ancestors. Everything here depends on
 the drafter's distribution only, so the candidates are deterministic (point masses).
 
@@ -79,7 +80,7 @@ def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Ten
     k = shape.branch
     ids = drafter.vocab_ids
     z = correct(z, h)
-    ctx_h, ctx_z, expanded = [h[:, None]], [z[:, None]], []  # expanded: (recorded ids, first context)
+    ctx_h, ctx_z, expanded = [h[:, None]], [z[:, None]], []  # expanded: (recorded ids, first context, rows going)
     logq = torch.log_softmax(z.float(), -1)  # (B, Vd)
     score, tok = logq.topk(min(k, logq.shape[-1]), dim=-1)  # (B, F)
     F = score.shape[1]
@@ -90,21 +91,26 @@ def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Ten
     n_rec, n_ctx = F, 1
     # a node at depth d ranks below its d - 1 ancestors, so a tree of n nodes never reaches below depth n:
     # levels past that are not drafted (the budget's small trees cost less; the kept nodes are the same)
+    going = None  # with shape.stop: the rows whose frontier is still likely enough to draft below
     for level in range(2, min(shape.depth, nodes or shape.nodes) + 1):
-        if shape.stop and bool((score.exp().sum(-1) < shape.stop).all()):  # host sync: every frontier unlikely
-            break
+        if shape.stop:
+            going = score.exp().sum(-1) >= shape.stop  # (B,) a stopped row's frontier scores are -inf
+            if not bool(going.any()):  # host sync: every row stopped
+                break
         P = cache.pending
         mask = torch.cat([front_anc, torch.eye(F, dtype=torch.bool, device=dev).expand(B, F, F)], -1)
         step = drafter(rec_tok[-1], front_feat, cache, tree_mask=mask,
                        depth=torch.full((B, F), level - 2, device=dev))
         zs = correct(step.z, step.h)  # (B, F, Vd)
-        expanded.append((front_id, n_ctx))
+        expanded.append((front_id, n_ctx, going))
         ctx_h.append(step.h)
         ctx_z.append(zs)
         n_ctx += F
         cs, ci = torch.log_softmax(zs, -1).topk(k, dim=-1)  # (B, F, k)
         cum = (rec_score[-1][:, :, None] + cs).flatten(1)  # (B, F*k)
         score, sel = cum.topk(k, dim=-1)  # (B, k) next frontier
+        if going is not None:  # a stopped row records no nodes below (each row's tree is its own, whatever the batch)
+            score = score.masked_fill(~going[:, None], float("-inf"))
         slot = sel // k  # frontier slot of each child's parent
         rec_tok.append(ids[ci.flatten(1).gather(1, sel)])
         rec_score.append(score)
@@ -122,8 +128,9 @@ def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Ten
                          torch.cat([torch.full_like(s, d, dtype=torch.long) for s, d in zip(rec_score, rec_depth)], 1),
                          root, nodes or shape.nodes)
     rec_ctx = torch.full((B, n_rec), -1, dtype=torch.long, device=dev)  # context of each recorded node
-    for ids_, first in expanded:
-        rec_ctx.scatter_(1, ids_, first + torch.arange(ids_.shape[1], device=dev).expand_as(ids_))
+    for ids_, first, went in expanded:  # a stopped row's frontier was expanded for the others only: no context
+        ctx = first + torch.arange(ids_.shape[1], device=dev).expand_as(ids_)
+        rec_ctx.scatter_(1, ids_, ctx if went is None else torch.where(went[:, None], ctx, -1))
     node = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), rec_ctx.gather(1, keep)], 1)
     return Proposal(tree, None, Contexts(ctx_h, ctx_z, node, rejected_children=True))
 
@@ -167,10 +174,11 @@ def _select(tok, score, parent, depth, root, nodes) -> tuple[Tree, torch.Tensor]
     new_index.scatter_(1, keep, torch.arange(1, n + 1, device=dev).expand(B, n))
     par = parent.gather(1, keep)
     par = torch.where(par < 0, 0, new_index.gather(1, par.clamp(min=0)))
+    valid = rank.gather(1, keep).isfinite()  # not a node a stopped row recorded (`shape.stop`): padding
     return Tree(
         tokens=torch.cat([root[:, None], tok.gather(1, keep)], 1),
-        parents=torch.cat([torch.full((B, 1), -1, device=dev), par], 1),
-        valid=torch.ones(B, n + 1, dtype=torch.bool, device=dev),
+        parents=torch.cat([torch.full((B, 1), -1, device=dev), torch.where(valid, par, -1)], 1),
+        valid=torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev), valid], 1),
         depth=torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), depth.gather(1, keep)], 1),
         rank=torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), perm + 1], 1),
     ), keep
