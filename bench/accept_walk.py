@@ -74,7 +74,7 @@ def main():
         walks[args.against] = module_at(args.against).accept_tree
     per_child = {k: "max_children" in inspect.signature(w).parameters for k, w in walks.items()}
     dcfg = DraftConfig(draft="eagle3", draft_checkpoint="default", tree_depth=5, tree_branch=4, tree_nodes=16,
-                       budget="fixed")
+                       tree_stop=0.0, budget="fixed")  # every level, as the walks were measured
     lm = load_model("default", dtype=args.dtype)
     policy = rollout_copy(lm.model, getattr(torch, args.dtype), "auto").model
     drafter = make_drafting(dcfg, policy, policy, 1.0).rollout.model.bind(policy)

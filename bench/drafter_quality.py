@@ -45,7 +45,8 @@ def measure(lm, drafter, shape, prompts, group: int, sampling: SamplingConfig) -
 
 def systems(lm, args) -> dict:
     """name -> (drafter, proposal shape) for the drafters to compare."""
-    eagle = DraftConfig(draft="eagle3", draft_checkpoint=args.eagle3, tree_depth=5, tree_branch=4, tree_nodes=16, budget="fixed")
+    eagle = DraftConfig(draft="eagle3", draft_checkpoint=args.eagle3, tree_depth=5, tree_branch=4, tree_nodes=16, tree_stop=0.0,
+                        budget="fixed")  # every level of the 16-node trees: the issue's measure of a drafter
     dflash = DraftConfig(draft="dflash", draft_checkpoint=args.dflash, block_size=args.block_size, budget="fixed")
     make = {"eagle3": lambda: (make_drafter(eagle, lm.model), eagle.shape()),
             "dflash": lambda: (make_drafter(dflash, lm.model), dflash.shape()),
@@ -68,7 +69,7 @@ def snapshots_curve(lm, args, sampling) -> dict:
         every = sorted((run / kind / "snapshots").glob("step-*.safetensors"))
         files = every[:: args.every] + ([every[-1]] if every and (len(every) - 1) % args.every else [])
         cfg = lambda f: DraftConfig(draft=kind, draft_checkpoint=str(f), tree_depth=5, tree_branch=4, tree_nodes=16,
-                                    block_size=args.block_size, budget="fixed")
+                                    tree_stop=0.0, block_size=args.block_size, budget="fixed")
         out[kind] = []
         for f in files:
             step = int(re.search(r"step-(\d+)", f.name).group(1))
