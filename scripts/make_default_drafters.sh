@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Make the drafters shipped for the default model (sparkrl/drafters/shipped/, see its README.md):
 # the EAGLE3-style drafter from a run on the policy's own responses only, continued for two epochs on
-# 3,000 more of them (another seed); the DFlash-style drafter from a run on GSM8K solutions and policy
-# responses (which also trains an EAGLE3-style drafter on the same passes, not shipped); their bf16
+# 3,000 more of them (another seed), then for two epochs on 2,000 more (a third seed); the DFlash-style
+# drafter from a run on GSM8K solutions and policy responses (which also trains an EAGLE3-style drafter
+# on the same passes, not shipped); their bf16
 # weights are copied into the package. Resumable: rerun with RESUME=--resume. Needs ../shared/data
-# (GSM8K and MATH training files); about 4.5 hours on a 2-core CPU.
+# (GSM8K and MATH training files); about 5.5 hours on a 2-core CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EAGLE=${EAGLE:-runs/policy_only}
 CONT=${CONT:-runs/cont2}
+CONT3=${CONT3:-runs/cont3}
 SHIP=${SHIP:-runs/ship}
 DATA=${DATA:-../shared/data/gsm8k/train.jsonl,../shared/data/math/train.jsonl}
 COMMON="--model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 100 --checkpoint-every 25 --micro-batch 8 --lr 5e-4 --warmup 50"
@@ -16,10 +18,14 @@ COMMON="--model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --
 .venv/bin/sparkrl pretrain-draft --model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 125 \
     --checkpoint-every 25 --micro-batch 8 --out "$CONT" --draft eagle3 --init "$EAGLE/eagle3/drafter.safetensors" \
     --seed 1 --prompts 3000 --no-solutions --lr 3e-4 --warmup 25 --epochs 2 ${RESUME:-}
+.venv/bin/sparkrl pretrain-draft --model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 125 \
+    --checkpoint-every 25 --micro-batch 8 --out "$CONT3" --draft eagle3 --init "$CONT/eagle3/drafter.safetensors" \
+    --seed 2 --prompts 2000 --no-solutions --lr 3e-4 --warmup 25 --epochs 2 ${RESUME:-}
 .venv/bin/sparkrl pretrain-draft $COMMON --out "$SHIP" --draft eagle3,dflash --prompts 512 --max-solutions 2000 ${RESUME:-}
-cp "$CONT/eagle3/drafter.safetensors" sparkrl/drafters/shipped/smollm2-135m-instruct-eagle3.safetensors
+cp "$CONT3/eagle3/drafter.safetensors" sparkrl/drafters/shipped/smollm2-135m-instruct-eagle3.safetensors
 cp "$EAGLE/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3.png
 cp "$CONT/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3-continued.png
+cp "$CONT3/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3-continued2.png
 cp "$SHIP/dflash/drafter.safetensors" sparkrl/drafters/shipped/smollm2-135m-instruct-dflash.safetensors
 cp "$SHIP/pretrain.png" sparkrl/drafters/shipped/pretrain.png
-echo "sparkrl: shipped drafters updated from $CONT (eagle3, continued from $EAGLE) and $SHIP (dflash)"
+echo "sparkrl: shipped drafters updated from $CONT3 (eagle3, continued from $CONT, from $EAGLE) and $SHIP (dflash)"

@@ -270,10 +270,12 @@ class DraftConfig(Checked):
     """Children per expanded node, and nodes expanded per level."""
     tree_nodes: int = 16
     """Draft nodes verified per response per round (the root not counted)."""
-    tree_stop: float = 0.15
+    tree_stop: float = 0.0
     """A response's draft tree gets no deeper level once its frontier holds less draft probability than this (the
     most its children could add to the accepted tokens; at one response on this CPU a level costs about 0.16 of an
-    autoregressive step), and no deeper level is drafted once every response has stopped; 0: every level."""
+    autoregressive step), and no deeper level is drafted once every response has stopped; 0 (the default): every
+    level. At 0.15 and one response it kept the AAL with one drafter and cost 15% of it with another (BENCHMARKS.md
+    "Draft trees that stop where the drafter is unsure")."""
     draft_mode: Literal["tree", "chain"] = "tree"
     """tree: top-k trees of point-mass candidates; chain: tree-depth tokens sampled from the draft,
     accepted with min(1, p/q)."""
