@@ -274,8 +274,8 @@ class DraftConfig(Checked):
     """A response's draft tree gets no deeper level once its frontier holds less draft probability than this (the
     most its children could add to the accepted tokens; at one response on this CPU a level costs about 0.16 of an
     autoregressive step), and no deeper level is drafted once every response has stopped; 0 (the default): every
-    level. At 0.15 and one response it kept the AAL with one drafter and cost 15% of it with another (BENCHMARKS.md
-    "Draft trees that stop where the drafter is unsure")."""
+    level. At 0.15 and one response it kept the AAL with one drafter and cost 15 percent of it with another
+    (BENCHMARKS.md "Draft trees that stop where the drafter is unsure")."""
     draft_mode: Literal["tree", "chain"] = "tree"
     """tree: top-k trees of point-mass candidates; chain: tree-depth tokens sampled from the draft,
     accepted with min(1, p/q)."""
@@ -480,7 +480,7 @@ class AnalyzeConfig(Checked):
     """Also analyse each log in this many consecutive parts by training step (3: the paper's early,
     middle and late stages; analysis_stages.png)."""
     bootstrap: int = at_least(0, 1000)
-    """Bootstrap resamples of the prompt groups for the 95% intervals of each ratio (0: none)."""
+    """Bootstrap resamples of the prompt groups for the 95 percent intervals of each ratio (0: none)."""
 
     def validate(self):
         _check(bool(self.logs), "--logs is required: one or more round logs written with --round-log")

@@ -36,3 +36,10 @@ def test_cli_flags_match_the_snapshot():
         SNAPSHOT.write_text(now)
     diff = "".join(difflib.unified_diff(SNAPSHOT.read_text().splitlines(True), now.splitlines(True), "snapshot", "now"))
     assert not diff, f"the CLI changed; if on purpose, regenerate the snapshot (see this file's docstring):\n{diff}"
+
+
+def test_every_commands_help_renders():
+    """argparse expands `%` in help texts: a field docstring with a bare `15%` once broke `--help`."""
+    sub = next(a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        assert f"sparkrl {name}" in parser.format_help()
