@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from sparkrl.budget import AR, Budget, CostModel
 from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
 from sparkrl.data import build_prompts, held_out, load_problems
 from sparkrl.build import make_drafting
@@ -55,6 +56,9 @@ def main():
     ap.add_argument("--skip", type=int, default=0, help="problems to skip (e.g. those used for pretraining)")
     ap.add_argument("--grpo-step", action="store_true")
     ap.add_argument("--budget", default="auto", choices=("auto", "adaptive"), help="the DRAFT+budget system's budget")
+    ap.add_argument("--also-full-depth", action="store_true",
+                    help="also the budget choosing among full-depth trees only (each node count at depth "
+                         "min(depth, nodes), as before trees of every depth), interleaved with the others")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="the rollout dtype of every compared system (policy and drafter)")
     ap.add_argument("--cpu-kernels", default="auto", choices=("auto", "packed", "plain"),
@@ -69,6 +73,7 @@ def main():
     lm.model = rollout_copy(lm.model, dt, args.cpu_kernels).model  # as sparkrl's rollout copy
     d = make_drafting(dcfg, lm.model, lm.model, 1.0)  # the drafter in the policy's dtype, kernels and attention
     drafter, budget = d.rollout.model, d.budget
+    full_depth_budget = full_depth_only(budget, dcfg.shape()) if args.also_full_depth else None
     problems = load_problems(args.data).problems
     problems = [p for p in problems if held_out(p, args.heldout)] if args.heldout else problems[args.skip:]
     prompts = build_prompts(lm.tokenizer, problems[:64], 512, "skip").prompt_ids
@@ -91,6 +96,11 @@ def main():
             other = dataclasses.replace(dcfg.shape(), stop=args.also_stop)
             systems[also] = lambda ps: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
                                                             response_generators(0, P, G), other, G)
+        full_only = f"{budgeted} (full depth only)"
+        if args.also_full_depth:
+            systems[full_only] = lambda ps: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
+                                                                 response_generators(0, P, G), dcfg.shape(), G,
+                                                                 budget=full_depth_budget)
         if P * G > args.fixed_upto:  # the full proposal every round is known to lose there; save the time
             del systems[spec]
         times, tokens, stats = ({k: [] for k in systems} for _ in range(3))
@@ -109,9 +119,14 @@ def main():
                "times_s": times, "tok_per_s": tps,
                "ratio": {k: tps[k] / tps["autoregressive"] for k in systems if k != "autoregressive"},
                "aal": st.aal if st else None, "budget_aal": sb.aal, "rounds": sb.rounds,
-               "budget_tree_rounds": [sb.tree_rounds, sb.rounds],
+               "budget_tree_rounds": [sb.tree_rounds, sb.rounds], "budget_sizes": sb.sizes,
                "split_s": {k: getattr(st or sb, k) for k in ("draft_s", "verify_s", "accept_s")},
                "accept_at_depth": (st or sb).accept_at_depth}
+        if full_only in stats:
+            sf = RoundStats.merge(stats[full_only], concurrent=False)
+            row["full_depth_only"] = {"aal": sf.aal, "tree_rounds": [sf.tree_rounds, sf.rounds], "sizes": sf.sizes}
+            print(f"{P}x{G}: {full_only} {tps[full_only]:.1f} tok/s ({row['ratio'][full_only]:.2f}x, "
+                  f"{sf.tree_rounds}/{sf.rounds} drafted rounds {sf.sizes}, AAL {sf.aal:.2f})", flush=True)
         if also in stats:
             sa = RoundStats.merge(stats[also], concurrent=False)
             row["also"] = {"tree_stop": args.also_stop, "aal": sa.aal, "accept_at_depth": sa.accept_at_depth,
@@ -121,7 +136,7 @@ def main():
         rows.append(row)
         fixed = f"{spec} {tps[spec]:.1f} tok/s ({row['ratio'][spec]:.2f}x, AAL {st.aal:.2f}), " if st else ""
         print(f"{P}x{G}: AR {tps['autoregressive']:.1f} tok/s, {fixed}with budget {tps[budgeted]:.1f} tok/s "
-              f"({row['ratio'][budgeted]:.2f}x, {sb.tree_rounds}/{sb.rounds} drafted rounds, AAL {sb.aal:.2f}), "
+              f"({row['ratio'][budgeted]:.2f}x, {sb.tree_rounds}/{sb.rounds} drafted rounds {sb.sizes}, AAL {sb.aal:.2f}), "
               f"split {row['split_s']}", flush=True)
     result = {"meta": {"draft": args.draft, "block_size": args.block_size, "tree_stop": args.tree_stop, "heldout": args.heldout, "tree": [depth, branch, nodes], "max_new_tokens": args.max_new_tokens, "data": args.data,
                        "dtype": args.dtype, "budget": args.budget, "packed_weights": lm.model.lm_head.packed,
@@ -136,6 +151,16 @@ def main():
     name += "_packed" if lm.model.lm_head.packed else ""
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     plot(result, out / f"{name}.png")
+
+
+def full_depth_only(budget: Budget, shape) -> Budget:
+    """A budget like `budget` (same timing) choosing among full-depth trees only: n nodes at depth
+    min(depth, n), the candidates before trees of every depth."""
+    c = budget.cost
+    keep = lambda s: s == AR or s[1] == min(shape.depth, s[0])
+    cost = CostModel(c.rows, {s: v for s, v in c.rounds.items() if keep(s)},
+                     {s: v for s, v in c.accepted.items() if keep(s)}, c.level)
+    return Budget(cost, shape, adaptive=budget.adaptive)
 
 
 def plot(result: dict, path: Path) -> None:

@@ -7,12 +7,15 @@ forward is compute-bound and big trees lose (FastGRPO's concurrency-aware point)
 of a rollout few responses remain and speculation wins. On a CPU even one response's forward is
 compute-bound, so the best tree is often small.
 
-Each round the engine asks `Budget.choose(B)` for a node count n among 0 (a root-only tree: exactly
-an autoregressive step, which keeps the drafter in sync), 1, 2, 4, ... up to the configured nodes,
-minimising measured seconds / expected committed tokens. The `n` best nodes of a tree are also the
-best of any larger one, so from a round that verified n nodes the accepted drafts a smaller tree
-would have kept are known: the accepted path's leading nodes of rank <= n' (`observe`). Running
-averages of those feed the expectations.
+Each round the engine asks `Budget.choose(B)` for a tree size (nodes n, depth d), or an autoregressive
+round (AR: exactly a root-only tree's step, which keeps the drafter in sync): n among 1, 2, 4, ... up to the
+configured nodes, at every depth up to the configured one (`tree_sizes`), minimising measured seconds /
+expected committed tokens. A shallower tree drafts fewer levels, each a drafter forward (a depth-1 tree
+none: its candidates are the root's logits), and verifies fewer nodes; it gives up the deep levels, where
+acceptance is lowest. A tree of size (n, d) is the n best recorded nodes of depth <= d, so from a
+verified round the accepted drafts a smaller or shallower tree would have kept follow: the accepted
+path's leading nodes of depth <= d and of rank <= n among those (`kept_drafts`; exact for the trees the
+verified one contains, a lower bound for the others). Running averages of those feed the expectations.
 
 The cost model times whole rounds of the engine itself (`speculative.time_rounds`: drafting, the
 drafter's catch-up, the verify forward, the acceptance walk, commit; an autoregressive round with its
@@ -46,13 +49,14 @@ from sparkrl.config import TreeShape
 from sparkrl.machine import measurement_path
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-ENGINE = 9  # part of the timing cache's key: bumped when a round's work or its timing changes (2: a tree
+ENGINE = 10  # part of the timing cache's key: bumped when a round's work or its timing changes (2: a tree
 # of n nodes drafts min(depth, n) levels; sizes timed in turn, 3 repeats, 7 row counts; 3: the
 # acceptance walk runs the LM head only for the rows still walking; 4: timed on the policy's own text,
 # not random tokens; the drafter's catch-up runs its head at one position per row; 5: weight-major products
 # split per thread, from one row; 6: q/k/v and gate/up as one weight-major product each; 7: packed float32
 # layers leave 1-4 rows to weight-major products; 8: the acceptance walk's LM head also covers first-child
-# paths, `verify.PathLogits`; 9: sampling on the compiled nucleus with the compiled ops)
+# paths, `verify.PathLogits`; 9: sampling on the compiled nucleus with the compiled ops; 10: sizes are
+# (nodes, depth): shallower trees too)
 GAIN = 0.9  # a tree is chosen when predicted at least 10% faster per committed token than an AR step: the
 # cost model's error (measured at 8 rows: 1-node trees predicted 1.08x ran at 0.96x) must not turn a
 # predicted gain into a loss
@@ -60,10 +64,35 @@ EXPLORE_MARGIN = 1.15  # a tree predicted within 15% of an AR step per committed
 EXPLORE_EVERY = 8  # ... is drafted once every 8 rounds that declined it
 CONTEXT = 192  # committed tokens per row while timing (a typical mid-rollout length)
 
+Size = tuple[int, int]  # (nodes, depth) of a round's tree; AR = (0, 0), an autoregressive round
+AR: Size = (0, 0)
 
-def tree_sizes(nodes: int) -> list[int]:
-    """Candidate node counts: powers of two below `nodes`, and `nodes`."""
-    return [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n < nodes] + [nodes]
+
+def tree_sizes(shape: TreeShape) -> list[Size]:
+    """Candidate trees (nodes, depth): node counts n of powers of two below shape.nodes and shape.nodes,
+    each at every depth d <= min(shape.depth, n), keeping at most the d * branch nodes a tree of depth d
+    records (so (16, 2) is (8, 2)). A one-path proposal (chain, block) has one size."""
+    if shape.mode != "tree":
+        return [(shape.nodes, shape.depth)]
+    counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n < shape.nodes] + [shape.nodes]
+    return sorted({(min(n, d * shape.branch), d) for n in counts for d in range(1, min(shape.depth, n) + 1)})
+
+
+def kept_drafts(tree, path: torch.Tensor, size: Size) -> torch.Tensor:
+    """(B,) drafts a tree of `size` would have accepted in a verified round: tree (`verify.Tree`, with
+    the builder's ranks) the verified tree, path (B, D) its accepted nodes (-1 past the end). A tree of
+    n nodes and depth d holds the n best-ranked recorded nodes of depth <= d; of those the verified tree
+    holds the ones it verified, so the count is exact when the smaller tree is a subset of the verified
+    one (any tree of n' <= n nodes at full depth) and otherwise a lower bound (a node the verified tree
+    left out might have been accepted)."""
+    n, d = size
+    inside = tree.valid & (tree.depth >= 1) & (tree.depth <= d)  # (B, N)
+    rank = torch.where(inside, tree.rank, tree.size + 1)  # (B, N)
+    below = (rank[:, None, :] <= rank[:, :, None]).sum(-1)  # (B, N) rank among the inside nodes
+    at = path.clamp(min=0)
+    level = torch.arange(path.shape[1], device=path.device)
+    ok = (path >= 0) & (level < d) & inside.gather(1, at) & (below.gather(1, at) <= n)
+    return ok.long().cumprod(-1).sum(-1)
 
 
 def _interp(xs, ys, x):
@@ -75,27 +104,44 @@ def _interp(xs, ys, x):
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def _key(size: Size) -> str:
+    return f"{size[0]},{size[1]}"
+
+
+def _size(key) -> Size:
+    return tuple(int(x) for x in key.split(","))
+
+
 @dataclass
 class CostModel:
     rows: tuple[int, ...]
-    rounds: dict[int, list[float]]  # node count (0 = autoregressive) -> seconds of one whole engine round,
+    rounds: dict[Size, list[float]]  # size (nodes, depth; AR = (0, 0)) -> seconds of one whole engine round,
     # per row count: drafting, the drafter's catch-up, verification, acceptance walk, commit
-    accepted: dict[int, list[float]]  # drafts accepted per row in those timed rounds
+    accepted: dict[Size, list[float]]  # drafts accepted per row in those timed rounds
     level: list[float]  # seconds one more accepted level adds per round (the LM head, nucleus and sample on B rows)
 
-    def seconds(self, B: int, nodes: int, accepted: float | None = None) -> float:
-        """Seconds of a round of `nodes` nodes over B rows; with `accepted` (drafts per row), corrected
-        from the timed rounds' acceptance to it (the walk runs one more level per accepted draft)."""
-        t = _interp(self.rows, self.rounds[nodes], B)
-        if nodes and accepted is not None:
-            t += _interp(self.rows, self.level, B) * (accepted - _interp(self.rows, self.accepted[nodes], B))
+    def seconds(self, B: int, size: Size, accepted: float | None = None) -> float:
+        """Seconds of a round of `size` over B rows; with `accepted` (drafts per row), corrected from the
+        timed rounds' acceptance to it (the walk runs one more level per accepted draft)."""
+        t = _interp(self.rows, self.rounds[size], B)
+        if size != AR and accepted is not None:
+            t += _interp(self.rows, self.level, B) * (accepted - _interp(self.rows, self.accepted[size], B))
         return max(t, 1e-9)
+
+    def to_dict(self) -> dict:
+        return {"rows": list(self.rows), "rounds": {_key(s): list(v) for s, v in self.rounds.items()},
+                "accepted": {_key(s): list(v) for s, v in self.accepted.items()}, "level": list(self.level)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        return cls(tuple(d["rows"]), {_size(k): v for k, v in d["rounds"].items()},
+                   {_size(k): v for k, v in d["accepted"].items()}, d["level"])
 
     @classmethod
     def measure(cls, policy, drafter, shape: TreeShape, time_rounds, repeats: int = 3) -> "CostModel":
         """Time whole engine rounds on this machine (cached per machine/model/threads/shape/kernels).
         time_rounds(policy, drafter, shape, rows, sizes, context, repeats) -> {"rounds", "accepted",
-        "level"} is the engine's own timing (`speculative.time_rounds`)."""
+        "level"} is the engine's own timing (`speculative.time_rounds`), keyed by size."""
         w = policy.lm_head.weight
         path = measurement_path("rounds", str(w.device), str(w.dtype), policy.args.__dict__, drafter.kind,
                                 int(drafter.vocab_ids.numel()), shape.__dict__, ROWS, CONTEXT,
@@ -104,20 +150,19 @@ class CostModel:
                                  **({"native": native.digest()} if policy.lm_head.native else {}),
                                  **({"ops": native.digest()} if policy.model.norm.native else {})})
         if path.exists():
-            d = json.loads(path.read_text())
-        else:
-            print(f"sparkrl: timing the policy and the drafter on this machine for the speculation budget (once; "
-                  f"cached in {path.parent})", file=sys.stderr, flush=True)
-            sizes = [0] + (tree_sizes(shape.nodes) if shape.mode == "tree" else [shape.nodes])
-            d = {"rows": ROWS, **time_rounds(policy, drafter, shape, ROWS, sizes, CONTEXT, repeats)}
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(d))
-        return cls(tuple(d["rows"]), {int(n): v for n, v in d["rounds"].items()},
-                   {int(n): v for n, v in d["accepted"].items()}, d["level"])
+            return cls.from_dict(json.loads(path.read_text()))
+        print(f"sparkrl: timing the policy and the drafter on this machine for the speculation budget (once; "
+              f"cached in {path.parent})", file=sys.stderr, flush=True)
+        t = time_rounds(policy, drafter, shape, ROWS, [AR] + tree_sizes(shape), CONTEXT, repeats)
+        cost = cls(ROWS, t["rounds"], t["accepted"], t["level"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cost.to_dict()))
+        return cost
 
 
 class Budget:
-    """Chooses each round's node count from the number of active responses.
+    """Chooses each round's tree size (nodes, depth), or an autoregressive round, from the number of
+    active responses. The candidates are the sizes the cost model timed (`tree_sizes`).
 
     adaptive: also learn from the rounds actually run. Each round's whole wall time (drafting, the
     drafter's catch-up, verification, acceptance, commit, SPARK) rescales the cost model's prediction
@@ -128,40 +173,38 @@ class Budget:
     def __init__(self, cost: CostModel, shape: TreeShape, prior_accept: float = 2.0, momentum: float = 0.9,
                  adaptive: bool = False):
         self.cost, self.shape = cost, shape
-        self.sizes = tree_sizes(shape.nodes) if shape.mode == "tree" else [shape.nodes]
+        self.sizes = sorted(s for s in cost.rounds if s != AR)
         # expected accepted drafts per round for each size; optimistic at first, kept across rollouts
-        self.accepted = {n: prior_accept * min(n, shape.depth) / shape.depth for n in self.sizes}
-        self.scale = {n: 1.0 for n in [0] + self.sizes}  # measured / predicted round seconds (adaptive)
+        self.accepted = {s: prior_accept * s[1] / shape.depth for s in self.sizes}
+        self.scale = {s: 1.0 for s in [AR] + self.sizes}  # measured / predicted round seconds (adaptive)
         self.momentum, self.adaptive = momentum, adaptive
         self.declined = 0  # autoregressive rounds chosen since the last drafted one, a tree nearly paying
 
     def state_dict(self) -> dict:
         """What a resumed run needs to choose as the uninterrupted one would: the cost model it used
         and the running estimates."""
-        c = self.cost
-        return {"rows": list(c.rows), "rounds": {n: list(v) for n, v in c.rounds.items()},
-                "timed_accepted": {n: list(v) for n, v in c.accepted.items()}, "level": list(c.level),
-                "accepted": dict(self.accepted), "scale": dict(self.scale), "declined": self.declined}
+        return {"cost": self.cost.to_dict(), "accepted": {_key(s): a for s, a in self.accepted.items()},
+                "scale": {_key(s): a for s, a in self.scale.items()}, "declined": self.declined}
 
     def load_state_dict(self, state: dict) -> None:
-        if "rounds" in state:  # (a checkpoint from before whole-round timing keeps today's timing)
-            self.cost = CostModel(tuple(state["rows"]), {int(n): v for n, v in state["rounds"].items()},
-                                  {int(n): v for n, v in state["timed_accepted"].items()}, state["level"])
-        self.accepted = {int(n): a for n, a in state["accepted"].items()}
-        self.scale = {int(n): a for n, a in state.get("scale", self.scale).items()}
-        self.declined = state.get("declined", 0)
+        if "cost" not in state:  # a checkpoint from before sizes had depths: its estimates no longer apply
+            return
+        self.__init__(CostModel.from_dict(state["cost"]), self.shape, momentum=self.momentum, adaptive=self.adaptive)
+        self.accepted = {_size(k): a for k, a in state["accepted"].items()}
+        self.scale = {_size(k): a for k, a in state["scale"].items()}
+        self.declined = state["declined"]
 
-    def seconds(self, B: int, nodes: int) -> float:
-        """Predicted seconds of a round of `nodes` nodes (0: autoregressive) over B rows at the acceptance
+    def seconds(self, B: int, size: Size) -> float:
+        """Predicted seconds of a round of `size` (AR: autoregressive) over B rows at the acceptance
         expected for that size."""
-        return self.cost.seconds(B, nodes, self.accepted[nodes] if nodes else None) * self.scale[nodes]
+        return self.cost.seconds(B, size, self.accepted.get(size)) * self.scale[size]
 
-    def choose(self, B: int) -> int:
-        """The node count for a round over B rows (0: autoregressive): the tree with the fewest predicted
+    def choose(self, B: int) -> Size:
+        """The size for a round over B rows (AR: autoregressive): the tree with the fewest predicted
         seconds per committed token if it beats an autoregressive step by the margin GAIN, or if it comes within
         EXPLORE_MARGIN of one and EXPLORE_EVERY rounds have declined it since the last drafted round."""
-        ar = self.seconds(B, 0)
-        costs = {n: self.seconds(B, n) / (1.0 + self.accepted[n]) for n in self.sizes}  # seconds per token
+        ar = self.seconds(B, AR)
+        costs = {s: self.seconds(B, s) / (1.0 + self.accepted[s]) for s in self.sizes}  # seconds per token
         best = min(costs, key=costs.get)
         per_token = costs[best]
         if per_token < ar * GAIN:
@@ -172,29 +215,24 @@ class Budget:
             if self.declined >= EXPLORE_EVERY:
                 self.declined = 0
                 return best
-        return 0
+        return AR
 
-    def observe_round(self, nodes: int, B: int, seconds: float) -> None:
-        """A round of `nodes` nodes over B rows took `seconds` in all (only used when adaptive)."""
+    def observe_round(self, size: Size, B: int, seconds: float) -> None:
+        """A round of `size` over B rows took `seconds` in all (only used when adaptive)."""
         if self.adaptive and seconds > 0:
-            ratio = seconds / self.cost.seconds(B, nodes, self.accepted[nodes] if nodes else None)
-            self.scale[nodes] = self.momentum * self.scale[nodes] + (1 - self.momentum) * ratio
+            ratio = seconds / self.cost.seconds(B, size, self.accepted.get(size))
+            self.scale[size] = self.momentum * self.scale[size] + (1 - self.momentum) * ratio
 
     def autoregressive_estimate(self, stats) -> float:
         """Seconds an autoregressive rollout would have taken for what a speculative one (its
         `rollout.RoundStats`) committed: its autoregressive rounds as timed, and for every drafted round
         with B active responses and AAL a, a autoregressive steps of B rows (cost model)."""
-        return stats.ar_s + sum(a * self.seconds(B, 0) for B, a in stats.active_aal)
+        return stats.ar_s + sum(a * self.seconds(B, AR) for B, a in stats.active_aal)
 
-    def observe(self, nodes: int, tree, acc) -> None:
-        """A verified round of `nodes` nodes: its `verify.Tree` (with the builder's ranks) and `Acceptance`."""
-        rank = tree.rank.gather(1, acc.path.clamp(min=0))  # (B, D) rank of each accepted node
-        self.observe_ranks(nodes, torch.where(acc.path >= 0, rank, tree.size + 1))
-
-    def observe_ranks(self, nodes: int, path_ranks: torch.Tensor) -> None:
-        """path_ranks (B, D): ranks of the accepted path's nodes (a large number past its end)."""
-        for n in self.sizes:
-            if n > nodes:
-                break
-            kept = (path_ranks <= n).long().cumprod(-1).sum(-1).double().mean().item()  # host sync
-            self.accepted[n] = self.momentum * self.accepted[n] + (1 - self.momentum) * kept
+    def observe(self, size: Size, tree, acc) -> None:
+        """A verified round of `size`: its `verify.Tree` (with the builder's ranks) and `Acceptance`. Updates
+        the estimate of every size no larger in nodes and depth (`kept_drafts`)."""
+        for s in self.sizes:
+            if s[0] <= size[0] and s[1] <= size[1]:
+                kept = kept_drafts(tree, acc.path, s).double().mean().item()  # host sync
+                self.accepted[s] = self.momentum * self.accepted[s] + (1 - self.momentum) * kept

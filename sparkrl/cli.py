@@ -113,7 +113,9 @@ def run_generate(cfg: GenerateConfig) -> None:
     if s.depth:
         depth = " ".join(f"{a:.2f}" for a in s.accept_at_depth)
         a = s.adapter
-        print(f"sparkrl: drafting: aal {s.aal:.2f}, {s.rounds} rounds ({s.tree_rounds} with a tree), "
+        sizes = ", ".join(f"{k}: {v}" for k, v in s.sizes.items())
+        print(f"sparkrl: drafting: aal {s.aal:.2f}, {s.rounds} rounds ({s.tree_rounds} with a tree, by nodes,depth "
+              f"{{{sizes}}}), "
               f"acceptance per depth [{depth}], "
               f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s accept+commit {s.accept_s:.2f}s"
               + (f", SPARK {a['spark_s']:.2f}s ({a['spark_contexts']} feedback contexts, {plural(a['spark_rows'], 'row')} of B)"

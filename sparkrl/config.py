@@ -284,8 +284,9 @@ class DraftConfig(Checked):
     draft_lr: float = above(0, 1e-4, train_only=True)
     """Online drafter learning rate (AdamW), one step per rollout."""
     budget: Literal["auto", "adaptive", "fixed"] = "auto"
-    """auto: each round, verify the full tree or take an autoregressive step, whichever a cost model
-    measured on this machine says is faster for the number of active responses; adaptive: the same, the
+    """auto: each round, verify a tree (any node count and depth up to the configured ones) or take an
+    autoregressive step, whichever a cost model measured on this machine says is faster per committed token
+    for the number of active responses; adaptive: the same, the
     cost model rescaled by the rounds' measured times (not bit-reproducible on resume); fixed: always the tree."""
     round_log: str = ""
     """Append each rollout's per-token drafting outcomes (hit, miss, undrafted; round) to this JSONL

@@ -40,6 +40,7 @@ class Round:
     draft_s: float = 0.0  # drafting, the drafter's catch-up and the adapter's feedback
     verify_s: float = 0.0  # the policy forward (the whole step for an autoregressive round)
     accept_s: float = 0.0  # acceptance walk and commit
+    size: tuple[int, int] | None = None  # a drafted round's tree (nodes, depth)
 
 
 @dataclass
@@ -60,6 +61,7 @@ class RoundStats:
     accepted_at_depth: list[int] = field(default_factory=list)  # rows whose accepted path reached depth d+1
     active_aal: list[tuple[int, float]] = field(default_factory=list)  # (active responses, AAL) per drafted round (paper Fig. 5)
     adapter: dict = field(default_factory=dict)  # the drafter adapter's figures (SPARK's)
+    sizes: dict[str, int] = field(default_factory=dict)  # drafted rounds per tree size "nodes,depth"
 
     def __post_init__(self):
         self.accepted_at_depth = self.accepted_at_depth or [0] * self.depth
@@ -79,6 +81,9 @@ class RoundStats:
             self.tree_rounds += 1
             self.tree_row_rounds += B
             self.active_aal.append((B, n / B))
+            if r.size is not None:
+                key = f"{r.size[0]},{r.size[1]}"
+                self.sizes[key] = self.sizes.get(key, 0) + 1
             for d in range(self.depth):
                 self.accepted_at_depth[d] += sum(c > d + 1 for c in r.counts)
 
@@ -89,11 +94,12 @@ class RoundStats:
         t = max if concurrent else sum
         out = cls(depth=parts[0].depth)
         for f in fields(cls):
-            if f.name in ("depth", "accepted_at_depth", "active_aal", "adapter"):
+            if f.name in ("depth", "accepted_at_depth", "active_aal", "adapter", "sizes"):
                 continue
             setattr(out, f.name, (t if f.name.endswith("_s") else sum)(getattr(p, f.name) for p in parts))
         out.accepted_at_depth = [sum(n) for n in zip(*(p.accepted_at_depth for p in parts))]
         out.active_aal = [x for p in parts for x in p.active_aal]
+        out.sizes = {k: sum(p.sizes.get(k, 0) for p in parts) for k in sorted({k for p in parts for k in p.sizes})}
         out.adapter = {k: (t if k.endswith("_s") else sum)(p.adapter[k] for p in parts) for k in parts[0].adapter}
         return out
 
@@ -113,7 +119,7 @@ class RoundStats:
         return {"aal": self.aal, "rounds": self.rounds, "tree_rounds": self.tree_rounds, "committed": self.committed,
                 "row_rounds": self.row_rounds, "policy_forwards": self.policy_forwards, "draft_s": self.draft_s,
                 "verify_s": self.verify_s, "accept_s": self.accept_s, "accept_at_depth": self.accept_at_depth,
-                **self.adapter}
+                "tree_sizes": self.sizes, **self.adapter}
 
 
 @dataclass

@@ -17,6 +17,7 @@ returns a `rollout.Round` record that `RoundStats` sums.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -152,8 +153,9 @@ class Speculation:
         self.state.root = nxt
         return Round([1] * len(nxt), drafted=False, verify_s=time.perf_counter() - t0)
 
-    def speculative_round(self, nodes: int) -> tuple[Round, Proposal, Acceptance]:
-        """Draft `nodes` nodes per active row, verify them in one policy forward, accept exactly, commit."""
+    def speculative_round(self, nodes: int, depth: int | None = None) -> tuple[Round, Proposal, Acceptance]:
+        """Draft `nodes` nodes per active row (a tree at most `depth` deep, default the shape's), verify them
+        in one policy forward, accept exactly, commit."""
         policy, drafter, shape, sampling = self.policy, self.drafter, self.shape, self.sampling
         t1 = time.perf_counter()
         if self.backlog.tokens:
@@ -165,7 +167,8 @@ class Speculation:
         else:
             u = self.batch.uniforms(shape.depth + 1, dev)  # (B, 1 + D): the positions the round may commit
         self.adapter.select(self.batch.active)
-        prop = drafter.propose(self.dcache, self.state, shape, nodes, sampling.temperature,
+        drafted = shape if depth in (None, shape.depth) else dataclasses.replace(shape, depth=depth)
+        prop = drafter.propose(self.dcache, self.state, drafted, nodes, sampling.temperature,
                                u[:, shape.depth + 1:] if self.chain else None, self.adapter.correct)
         tree = prop.tree
         B = tree.tokens.shape[0]
@@ -195,7 +198,7 @@ class Speculation:
         feats = {i: t.gather(1, kept[..., None].expand(-1, -1, t.shape[-1])) for i, t in out.taps.items()}
         self.state = catch_up(drafter, self.dcache, new, drafter.features(feats), n_acc + 1)
         t5 = time.perf_counter()
-        return Round(counts, True, (t2 - t1) + (t5 - t4), t3 - t2, t_accept), prop, acc
+        return Round(counts, True, (t2 - t1) + (t5 - t4), t3 - t2, t_accept, (nodes, drafted.depth)), prop, acc
 
     def _commit(self, tree, acc: Acceptance, new: torch.Tensor) -> list[int]:
         """Each row's accepted tokens and bonus token (new (B, 1+D)) into the batch, tagged HIT (an
@@ -212,11 +215,11 @@ class Speculation:
 def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, context: int, repeats: int) -> dict:
     """Seconds of whole engine rounds for the budget's cost model (`budget.CostModel.measure`): for each
     row count B in `rows`, B copies of a `context`-token text the policy sampled itself, then `repeats`
-    timed rounds (after one untimed) of every size in `sizes` (0: an autoregressive round), sizes in
-    turn, the fastest kept; also the drafts those rounds accepted per row, and what one more accepted
-    level costs (LM head + the nucleus and a sample on B rows of the policy's hidden states in that text).
-    Sampling at temperature 1, top-p 0.95; random numbers from fixed generators (the global RNG is
-    left alone).
+    timed rounds (after one untimed) of every size (nodes, depth) in `sizes` (`budget.AR`: an
+    autoregressive round), sizes in turn, the fastest kept; also the drafts those rounds accepted per
+    row, and what one more accepted level costs (LM head + the nucleus and a sample on B rows of the
+    policy's hidden states in that text). Sampling at temperature 1, top-p 0.95; random numbers from
+    fixed generators (the global RNG is left alone).
 
     The text is the policy's own, not random tokens: sampling's cost depends on how wide the nucleus
     is (top-p within 256 candidates, else 4096, else a full sort), and after random tokens the
@@ -228,26 +231,26 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
     hidden = policy(torch.tensor([text], device=dev)).hidden[0]  # (context, d) the policy's states in its text
     room = (repeats + 1) * len(sizes) * (shape.depth + 1) + 2  # every timed round commits at most depth + 1
     sampling = SamplingConfig(1.0, 0.95, room)
-    out = {"rounds": {n: [] for n in sizes}, "accepted": {n: [] for n in sizes}, "level": []}
+    out = {"rounds": {size: [] for size in sizes}, "accepted": {size: [] for size in sizes}, "level": []}
     for B in rows:
         prompts = [text] * B
         gens = [torch.Generator().manual_seed(1000 + i) for i in range(B)]
         eng = Speculation(policy, drafter.bind(policy), sampling, shape, gens, NoAdaptation())
         eng.start(prompts, 1, ())
-        timed = {n: [] for n in sizes}
+        timed = {size: [] for size in sizes}
         for _ in range(repeats + 1):  # sizes interleaved, so a machine that changes speed skews no size
-            for n in sizes:
+            for n, d in sizes:
                 t = time.perf_counter()
                 if n == 0:
                     eng.autoregressive_round()
                     a = 0.0
                 else:
-                    a = eng.speculative_round(n)[2].n_accepted.double().mean().item()  # host sync
-                timed[n].append((time.perf_counter() - t, a))
-        for n in sizes:
-            s, a = min(timed[n][1:])  # the first round of each size warms up
-            out["rounds"][n].append(s)
-            out["accepted"][n].append(a)
+                    a = eng.speculative_round(n, d)[2].n_accepted.double().mean().item()  # host sync
+                timed[n, d].append((time.perf_counter() - t, a))
+        for size in sizes:
+            s, a = min(timed[size][1:])  # the first round of each size warms up
+            out["rounds"][size].append(s)
+            out["accepted"][size].append(a)
         h = hidden[torch.arange(context - B, context) % context]  # (B, d) the text's last B positions
         level, u = [], torch.rand(B, generator=torch.Generator().manual_seed(B), dtype=torch.float64)
         for _ in range(repeats + 1):
@@ -265,7 +268,7 @@ def generate_speculative(policy: Transformer, drafter, prompts: list[list[int]],
     """Exact speculative sampling; same contract and outputs as `rollout.generate`.
 
     shape: what the drafter proposes each round. budget: optional `budget.Budget` choosing each
-    round's node count, or an autoregressive step (0), from the number of active responses. spark:
+    round's tree size (nodes, depth), or an autoregressive step, from the number of active responses. spark:
     optional drafter adapter (`spark.Spark`) correcting the proposals from earlier rounds' feedback
     (the A gradient it accumulates is left for the caller).
     The committed tokens follow the policy's sampling distribution exactly, whatever the drafter
@@ -281,16 +284,16 @@ def generate_speculative(policy: Transformer, drafter, prompts: list[list[int]],
     stats = RoundStats(depth=shape.depth)
     while eng.drop_finished():
         B = len(eng.batch.active)
-        nodes = shape.nodes if budget is None else budget.choose(B)
+        size = (shape.nodes, shape.depth) if budget is None else budget.choose(B)
         t = time.perf_counter()
-        if nodes == 0:
+        if size[0] == 0:
             r = eng.autoregressive_round()
         else:
-            r, prop, acc = eng.speculative_round(nodes)
+            r, prop, acc = eng.speculative_round(*size)
         if budget is not None:
-            budget.observe_round(nodes, B, time.perf_counter() - t)
-            if nodes:
-                budget.observe(nodes, prop.tree, acc)
+            budget.observe_round(size, B, time.perf_counter() - t)
+            if size[0]:
+                budget.observe(size, prop.tree, acc)
         eng.batch.rounds += 1
         stats.add(r)
         if progress is not None:

@@ -5,42 +5,111 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparkrl.budget import EXPLORE_EVERY, Budget, CostModel
-from sparkrl.config import SamplingConfig
+from sparkrl.budget import AR, EXPLORE_EVERY, Budget, CostModel, kept_drafts, tree_sizes
+from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
-from sparkrl.config import TreeShape
+from sparkrl.drafters.tree import build_tree
+from sparkrl.verify import Tree
 from sparkrl.rollout import generate, response_generators
 from sparkrl.speculative import generate_speculative, time_rounds
 
 ROWS = (1, 2, 4, 8)
 
 
+def full_depth(by_nodes: dict, depth: int) -> dict:
+    """{node count: v} (0: autoregressive) -> {(nodes, depth): v}, each tree at its full depth min(n, depth)."""
+    return {(n, min(n, depth)) if n else AR: v for n, v in by_nodes.items()}
+
+
 def synthetic():
-    """Seconds per round by node count (0 = autoregressive) at 1, 2, 4, 8 rows: verification + drafting
-    (0.1, 0.1, 0.2, 0.3 s); acceptance-independent (no per-level cost)."""
+    """Seconds per round by node count (0 = autoregressive) at 1, 2, 4, 8 rows for a depth-3 shape:
+    verification + drafting (0.1, 0.1, 0.2, 0.3 s); acceptance-independent (no per-level cost)."""
     verify = {0: [1.0, 1.1, 1.3, 2.0], 1: [1.1, 1.3, 1.8, 3.0], 2: [1.2, 1.5, 2.3, 4.0], 4: [1.3, 1.9, 3.0, 6.0],
               6: [1.5, 2.5, 4.5, 9.0]}
     draft = [0.1, 0.1, 0.2, 0.3]
     rounds = {n: [v + (d if n else 0.0) for v, d in zip(vs, draft)] for n, vs in verify.items()}
-    return CostModel(ROWS, rounds, {n: [0.0] * 4 for n in verify}, [0.0] * 4)
+    return CostModel(ROWS, full_depth(rounds, 3), full_depth({n: [0.0] * 4 for n in verify}, 3), [0.0] * 4)
+
+
+def test_tree_sizes_cover_every_depth_and_cap_the_nodes_a_depth_records():
+    assert tree_sizes(TreeShape(3, 2, 6)) == [(1, 1), (2, 1), (2, 2), (4, 2), (4, 3), (6, 3)]
+    assert tree_sizes(TreeShape(5, 4, 16)) == [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 3), (4, 4), (8, 2),
+                                               (8, 3), (8, 4), (8, 5), (12, 3), (16, 4), (16, 5)]
+    assert tree_sizes(TreeShape.chain(3)) == [(3, 3)] and tree_sizes(TreeShape.block(15)) == [(15, 15)]
 
 
 def test_budget_speculates_with_few_rows_and_not_with_many():
     b = Budget(synthetic(), TreeShape(3, 2, 6), prior_accept=1.5)
-    assert b.sizes == [1, 2, 4, 6]
-    # expected drafts start at 1.5 * min(n, depth) / depth: 4 and 6 nodes both expect 1.5, 4 is cheaper
-    assert b.choose(1) == 4  # (1.3 + 0.1) / 2.5 beats 1.0 and the other trees
-    assert b.choose(8) == 0  # 2.0 beats (3.0 + 0.3) / 1.5 and the larger trees
-    # a round of 6 nodes whose accepted paths had ranks (1, 5) and (2, 3, 4): a tree of 4 nodes
-    # would have kept 1 and 3 of those drafts, a tree of 1 node 1 and 0
-    big = 99
-    b.observe_ranks(6, torch.tensor([[1, 5, big], [2, 3, 4]]))
-    assert b.accepted[6] == pytest.approx(0.9 * 1.5 + 0.1 * 2.5)
-    assert b.accepted[4] == pytest.approx(0.9 * 1.5 + 0.1 * 2.0)
-    assert b.accepted[1] == pytest.approx(0.9 * 0.5 + 0.1 * 0.5)
+    assert b.sizes == [(1, 1), (2, 2), (4, 3), (6, 3)]  # the sizes the cost model timed
+    # expected drafts start at 1.5 * depth / 3: 4 and 6 nodes both expect 1.5, 4 is cheaper
+    assert b.choose(1) == (4, 3)  # (1.3 + 0.1) / 2.5 beats 1.0 and the other trees
+    assert b.choose(8) == AR  # 2.0 beats (3.0 + 0.3) / 1.5 and the larger trees
+
+
+def ranked_tree() -> Tree:
+    """A 6-node tree of depth 3 (node: depth, builder rank): a 1-2, b 1-1, c 2-3 under b, d 3-4 under c, e 2-5
+    under a, f 3-6 under e; two rows alike."""
+    return Tree(tokens=torch.zeros(2, 7, dtype=torch.long), parents=torch.tensor([[-1, 0, 0, 2, 3, 1, 5]] * 2),
+                valid=torch.ones(2, 7, dtype=torch.bool), depth=torch.tensor([[0, 1, 1, 2, 3, 2, 3]] * 2),
+                rank=torch.tensor([[0, 2, 1, 3, 4, 5, 6]] * 2))
+
+
+PATHS = torch.tensor([[2, 3, 4], [1, 5, 6]])  # accepted: b, c, d in row 0; a, e, f in row 1
+
+
+def test_kept_drafts_rank_the_nodes_of_each_depth_among_themselves():
+    tree = ranked_tree()
+    kept = lambda n, d: kept_drafts(tree, PATHS, (n, d)).tolist()
+    assert kept(6, 3) == [3, 3] and kept(4, 3) == [3, 1] and kept(3, 3) == [2, 1] and kept(1, 3) == [1, 0]
+    # depth 2 holds a, b, c, e ranked 2, 1, 3, 5 there: 2, 1, 3, 4 among themselves
+    assert kept(4, 2) == [2, 2] and kept(2, 2) == [1, 1] and kept(2, 1) == [1, 1] and kept(1, 1) == [1, 0]
+    tree.valid[1, 5:] = False  # padding (a stopped row) is never kept
+    assert kept(6, 3) == [3, 1]
+
+
+def test_a_verified_round_updates_every_size_it_contains():
+    shape = TreeShape(3, 2, 6)
+    b = Budget(CostModel(ROWS, {s: [1.0] * 4 for s in [AR] + tree_sizes(shape)},
+                         {s: [0.0] * 4 for s in tree_sizes(shape)}, [0.0] * 4), shape, prior_accept=1.5)
+    acc = type("Acc", (), {"path": PATHS})
+    b.observe((6, 3), ranked_tree(), acc)
+    prior = lambda d: 0.9 * 1.5 * d / 3
+    kept = {(6, 3): 3.0, (4, 3): 2.0, (4, 2): 2.0, (2, 2): 1.0, (2, 1): 1.0, (1, 1): 0.5}
+    assert all(b.accepted[s] == pytest.approx(prior(s[1]) + 0.1 * k) for s, k in kept.items())
     before = dict(b.accepted)
-    b.observe_ranks(2, torch.tensor([[1, 2, big]]))  # says nothing about trees larger than 2
-    assert b.accepted[4] == before[4] and b.accepted[6] == before[6]
+    b.observe((2, 2), ranked_tree(), acc)  # says nothing about larger or deeper trees
+    assert all(b.accepted[s] == before[s] for s in [(4, 2), (4, 3), (6, 3)])
+    assert all(b.accepted[s] == pytest.approx(0.9 * before[s] + 0.1 * kept[s]) for s in [(1, 1), (2, 1), (2, 2)])
+
+
+def test_a_shallower_tree_is_the_deeper_trees_best_nodes_of_its_depths(tiny_llama):
+    """What `kept_drafts` assumes: a tree of (n, d) drafted by the engine holds the n best-ranked nodes of
+    depth <= d of the full tree, with the same tokens."""
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(tiny_llama.args).bind(tiny_llama)
+    B, shape = 3, TreeShape(4, 3, 9)
+    z, a, h = torch.randn(B, drafter.vocab_ids.numel()), torch.randn(B, tiny_llama.args.hidden_size), \
+        torch.randn(B, tiny_llama.args.hidden_size)
+    root = torch.tensor([1, 2, 3])
+    trees = {}
+    for n, d in [(9, 4), (6, 2), (3, 1)]:
+        cache = drafter.new_cache(B, 64)
+        trees[n, d] = build_tree(drafter, cache, root, z, a, h, TreeShape(d, 3, max(n, d)), n).tree
+    full = trees[9, 4]
+    for (n, d), t in trees.items():
+        for b in range(B):
+            inside = [j for j in range(1, full.size) if full.depth[b, j] <= d]
+            best = sorted(inside, key=lambda j: int(full.rank[b, j]))[:n]
+            path = lambda tr, j: tuple(int(tr.tokens[b, k]) for k in _ancestry(tr, b, j))
+            assert sorted(path(full, j) for j in best) == sorted(path(t, j) for j in range(1, t.size)), (n, d, b)
+
+
+def _ancestry(tree, b, j):
+    out = []
+    while j > 0:
+        out.append(j)
+        j = int(tree.parents[b, j])
+    return out[::-1]
 
 
 def test_cost_model_times_whole_engine_rounds_once_and_caches_them(tiny_llama, tmp_path, monkeypatch):
@@ -53,9 +122,9 @@ def test_cost_model_times_whole_engine_rounds_once_and_caches_them(tiny_llama, t
     d = Eagle3Drafter(tiny_llama.args).bind(tiny_llama)
     shape = TreeShape(2, 2, 3)
     cm = CostModel.measure(tiny_llama, d, shape, time_rounds, repeats=1)
-    assert sorted(cm.rounds) == [0, 1, 2, 3] and len(cm.level) == len(cm.rows)
+    assert sorted(cm.rounds) == [AR, (1, 1), (2, 1), (2, 2), (3, 2)] and len(cm.level) == len(cm.rows)
     # the engine reads the clock twice in an AR round and six times in a drafted one
-    assert all(r == 3.0 for r in cm.rounds[0]) and all(r == 7.0 for n in (1, 2, 3) for r in cm.rounds[n])
+    assert all(r == 3.0 for r in cm.rounds[AR]) and all(r == 7.0 for s in tree_sizes(shape) for r in cm.rounds[s])
     assert all(0 <= a <= shape.depth for v in cm.accepted.values() for a in v) and all(t == 1.0 for t in cm.level)
     assert len(list((tmp_path / "costs").glob("rounds-*.json"))) == 1
     monkeypatch.setattr(engine, "time", None)  # cached: nothing is timed again
@@ -66,18 +135,19 @@ def test_the_prediction_follows_the_expected_acceptance():
     """Timed rounds accepted 0.2 drafts per row (random prompts); each further draft walks one more
     level (0.1 s at 1 row): at 0.5 expected drafts a 4-node tree loses to an AR step, at 1.0 it wins."""
     slow = [9.0, 9.0]  # smaller trees, out of the running
-    cost = CostModel((1, 2), {0: [1.0, 1.2], 1: slow, 2: slow, 4: [1.5, 2.0]},
-                     {0: [0.0, 0.0], 1: [0.0, 0.0], 2: [0.0, 0.0], 4: [0.2, 0.4]}, [0.1, 0.2])
-    assert cost.seconds(1, 4, 1.2) == pytest.approx(1.6) and cost.seconds(2, 4, 0.4) == pytest.approx(2.0)
-    assert cost.seconds(1, 4) == 1.5 and cost.seconds(1, 0, 3.0) == 1.0  # AR rounds walk no tree
+    cost = CostModel((1, 2), full_depth({0: [1.0, 1.2], 1: slow, 2: slow, 4: [1.5, 2.0]}, 4),
+                     full_depth({1: [0.0, 0.0], 2: [0.0, 0.0], 4: [0.2, 0.4]}, 4), [0.1, 0.2])
+    T = (4, 4)
+    assert cost.seconds(1, T, 1.2) == pytest.approx(1.6) and cost.seconds(2, T, 0.4) == pytest.approx(2.0)
+    assert cost.seconds(1, T) == 1.5 and cost.seconds(1, AR, 3.0) == 1.0  # AR rounds walk no tree
     b = Budget(cost, TreeShape(4, 1, 4), prior_accept=0.5)
-    assert b.accepted[4] == 0.5 and b.choose(1) == 0  # (1.5 + 0.03) / 1.5 > 1.0
-    b.accepted[4] = 1.0
-    assert b.choose(1) == 4  # (1.5 + 0.08) / 2.0 < 1.0
-    back = Budget(CostModel((1, 2), {n: slow for n in (0, 1, 2, 4)}, {n: [0.0] * 2 for n in (0, 1, 2, 4)}, [0.0] * 2),
-                  TreeShape(4, 1, 4))
+    assert b.accepted[T] == 0.5 and b.choose(1) == AR  # (1.5 + 0.03) / 1.5 > 1.0
+    b.accepted[T] = 1.0
+    assert b.choose(1) == T  # (1.5 + 0.08) / 2.0 < 1.0
+    back = Budget(CostModel((1, 2), full_depth({n: slow for n in (0, 1, 2, 4)}, 4),
+                            full_depth({n: [0.0] * 2 for n in (1, 2, 4)}, 4), [0.0] * 2), TreeShape(4, 1, 4))
     back.load_state_dict(b.state_dict())  # a resumed run decides with the timing its start measured
-    assert back.cost == cost and back.choose(1) == 4
+    assert back.cost == cost and back.choose(1) == T
 
 
 def test_a_tree_that_nearly_pays_is_tried_again_and_one_that_does_not_never():
@@ -85,21 +155,25 @@ def test_a_tree_that_nearly_pays_is_tried_again_and_one_that_does_not_never():
     the 15% margin, so every 8th round drafts it; once a drafted round shows it pays, every round does.
     Expecting 0.1 drafts (1.36 s per token) it is never tried."""
     slow = [9.0, 9.0]
-    cost = CostModel((1, 2), {0: [1.0, 1.2], 1: slow, 2: slow, 4: [1.5, 2.0]}, {n: [0.0, 0.0] for n in (0, 1, 2, 4)},
-                     [0.0, 0.0])
+    cost = CostModel((1, 2), full_depth({0: [1.0, 1.2], 1: slow, 2: slow, 4: [1.5, 2.0]}, 4),
+                     full_depth({n: [0.0, 0.0] for n in (1, 2, 4)}, 4), [0.0, 0.0])
+    T = (4, 4)
     b = Budget(cost, TreeShape(4, 1, 4))
-    b.accepted[4] = 0.4
+    b.accepted[T] = 0.4
     picks = [b.choose(1) for _ in range(2 * EXPLORE_EVERY)]
-    assert picks == ([0] * (EXPLORE_EVERY - 1) + [4]) * 2
+    assert picks == ([AR] * (EXPLORE_EVERY - 1) + [T]) * 2
     for _ in range(3):
         b.choose(1)
     back = Budget(cost, TreeShape(4, 1, 4))
     back.load_state_dict(b.state_dict())  # a resumed run explores when the uninterrupted one would
     assert [back.choose(1) for _ in range(EXPLORE_EVERY)] == [b.choose(1) for _ in range(EXPLORE_EVERY)]
-    b.observe_ranks(4, torch.tensor([[1, 2, 3, 4]]))  # the tried round accepted 4 drafts: 0.76 expected
-    assert [b.choose(1) for _ in range(5)] == [4] * 5
-    b.accepted[4] = 0.1
-    assert all(b.choose(1) == 0 for _ in range(10 * EXPLORE_EVERY))
+    path = torch.arange(1, 5)[None]
+    b.observe(T, Tree(torch.zeros(1, 5, dtype=torch.long), path - 2, torch.ones(1, 5, dtype=torch.bool),
+                      torch.arange(5)[None], torch.arange(5)[None]), type("Acc", (), {"path": path}))
+    assert b.accepted[T] == pytest.approx(0.76)  # the tried round accepted 4 drafts
+    assert [b.choose(1) for _ in range(5)] == [T] * 5
+    b.accepted[T] = 0.1
+    assert all(b.choose(1) == AR for _ in range(10 * EXPLORE_EVERY))
 
 
 class Alternating(Budget):
@@ -109,7 +183,7 @@ class Alternating(Budget):
 
     def choose(self, B):
         self.calls += 1
-        return self.shape.nodes if self.calls % 2 else 0
+        return (self.shape.nodes, self.shape.depth) if self.calls % 2 else AR
 
 
 def test_mixed_rounds_stay_exact_greedy(tiny_llama):
@@ -146,13 +220,14 @@ def test_adaptive_budget_learns_the_whole_round_from_a_clock():
     shape = TreeShape(3, 2, 6)
     fixed, adaptive = Budget(synthetic(), shape, prior_accept=1.5), Budget(synthetic(), shape, prior_accept=1.5,
                                                                            adaptive=True)
-    assert fixed.choose(1) == adaptive.choose(1) == 4
+    T = (4, 3)
+    assert fixed.choose(1) == adaptive.choose(1) == T
     for _ in range(30):  # the clock says a 4-node round over 1 row takes 3x what the cost model predicts
         for b in (fixed, adaptive):
-            b.observe_round(4, 1, 3 * synthetic().seconds(1, 4))
-            b.observe_round(0, 1, synthetic().seconds(1, 0))  # autoregressive steps as predicted
-    assert fixed.choose(1) == 4 and adaptive.choose(1) != 4
-    assert adaptive.scale[4] == pytest.approx(3.0, rel=0.05) and adaptive.scale[0] == pytest.approx(1.0)
+            b.observe_round(T, 1, 3 * synthetic().seconds(1, T))
+            b.observe_round(AR, 1, synthetic().seconds(1, AR))  # autoregressive steps as predicted
+    assert fixed.choose(1) == T and adaptive.choose(1) != T
+    assert adaptive.scale[T] == pytest.approx(3.0, rel=0.05) and adaptive.scale[AR] == pytest.approx(1.0)
     back = Budget(synthetic(), shape, adaptive=True)
     back.load_state_dict(adaptive.state_dict())
     assert back.scale == adaptive.scale and back.accepted == adaptive.accepted
@@ -175,7 +250,7 @@ def test_adaptive_budget_through_the_engine_with_a_fake_clock(tiny_llama, monkey
 
     monkeypatch.setattr(engine, "time", FakeTime())
     shape = TreeShape.chain(3)  # one proposal size, so the budget has one cost to learn
-    cost = CostModel(ROWS, {0: [1.0] * 4, 3: [0.5] * 4}, {0: [0.0] * 4, 3: [0.0] * 4}, [0.0] * 4)  # a 3-token
+    cost = CostModel(ROWS, {AR: [1.0] * 4, (3, 3): [0.5] * 4}, {(3, 3): [0.0] * 4}, [0.0] * 4)  # a 3-token
     # chain cheaper than a step
     prompts, sc = [[1, 2, 3], [4, 5, 6, 7]], SamplingConfig(0.0, 1.0, 40)  # greedy: a random drafter rarely hits
     runs = {}

@@ -29,7 +29,7 @@ from sparkrl.trainer import train
 from sparkrl.weights import load_model
 
 # Figures that differ with the number of ranks by design: times, and engine rounds (each rank runs its own).
-PER_RANK = {"rounds", "tree_rounds", "policy_forwards", "gen_tok_per_s"}
+PER_RANK = {"rounds", "tree_rounds", "tree_sizes", "policy_forwards", "gen_tok_per_s"}
 # Float-noise figures (the rollout copy against the update's forward, in other batch shapes): absolute tolerance.
 NOISE = {"rollout_logp_abs_mean", "rollout_logp_abs_max", "rollout_kl"}
 

@@ -165,8 +165,8 @@ def _cfg(model_dir, out, **kw):
 def test_train_with_drafter_writes_draft_metrics_and_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
     # a cost model under which trees pay while the budget still expects many accepted drafts (the
     # prior), and stop paying once it has seen this untrained drafter's low acceptance
-    cost = CostModel((1, 4, 16, 64), {0: [1.0] * 4, 1: [2.1] * 4, 2: [2.6] * 4, 3: [3.1] * 4},
-                     {n: [0.0] * 4 for n in range(4)}, [0.0] * 4)
+    cost = CostModel((1, 4, 16, 64), {(0, 0): [1.0] * 4, (1, 1): [2.1] * 4, (2, 2): [2.6] * 4, (3, 2): [3.1] * 4},
+                     {s: [0.0] * 4 for s in [(1, 1), (2, 2), (3, 2)]}, [0.0] * 4)
     monkeypatch.setattr(CostModel, "measure", classmethod(lambda cls, *a, **k: cost))
     train(_cfg(tiny_model_dir, tmp_path / "a", steps=3), grader=ParityGrader())
     train(_cfg(tiny_model_dir, tmp_path / "b", steps=1), grader=ParityGrader())

@@ -11,6 +11,7 @@ import torch
 
 from test_budget import Alternating, synthetic
 from test_speculative import EOS, V, chi2_ok, exact_sequences, small_policy
+from sparkrl.budget import AR
 from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.selfdraft import SelfDrafter
@@ -84,10 +85,21 @@ class TwoAutoregressive(Alternating):
 
     def choose(self, B):
         self.calls += 1
-        return 0 if self.calls % 3 else self.shape.nodes
+        return AR if self.calls % 3 else (self.shape.nodes, self.shape.depth)
 
 
-@pytest.mark.parametrize("budget", [Alternating, TwoAutoregressive], ids=["tree-ar", "ar-ar-tree"])
+class FullAutoregressiveShallow(Alternating):
+    """The full tree, an autoregressive round, then a depth-1 tree of 2 nodes (one-path proposals: the full
+    one again)."""
+
+    def choose(self, B):
+        self.calls += 1
+        full = (self.shape.nodes, self.shape.depth)
+        return [(2, 1) if self.shape.mode == "tree" else full, full, AR][self.calls % 3]
+
+
+@pytest.mark.parametrize("budget", [Alternating, TwoAutoregressive, FullAutoregressiveShallow],
+                         ids=["tree-ar", "ar-ar-tree", "tree-ar-shallow"])
 @pytest.mark.parametrize("mode,top_p", [("tree", 1.0), ("tree", 0.9), ("chain", 1.0), ("chain", 0.9)])
 def test_budget_mixed_rounds_are_exact_sampled(mode, top_p, budget):
     """Rounds tree, autoregressive, tree or autoregressive, autoregressive, tree (L = 4): the

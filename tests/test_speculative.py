@@ -15,6 +15,7 @@ from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.selfdraft import SelfDrafter
 from sparkrl import native
+from sparkrl.budget import AR
 from sparkrl.kernels import is_packed, pack, packable
 from sparkrl.precision import RolloutCopy, use_float32_attention, use_native, use_weight_major
 from sparkrl.config import TreeShape
@@ -84,7 +85,7 @@ def test_point_mass_drafts_commit_the_autoregressive_tokens(temperature, top_p, 
     shape = TreeShape(3, 2, 6) if mode == "tree" else TreeShape.block(3)
     ar = generate(policy, prompts, sc, (EOS,), response_generators(4, 2, G), group_size=G).tokens
     spark = Spark(init_projection(policy.lm_head.weight, 4), V, k=2, eta=5.0, temperature=temperature)
-    for spark, budget in ((None, None), (spark, None), (None, EveryThirdAutoregressive(shape.nodes))):
+    for spark, budget in ((None, None), (spark, None), (None, EveryThirdAutoregressive(shape))):
         r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(4, 2, G), shape,
                                  group_size=G, spark=spark, budget=budget)
         assert r.stats.aal > 1.0 and r.tokens == ar
@@ -92,14 +93,17 @@ def test_point_mass_drafts_commit_the_autoregressive_tokens(temperature, top_p, 
 
 
 class EveryThirdAutoregressive:
-    """A budget that makes every third round an autoregressive step."""
+    """A budget that makes every third round an autoregressive step, and the one after it a depth-1 tree (a
+    one-path proposal: the full one)."""
 
-    def __init__(self, nodes: int):
-        self.nodes, self.calls = nodes, 0
+    def __init__(self, shape: TreeShape):
+        self.shape, self.calls = shape, 0
 
-    def choose(self, rows: int) -> int:
+    def choose(self, rows: int) -> tuple[int, int]:
         self.calls += 1
-        return 0 if self.calls % 3 == 0 else self.nodes
+        full = (self.shape.nodes, self.shape.depth)
+        shallow = (self.shape.branch, 1) if self.shape.mode == "tree" else full
+        return [AR, shallow, full][self.calls % 3]
 
     def observe_round(self, *args):
         pass
