@@ -189,7 +189,8 @@ class Budget:
     def load_state_dict(self, state: dict) -> None:
         if "cost" not in state:  # a checkpoint from before sizes had depths: its estimates no longer apply
             return
-        self.__init__(CostModel.from_dict(state["cost"]), self.shape, momentum=self.momentum, adaptive=self.adaptive)
+        self.cost = CostModel.from_dict(state["cost"])
+        self.sizes = sorted(s for s in self.cost.rounds if s != AR)
         self.accepted = {_size(k): a for k, a in state["accepted"].items()}
         self.scale = {_size(k): a for k, a in state["scale"].items()}
         self.declined = state["declined"]
