@@ -3,15 +3,19 @@
 # the EAGLE3-style drafter from a run on the policy's own responses only, continued for two epochs on
 # 3,000 more of them (another seed), then for two epochs on 2,000 more (a third seed); the DFlash-style
 # drafter from a run on GSM8K solutions and policy responses (which also trains an EAGLE3-style drafter
-# on the same passes, not shipped); their bf16
-# weights are copied into the package. Resumable: rerun with RESUME=--resume. Needs ../shared/data
-# (GSM8K and MATH training files); about 5.5 hours on a 2-core CPU.
+# on the same passes, not shipped), continued for two epochs on the second EAGLE3 run's corpus, then for one
+# on the third's with 64 training blocks per sequence (both reuse those runs' corpus and stored policy
+# passes); their bf16 weights are copied into the package (the DFlash-style drafter's online training
+# setting reset to 8 blocks per sequence). Resumable: rerun with RESUME=--resume. Needs ../shared/data
+# (GSM8K and MATH training files); about 6.5 hours on a 2-core CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EAGLE=${EAGLE:-runs/policy_only}
 CONT=${CONT:-runs/cont2}
 CONT3=${CONT3:-runs/cont3}
 SHIP=${SHIP:-runs/ship}
+DFL2=${DFL2:-runs/dfl2}
+DFL3=${DFL3:-runs/dfl3}
 DATA=${DATA:-../shared/data/gsm8k/train.jsonl,../shared/data/math/train.jsonl}
 COMMON="--model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 100 --checkpoint-every 25 --micro-batch 8 --lr 5e-4 --warmup 50"
 .venv/bin/sparkrl pretrain-draft $COMMON --out "$EAGLE" --draft eagle3 --prompts 3000 --no-solutions ${RESUME:-}
@@ -22,10 +26,32 @@ COMMON="--model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --
     --checkpoint-every 25 --micro-batch 8 --out "$CONT3" --draft eagle3 --init "$CONT/eagle3/drafter.safetensors" \
     --seed 2 --prompts 2000 --no-solutions --lr 3e-4 --warmup 25 --epochs 2 ${RESUME:-}
 .venv/bin/sparkrl pretrain-draft $COMMON --out "$SHIP" --draft eagle3,dflash --prompts 512 --max-solutions 2000 ${RESUME:-}
+# the DFlash-style drafter continued on the corpora (and stored policy passes) of $CONT and $CONT3
+mkdir -p "$DFL2" "$DFL3"
+for d in corpus features; do
+    ln -sfn "$(realpath "$CONT")/$d" "$DFL2/$d"
+    ln -sfn "$(realpath "$CONT3")/$d" "$DFL3/$d"
+done
+.venv/bin/sparkrl pretrain-draft --model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 125 \
+    --checkpoint-every 25 --micro-batch 8 --out "$DFL2" --draft dflash --init "$SHIP/dflash/drafter.safetensors" \
+    --seed 1 --prompts 3000 --no-solutions --lr 3e-4 --warmup 25 --epochs 2 ${RESUME:-}
+.venv/bin/sparkrl pretrain-draft --model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 125 \
+    --checkpoint-every 25 --micro-batch 8 --out "$DFL3" --draft dflash --init "$DFL2/dflash/drafter.safetensors" \
+    --seed 2 --prompts 2000 --no-solutions --lr 3e-4 --warmup 25 --epochs 1 --anchors 64 ${RESUME:-}
 cp "$CONT3/eagle3/drafter.safetensors" sparkrl/drafters/shipped/smollm2-135m-instruct-eagle3.safetensors
 cp "$EAGLE/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3.png
 cp "$CONT/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3-continued.png
 cp "$CONT3/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3-continued2.png
-cp "$SHIP/dflash/drafter.safetensors" sparkrl/drafters/shipped/smollm2-135m-instruct-dflash.safetensors
+# online GRPO training goes on with a drafter's own blocks per sequence: the shipped one trains with 8, as a fresh one
+.venv/bin/python - "$DFL3/dflash/drafter.safetensors" sparkrl/drafters/shipped/smollm2-135m-instruct-dflash.safetensors <<'PY'
+import sys
+from sparkrl.drafters.base import read_checkpoint, read_description, save_safetensors
+ck = read_checkpoint(sys.argv[1])
+ck["settings"]["anchors"] = 8
+save_safetensors(ck, __import__("pathlib").Path(sys.argv[2]), fingerprint=read_description(sys.argv[1])["fingerprint"])
+PY
 cp "$SHIP/pretrain.png" sparkrl/drafters/shipped/pretrain.png
-echo "sparkrl: shipped drafters updated from $CONT3 (eagle3, continued from $CONT, from $EAGLE) and $SHIP (dflash)"
+cp "$DFL2/pretrain.png" sparkrl/drafters/shipped/pretrain-dflash-continued.png
+cp "$DFL3/pretrain.png" sparkrl/drafters/shipped/pretrain-dflash-continued2.png
+echo "sparkrl: shipped drafters updated from $CONT3 (eagle3, continued from $CONT, from $EAGLE) and $DFL3 (dflash, continued" \
+     "from $DFL2, from $SHIP)"
