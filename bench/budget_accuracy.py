@@ -71,6 +71,10 @@ def main():
         P, G = map(int, spec.split("x"))
         budget = Recording(d.budget)
         tokens, seconds = defaultdict(int), defaultdict(float)
+        ps = prompts[:P]  # untimed and unrecorded, once each: the first rollouts of a process run cold
+        generate(lm.model, ps, sc, lm.eos_ids, response_generators(0, P, G), G)
+        generate_speculative(lm.model, d.rollout.model, ps, sc, lm.eos_ids, response_generators(0, P, G), dcfg.shape(),
+                             G, budget=d.budget)
         for rep in range(2):
             for j in range(args.sets):
                 ps = prompts[j * P:(j + 1) * P]

@@ -2,8 +2,8 @@
 
 Same policy (the embedded default), same prompts (GSM8K questions in the GRPO prompt format; with
 --heldout, only those held out of draft pretraining), same per-response seeds, temperature 1, top-p
-0.95. Batches of 1, 8 and 64 responses (1 prompt x 1, 1 prompt x 8, 8 prompts x 8). Three systems
-alternate within each repeat (autoregressive, the drafter's full proposal every round, and with the
+0.95. Batches of 1, 8 and 64 responses (1 prompt x 1, 1 prompt x 8, 8 prompts x 8). After one untimed
+rollout of each (a process's first rollouts run cold), three systems alternate within each repeat (autoregressive, the drafter's full proposal every round, and with the
 budget); tokens/s over all repeats (responses end at their EOS, so systems and repeats generate
 different counts); settings with fewer than --min-responses responses run several prompt sets in
 turn. Optionally (--grpo-step) one GRPO step each way, to split its time into
@@ -103,6 +103,10 @@ def main():
                                                                  budget=full_depth_budget)
         if P * G > args.fixed_upto:  # the full proposal every round is known to lose there; save the time
             del systems[spec]
+        for name in systems:  # untimed, once each: the process's first rollouts run cold (measured: the first
+            # of 12 interleaved one-response AR rollouts ran 12% below the rest), and in timed order the first
+            # system would pay it
+            systems[name](prompts[:P])
         times, tokens, stats = ({k: [] for k in systems} for _ in range(3))
         for rep in range(args.repeats):
             for name in (list(systems) if rep % 2 == 0 else list(systems)[::-1]):
