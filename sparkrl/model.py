@@ -202,9 +202,28 @@ class KVCache:
         self.v[layer].view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only the sequences `rows` (1-D indices), in that order; drops the others."""
-        self.k = [buf.index_select(0, rows) for buf in self.k]
-        self.v = [buf.index_select(0, rows) for buf in self.v]
+        """Keep only the sequences `rows` (1-D indices), in that order; drops the others.
+
+        Finished responses leaving the batch (rows ascending, fewer than before): each kept sequence moves
+        down to its new row in place, those before the first dropped one stay where they are, and the cache
+        keeps a view of its first rows; a copy of the whole cache into new buffers at every drop was 9% of
+        a 64-response rollout (BENCHMARKS.md, "The budget chooses the tree's depth too"). Any other selection
+        (a prompt's rows repeated for its group) gathers into new buffers."""
+        idx = rows.tolist()
+        if len(idx) < self.batch and all(a < b for a, b in zip(idx, idx[1:])):
+            moves = [(i, r) for i, r in enumerate(idx) if i != r]  # r > i: no source is written before it is read
+            n = len(idx)
+
+            def compact(buf: torch.Tensor) -> torch.Tensor:
+                for i, r in moves:
+                    buf[i].copy_(buf[r])
+                return buf[:n]
+
+            self.k = [compact(buf) for buf in self.k]
+            self.v = [compact(buf) for buf in self.v]
+        else:
+            self.k = [buf.index_select(0, rows) for buf in self.k]
+            self.v = [buf.index_select(0, rows) for buf in self.v]
         self.lengths = self.lengths.index_select(0, rows)
 
 

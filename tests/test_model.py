@@ -192,6 +192,28 @@ def test_keep_rows_and_taps(tiny_llama):
     assert torch.allclose(m.model.norm(full.taps[2]), full.hidden)
 
 
+@pytest.mark.parametrize("steps", [[[0, 2, 3, 5]], [[1, 2, 3, 4, 5]], [[0, 1, 2, 3, 4]], [[3, 5], [0]],
+                                   [[0, 0, 1, 1, 2, 2]], [[4, 1]]], ids=["drop", "first", "last", "twice", "expand", "reorder"])
+def test_keep_rows_equals_a_gather_of_the_rows(steps):
+    """Compaction in place (rows ascending, fewer) and gathers (expansion, reorder) keep exactly the rows
+    asked for, step after step, and later writes land in the kept rows only."""
+    args = ModelArgs("llama", vocab_size=10, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
+                     head_dim=4)
+    cache = model_mod.KVCache.empty(args, 6, 5, "cpu", torch.float64)
+    for buf in (*cache.k, *cache.v):
+        buf.copy_(torch.randn_like(buf))
+    cache.lengths = torch.arange(6)
+    ref = [b.clone() for b in (*cache.k, *cache.v)], cache.lengths.clone()
+    for rows in steps:
+        rows = torch.tensor(rows)
+        cache.keep_rows(rows)
+        ref = [b[rows] for b in ref[0]], ref[1][rows]
+        assert all(torch.equal(a, b) for a, b in zip((*cache.k, *cache.v), ref[0])) and torch.equal(cache.lengths, ref[1])
+    k = torch.randn(cache.batch, 1, 1, 4, dtype=torch.float64)
+    cache.write(0, cache.rows(torch.zeros(cache.batch, 1, dtype=torch.long)), k, k)
+    assert torch.equal(cache.k[0][:, :, :1], k) and torch.equal(cache.k[0][:, :, 1:], ref[0][0][:, :, 1:])
+
+
 def test_unsupported_architecture_lists_supported():
     with pytest.raises(ValueError, match="supported: llama, qwen2, qwen3"):
         ModelArgs.from_hf({"model_type": "gpt2"})
