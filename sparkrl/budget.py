@@ -173,7 +173,6 @@ class Budget:
     def __init__(self, cost: CostModel, shape: TreeShape, prior_accept: float = 2.0, momentum: float = 0.9,
                  adaptive: bool = False):
         self.cost, self.shape = cost, shape
-        self.sizes = sorted(s for s in cost.rounds if s != AR)
         # expected accepted drafts per round for each size; optimistic at first, kept across rollouts
         self.accepted = {s: prior_accept * s[1] / shape.depth for s in self.sizes}
         self.scale = {s: 1.0 for s in [AR] + self.sizes}  # measured / predicted round seconds (adaptive)
@@ -190,10 +189,14 @@ class Budget:
         if "cost" not in state:  # a checkpoint from before sizes had depths: its estimates no longer apply
             return
         self.cost = CostModel.from_dict(state["cost"])
-        self.sizes = sorted(s for s in self.cost.rounds if s != AR)
         self.accepted = {_size(k): a for k, a in state["accepted"].items()}
         self.scale = {_size(k): a for k, a in state["scale"].items()}
         self.declined = state["declined"]
+
+    @property
+    def sizes(self) -> list[Size]:
+        """The candidate trees: the sizes the cost model timed."""
+        return sorted(s for s in self.cost.rounds if s != AR)
 
     def seconds(self, B: int, size: Size) -> float:
         """Predicted seconds of a round of `size` (AR: autoregressive) over B rows at the acceptance
