@@ -23,8 +23,8 @@ from sparkrl.weights import load_model
 
 def gather_rows(cache: KVCache, rows: torch.Tensor) -> None:
     """The previous `keep_rows`: every kept row copied into new buffers."""
-    cache.k = [buf.index_select(0, rows) for buf in cache.k]
-    cache.v = [buf.index_select(0, rows) for buf in cache.v]
+    cache.kv = cache.kv.index_select(2, rows)
+    cache._views()
     cache.lengths = cache.lengths.index_select(0, rows)
 
 

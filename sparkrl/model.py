@@ -139,26 +139,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @dataclass
 class KVCache:
-    """Per-layer K/V buffers (B, H_kv, capacity, D) and a committed length per sequence.
+    """Every layer's K/V in one buffer (2, L, B, H_kv, capacity, D) and a committed length per sequence.
 
     Tokens at cache positions >= `lengths[b]` are speculative: every forward appends its tokens to
     the speculative region (`pending` grows), later forwards may attend to them (a draft tree built
-    level by level), and `commit` keeps a chosen subset and empties the region.
+    level by level), and `commit` keeps a chosen subset and empties the region. One buffer for all
+    layers lets a commit move the kept tokens of every layer in one gather and one copy (two per layer
+    before: 0.4 ms of a one-response tree round on this CPU); `k[i]` and `v[i]` are views of it.
     """
 
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
+    kv: torch.Tensor  # (2, L, B, H_kv, capacity, D); may be a view of the first B rows of a larger buffer
     lengths: torch.Tensor  # (B,) int64, committed tokens per sequence
     pending: int = 0  # speculative tokens written after lengths[b] by forwards since the last commit
 
+    def __post_init__(self):
+        self._views()
+
+    def _views(self) -> None:
+        # per layer (B, H_kv, capacity, D), contiguous; one `select` each (unbind's views may not be written to)
+        L = self.kv.shape[1]
+        self.k, self.v = [self.kv[0, i] for i in range(L)], [self.kv[1, i] for i in range(L)]
+
     @classmethod
     def empty(cls, args: ModelArgs, batch: int, capacity: int, device, dtype) -> "KVCache":
-        shape = (batch, args.num_kv_heads, capacity, args.head_dim)
-        return cls(
-            k=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_layers)],
-            v=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_layers)],
-            lengths=torch.zeros(batch, dtype=torch.long, device=device),
-        )
+        shape = (2, args.num_layers, batch, args.num_kv_heads, capacity, args.head_dim)
+        return cls(kv=torch.zeros(shape, device=device, dtype=dtype),
+                   lengths=torch.zeros(batch, dtype=torch.long, device=device))
+
+    def clone(self) -> "KVCache":
+        return KVCache(self.kv.clone(), self.lengths.clone(), self.pending)
 
     @property
     def batch(self) -> int:
@@ -166,7 +175,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[2]
+        return self.kv.shape[4]
 
     def commit(self, keep: torch.Tensor | None = None, n_keep: torch.Tensor | None = None) -> None:
         """Make speculative tokens permanent and drop the rest of the speculative region.
@@ -179,19 +188,18 @@ class KVCache:
             base = self.lengths[:, None]
             src = self.rows(base + keep)
             dst = self.rows(base + torch.arange(keep.shape[1], device=keep.device))
-            for buf in (*self.k, *self.v):
-                flat = buf.view(-1, buf.shape[-1])
-                flat.index_copy_(0, dst, flat.index_select(0, src))
+            flat = self.kv.view(2 * self.kv.shape[1], -1, self.kv.shape[-1])  # (2L, B * H_kv * capacity, D)
+            flat.index_copy_(1, dst, flat.index_select(1, src))
         self.lengths = self.lengths + n_keep
         self.pending = 0
 
     def rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """(B * H_kv * T,) indices into a buffer viewed as (B * H_kv * capacity, D) rows, of the cache
-        positions slots (B, T), in (b, head, t) order. K/V are written and moved with index_copy_
+        """(B * H_kv * T,) indices into a layer's buffer viewed as (B * H_kv * capacity, D) rows, of the
+        cache positions slots (B, T), in (b, head, t) order. K/V are written and moved with index_copy_
         on these rows: a bfloat16 `scatter_` along the position dimension cost 1.5 ms per layer at 64
         sequences on this CPU (index_copy_: 13 us; bench/kv_write.py)."""
         B, T = slots.shape
-        H = self.k[0].shape[1]
+        H = self.kv.shape[3]
         seq = torch.arange(B * H, device=slots.device).view(B, H, 1) * self.capacity
         return (seq + slots[:, None, :]).flatten()
 
@@ -208,22 +216,16 @@ class KVCache:
         down to its new row in place, those before the first dropped one stay where they are, and the cache
         keeps a view of its first rows; a copy of the whole cache into new buffers at every drop was 9% of
         a 64-response rollout (BENCHMARKS.md, "The budget chooses the tree's depth too"). Any other selection
-        (a prompt's rows repeated for its group) gathers into new buffers."""
+        (a prompt's rows repeated for its group) gathers into a new buffer."""
         idx = rows.tolist()
         if len(idx) < self.batch and all(a < b for a, b in zip(idx, idx[1:])):
-            moves = [(i, r) for i, r in enumerate(idx) if i != r]  # r > i: no source is written before it is read
-            n = len(idx)
-
-            def compact(buf: torch.Tensor) -> torch.Tensor:
-                for i, r in moves:
-                    buf[i].copy_(buf[r])
-                return buf[:n]
-
-            self.k = [compact(buf) for buf in self.k]
-            self.v = [compact(buf) for buf in self.v]
+            for i, r in enumerate(idx):  # r >= i: no source is written before it is read
+                if i != r:
+                    self.kv[:, :, i].copy_(self.kv[:, :, r])
+            self.kv = self.kv[:, :, :len(idx)]
         else:
-            self.k = [buf.index_select(0, rows) for buf in self.k]
-            self.v = [buf.index_select(0, rows) for buf in self.v]
+            self.kv = self.kv.index_select(2, rows)
+        self._views()
         self.lengths = self.lengths.index_select(0, rows)
 
 

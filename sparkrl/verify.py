@@ -45,11 +45,11 @@ class Tree:
     def ancestor_mask(self) -> torch.Tensor:
         """(B, N, N) bool: node i may attend to node j iff j is i or an ancestor of i."""
         B, N = self.tokens.shape
-        mask = torch.eye(N, dtype=torch.bool, device=self.tokens.device).expand(B, N, N).clone()
-        for i in range(1, N):  # parents come first, so row parent(i) is final when row i is built
-            par = self.parents[:, i].clamp(min=0)
-            has = self.parents[:, i] >= 0
-            mask[:, i] |= mask[torch.arange(B), par] & has[:, None]
+        eye = torch.eye(N, dtype=torch.bool, device=self.tokens.device).expand(B, N, N)
+        up = torch.where(self.parents >= 0, self.parents, torch.arange(N, device=self.tokens.device))  # root, padding: self
+        mask = eye
+        for _ in range(int(self.depth.max())):  # host sync; after d steps every node of depth <= d has all its ancestors
+            mask = eye | mask.gather(1, up[:, :, None].expand(B, N, N))
         return mask
 
     def children_of(self, node: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,6 @@ import torch
 from sparkrl.config import TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.tree import build_tree
-from sparkrl.model import KVCache
 
 B = 3
 CAPACITY = 32
@@ -92,8 +91,7 @@ class Reference:
     def logp(self, path: tuple[int, ...]) -> torch.Tensor:
         """Log-probs of the children of the node `path`: the drafter run along the path alone."""
         if path not in self.memo:
-            cache = KVCache([k.clone() for k in self.cache.k], [v.clone() for v in self.cache.v],
-                            self.cache.lengths.clone())
+            cache = self.cache.clone()
             feat = self.root_a
             with torch.no_grad():
                 for depth, tok in enumerate(path):  # node at depth+1: its token and its parent's `a`

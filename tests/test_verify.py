@@ -171,6 +171,31 @@ def test_tree_masks():
     assert m == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
 
 
+def test_ancestor_mask_of_random_trees_with_padding():
+    """Each row's mask against a walk up the parents in Python: random trees (parents first), padding nodes."""
+    g = torch.Generator().manual_seed(0)
+    B, N = 6, 17
+    parents = torch.full((B, N), -1)
+    depth = torch.zeros(B, N, dtype=torch.long)
+    for b in range(B):
+        for i in range(1, N):
+            if torch.rand(1, generator=g) < 0.2:
+                continue  # padding: no parent
+            p = int(torch.randint(0, i, (1,), generator=g))
+            while p and parents[b, p] < 0:  # attach to a real node (the root or one with a parent)
+                p = int(torch.randint(0, p, (1,), generator=g))
+            parents[b, i], depth[b, i] = p, depth[b, p] + 1
+    t = Tree(torch.zeros(B, N, dtype=torch.long), parents, parents >= 0, depth)
+    mask = t.ancestor_mask()
+    for b in range(B):
+        for i in range(N):
+            want, j = {i}, i
+            while parents[b, j] >= 0:
+                j = int(parents[b, j])
+                want.add(j)
+            assert set(mask[b, i].nonzero()[:, 0].tolist()) == want
+
+
 class CountedHead:
     """An LM head over 'hidden states' that are the logits themselves, recording each call's row count."""
 

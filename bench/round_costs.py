@@ -1,0 +1,112 @@
+"""What a speculative round of each tree size costs against an autoregressive one, interleaved round by round.
+
+One engine (`speculative.Speculation`) per size (nodes, depth; 0,0 = an autoregressive round), all on the
+same prompt with the same per-response generators, stepped in turn: every engine runs one round, then the
+next engine, and so on. A machine that changes speed over seconds (this one's rollouts spread by +-10%
+between runs) then slows every size alike, so the ratios hold where the absolute figures drift. Engines
+restart on the next prompt every --rounds rounds (contexts stay rollout-like); nothing ends at EOS.
+
+Per size: milliseconds per round and per committed token, tokens per round per response, the split
+(drafting + catch-up / verify forward / acceptance + commit), and the speed per token against the
+autoregressive engine of the same rows.
+
+    .venv/bin/python bench/round_costs.py --rows 1,8 --out bench/results/round_costs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from sparkrl.build import make_drafting
+from sparkrl.config import DraftConfig, SamplingConfig
+from sparkrl.data import build_prompts, held_out, load_problems
+from sparkrl.precision import rollout_copy
+from sparkrl.rollout import response_generators
+from sparkrl.speculative import NoAdaptation, Speculation
+from sparkrl.weights import load_model
+
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in s.split(",")) for s in text.split(";")]
+
+
+@torch.no_grad()
+def measure(policy, drafter, shape, prompts, rows: int, sizes, rounds: int, warmup: int) -> dict:
+    """Round-robin over one engine per size on each prompt; totals per size."""
+    sc = SamplingConfig(1.0, 0.95, (rounds + warmup) * (shape.depth + 1) + 2)
+    tot = {s: {"s": 0.0, "rounds": 0, "tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "accept_s": 0.0} for s in sizes}
+    for j, prompt in enumerate(prompts):
+        engines = {}
+        for s in sizes:
+            eng = Speculation(policy, drafter.bind(policy), sc, shape, response_generators(j, 1, rows), NoAdaptation())
+            eng.start([prompt], rows, ())
+            engines[s] = eng
+        for r in range(warmup + rounds):
+            for s, eng in engines.items():
+                t = time.perf_counter()
+                rd = eng.autoregressive_round() if s[0] == 0 else eng.speculative_round(*s)[0]
+                dt = time.perf_counter() - t
+                if r >= warmup:
+                    a = tot[s]
+                    a["s"] += dt
+                    a["rounds"] += 1
+                    a["tokens"] += sum(rd.counts)
+                    for k in ("draft_s", "verify_s", "accept_s"):
+                        a[k] += getattr(rd, k)
+    ar = tot[(0, 0)]
+    ar_per_token = ar["s"] / ar["tokens"]
+    out = {}
+    for s, a in tot.items():
+        n = a["rounds"]
+        out[f"{s[0]},{s[1]}"] = {
+            "ms_per_round": 1e3 * a["s"] / n, "tokens_per_round": a["tokens"] / n / rows,
+            "ms_per_token": 1e3 * a["s"] / a["tokens"], "speedup": ar_per_token / (a["s"] / a["tokens"]),
+            "split_ms": {k: 1e3 * a[k] / n for k in ("draft_s", "verify_s", "accept_s")}}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft-checkpoint", default="default")
+    ap.add_argument("--data", default="../shared/data/gsm8k/train.jsonl")
+    ap.add_argument("--heldout", type=float, default=0.05, help="only problems held out of draft pretraining")
+    ap.add_argument("--rows", default="1,8", help="responses per engine (one prompt's group)")
+    ap.add_argument("--sizes", default="0,0;1,1;2,1;4,1;4,2;8,2;8,3;16,5", help="nodes,depth;... (0,0: AR)")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=48, help="timed rounds per engine and prompt")
+    ap.add_argument("--warmup", type=int, default=4, help="untimed rounds per engine and prompt")
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("--out", default="bench/results/round_costs")
+    args = ap.parse_args()
+    sizes = parse_sizes(args.sizes)
+    if (0, 0) not in sizes:
+        ap.error("--sizes must include 0,0 (the autoregressive reference)")
+    dcfg = DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, budget="fixed")
+    lm = load_model("default", dtype=args.dtype)
+    lm.model = rollout_copy(lm.model, lm.model.lm_head.weight.dtype, "auto").model
+    d = make_drafting(dcfg, lm.model, lm.model, 1.0)
+    problems = load_problems(args.data).problems
+    problems = [p for p in problems if held_out(p, args.heldout)] if args.heldout else problems
+    prompts = build_prompts(lm.tokenizer, problems[:args.prompts], 512, "skip").prompt_ids
+    result = {"meta": {**vars(args), "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": {}}
+    for rows in map(int, args.rows.split(",")):
+        res = measure(lm.model, d.rollout.model, dcfg.shape(), prompts, rows, sizes, args.rounds, args.warmup)
+        result["rows"][rows] = res
+        print(f"{rows} rows: size, ms/round, tokens/round/response, ms/token, speed per token vs AR, "
+              "draft/verify/accept ms")
+        for k, r in res.items():
+            sp = r["split_ms"]
+            print(f"  {k:6s} {r['ms_per_round']:7.2f} {r['tokens_per_round']:5.2f} {r['ms_per_token']:7.2f} "
+                  f"{r['speedup']:5.2f}x  {sp['draft_s']:.2f}/{sp['verify_s']:.2f}/{sp['accept_s']:.2f}", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"round_costs_{args.dtype}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
