@@ -20,7 +20,9 @@ verified one contains, a lower bound for the others). Running averages of those 
 The cost model times whole rounds of the engine itself (`speculative.time_rounds`: drafting, the
 drafter's catch-up, the verify forward, the acceptance walk, commit; an autoregressive round with its
 drafter bookkeeping) for every size on a grid of row counts at start-up, once per machine, model,
-thread count, tree shape and kernels (cached under the user cache dir), and interpolates. The timed
+thread count, tree shape and kernels (cached under the user cache dir), fits the tree rounds' seconds
+linearly in nodes and depth per row count (`smoothed`: one size's timing is as noisy as sizes differ), keeps
+every size non-decreasing in rows (`nondecreasing`), and interpolates. The timed
 rounds run on a text the policy sampled itself (sampling's cost depends on the nucleus's width, and
 random tokens make it thousands of tokens wide); each draft accepted more or fewer than there walks
 one more or one fewer level (the LM head and the target distribution on B rows, timed too), which
@@ -33,7 +35,8 @@ estimate just below break-even the budget would stay autoregressive for good, ho
 drafter does (measured: with the shipped drafter at one response trees every round ran at 1.08x of
 AR while the budget drafted 30 of 889 rounds, 0.99x). So a tree predicted within `EXPLORE_MARGIN` of
 an autoregressive step per token is drafted once every `EXPLORE_EVERY` rounds that declined it: at
-most 1/EXPLORE_EVERY of the rounds lose at most that margin, and a tree that pays is found again.
+most 1/EXPLORE_EVERY of the rounds lose at most that margin, and a tree that pays is found again; any
+other best tree once every `PROBE_EVERY`.
 """
 
 from __future__ import annotations
@@ -49,20 +52,32 @@ from sparkrl.config import TreeShape
 from sparkrl.machine import measurement_path
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-ENGINE = 10  # part of the timing cache's key: bumped when a round's work or its timing changes (2: a tree
+ENGINE = 11  # part of the timing cache's key: bumped when a round's work or its timing changes (2: a tree
 # of n nodes drafts min(depth, n) levels; sizes timed in turn, 3 repeats, 7 row counts; 3: the
 # acceptance walk runs the LM head only for the rows still walking; 4: timed on the policy's own text,
 # not random tokens; the drafter's catch-up runs its head at one position per row; 5: weight-major products
 # split per thread, from one row; 6: q/k/v and gate/up as one weight-major product each; 7: packed float32
 # layers leave 1-4 rows to weight-major products; 8: the acceptance walk's LM head also covers first-child
 # paths, `verify.PathLogits`; 9: sampling on the compiled nucleus with the compiled ops; 10: sizes are
-# (nodes, depth): shallower trees too)
+# (nodes, depth): shallower trees too; 11: a commit moves every layer's kept tokens at once, the median of the
+# timed rounds, the drafter's catch-up after AR rounds untimed, tree rounds fitted: `smoothed`,
+# non-decreasing in rows, 3x the repeats up to 8 rows)
 GAIN = 0.9  # a tree is chosen when predicted at least 10% faster per committed token than an AR step: the
 # cost model's error (measured at 8 rows: 1-node trees predicted 1.08x ran at 0.96x) must not turn a
 # predicted gain into a loss
 EXPLORE_MARGIN = 1.15  # a tree predicted within 15% of an AR step per committed token (but not chosen) ...
 EXPLORE_EVERY = 8  # ... is drafted once every 8 rounds that declined it
+PROBE_EVERY = 64  # any other best tree once every 64: one response's rounds accept 0 to depth drafts, so a few
+# unlucky ones could rate every tree past the margin, and with no drafted round no estimate moves again (measured
+# twice: 0 of 1,016 rounds drafted at one response; in another run 4-node depth-1 trees every round ran 1.12x of AR).
+# At most 1/64 of the rounds lose what a tree costs beyond an AR step
 CONTEXT = 192  # committed tokens per row while timing (a typical mid-rollout length)
+PRIOR_ROUNDS = 4  # the optimistic prior acceptance weighs as much as this many verified rounds: blended in as
+# 1 / (1 - momentum) = 10 (a running average from the prior) it kept large trees overrated for dozens of rounds
+# (16 nodes at depth 5 in two runs: 1.69 and 1.55 drafts expected, 0.71 and 0.82 accepted); replaced by the first
+# round seen, one unlucky round at one response (0 or 1 drafts) could rate every tree too low to be tried again
+FEW_ROWS, FEW_REPEATS = 8, 3  # up to 8 rows, where trees can pay and rounds are short, 3x the repeats: one
+# size's rounds spread by 10-20% here, as much as the sizes that decide between trees and AR differ
 
 Size = tuple[int, int]  # (nodes, depth) of a round's tree; AR = (0, 0), an autoregressive round
 AR: Size = (0, 0)
@@ -133,7 +148,7 @@ class CostModel:
                 "accepted": {_key(s): list(v) for s, v in self.accepted.items()}, "level": list(self.level)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CostModel":
+    def from_dict(cls, d: dict) -> "CostModel":  # ("timed": the raw timings beside a fit, for the record)
         return cls(tuple(d["rows"]), {_size(k): v for k, v in d["rounds"].items()},
                    {_size(k): v for k, v in d["accepted"].items()}, d["level"])
 
@@ -153,11 +168,48 @@ class CostModel:
             return cls.from_dict(json.loads(path.read_text()))
         print(f"sparkrl: timing the policy and the drafter on this machine for the speculation budget (once; "
               f"cached in {path.parent})", file=sys.stderr, flush=True)
-        t = time_rounds(policy, drafter, shape, ROWS, [AR] + tree_sizes(shape), CONTEXT, repeats)
-        cost = cls(ROWS, t["rounds"], t["accepted"], t["level"])
+        sizes = [AR] + tree_sizes(shape)
+        few, many = [B for B in ROWS if B <= FEW_ROWS], [B for B in ROWS if B > FEW_ROWS]
+        parts = [time_rounds(policy, drafter, shape, few, sizes, CONTEXT, FEW_REPEATS * repeats)] + \
+            ([time_rounds(policy, drafter, shape, many, sizes, CONTEXT, repeats)] if many else [])
+        t = {k: ({s: sum((p[k][s] for p in parts), []) for s in sizes} if k != "level" else
+                 sum((p[k] for p in parts), [])) for k in ("rounds", "accepted", "level")}
+        cost = cls(ROWS, nondecreasing(smoothed(t["rounds"])), t["accepted"], t["level"])
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cost.to_dict()))
+        path.write_text(json.dumps({**cost.to_dict(), "timed": {_key(s): v for s, v in t["rounds"].items()}}))
         return cost
+
+
+def nondecreasing(rounds: dict[Size, list[float]]) -> dict[Size, list[float]]:
+    """Each size's seconds over the row counts made non-decreasing (pooled adjacent violators, least squares):
+    a round over more rows costs no less, and a timing noisy in that way (an AR step timed slower at 4 rows
+    than at 8) had trees drafted between them that lost."""
+    out = {}
+    for size, ys in rounds.items():
+        blocks = []  # [mean, count]
+        for y in ys:
+            blocks.append([y, 1])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                (m1, c1), (m2, c2) = blocks.pop(-2), blocks.pop()
+                blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+        out[size] = [m for m, c in blocks for _ in range(c)]
+    return out
+
+
+def smoothed(rounds: dict[Size, list[float]]) -> dict[Size, list[float]]:
+    """Timed tree rounds replaced by a least-squares fit, per row count, of seconds = a + b * nodes +
+    c * (depth - 1) over all the timed trees (AR rounds as timed). One size's timing spread by 10-20%
+    between rounds here, as much as sizes differ from each other, so a per-size table let noise pick the tree
+    (a 4-node tree 3 deep, timed low, drafted in 432 of 569 rounds of a rollout that ran at 0.97x of AR). Verifying n nodes costs about linearly in n and each level below the
+    first one drafter forward, so the fit pools every size's timing into three numbers per row count. Fewer
+    than three distinct sizes (a chain, a block): as timed."""
+    trees = [s for s in rounds if s != AR]
+    if len({(n, d) for n, d in trees}) < 3:
+        return dict(rounds)
+    X = torch.tensor([[1.0, n, d - 1] for n, d in trees], dtype=torch.float64)
+    Y = torch.tensor([rounds[s] for s in trees], dtype=torch.float64)  # (sizes, row counts)
+    fit = X @ torch.linalg.lstsq(X, Y, driver="gelsd").solution  # projection: defined when X is rank-deficient
+    return {AR: list(rounds[AR]), **{s: fit[i].tolist() for i, s in enumerate(trees)}}
 
 
 class Budget:
@@ -175,6 +227,7 @@ class Budget:
         self.cost, self.shape = cost, shape
         # expected accepted drafts per round for each size; optimistic at first, kept across rollouts
         self.accepted = {s: prior_accept * s[1] / shape.depth for s in self.sizes}
+        self.seen = {s: 0 for s in self.sizes}  # verified rounds that told each size's acceptance
         self.scale = {s: 1.0 for s in [AR] + self.sizes}  # measured / predicted round seconds (adaptive)
         self.momentum, self.adaptive = momentum, adaptive
         self.declined = 0  # autoregressive rounds chosen since the last drafted one, a tree nearly paying
@@ -183,6 +236,7 @@ class Budget:
         """What a resumed run needs to choose as the uninterrupted one would: the cost model it used
         and the running estimates."""
         return {"cost": self.cost.to_dict(), "accepted": {_key(s): a for s, a in self.accepted.items()},
+                "seen": {_key(s): n for s, n in self.seen.items()},
                 "scale": {_key(s): a for s, a in self.scale.items()}, "declined": self.declined}
 
     def load_state_dict(self, state: dict) -> None:
@@ -190,6 +244,7 @@ class Budget:
             return
         self.cost = CostModel.from_dict(state["cost"])
         self.accepted = {_size(k): a for k, a in state["accepted"].items()}
+        self.seen = {_size(k): n for k, n in state.get("seen", {k: 1 << 20 for k in state["accepted"]}).items()}
         self.scale = {_size(k): a for k, a in state["scale"].items()}
         self.declined = state["declined"]
 
@@ -206,7 +261,8 @@ class Budget:
     def choose(self, B: int) -> Size:
         """The size for a round over B rows (AR: autoregressive): the tree with the fewest predicted
         seconds per committed token if it beats an autoregressive step by the margin GAIN, or if it comes within
-        EXPLORE_MARGIN of one and EXPLORE_EVERY rounds have declined it since the last drafted round."""
+        EXPLORE_MARGIN of one and EXPLORE_EVERY rounds have declined it since the last drafted round (PROBE_EVERY
+        rounds when it does not)."""
         ar = self.seconds(B, AR)
         costs = {s: self.seconds(B, s) / (1.0 + self.accepted[s]) for s in self.sizes}  # seconds per token
         best = min(costs, key=costs.get)
@@ -214,11 +270,10 @@ class Budget:
         if per_token < ar * GAIN:
             self.declined = 0
             return best
-        if per_token < ar * EXPLORE_MARGIN:
-            self.declined += 1
-            if self.declined >= EXPLORE_EVERY:
-                self.declined = 0
-                return best
+        self.declined += 1
+        if self.declined >= (EXPLORE_EVERY if per_token < ar * EXPLORE_MARGIN else PROBE_EVERY):
+            self.declined = 0
+            return best
         return AR
 
     def observe_round(self, size: Size, B: int, seconds: float) -> None:
@@ -235,8 +290,12 @@ class Budget:
 
     def observe(self, size: Size, tree, acc) -> None:
         """A verified round of `size`: its `verify.Tree` (with the builder's ranks) and `Acceptance`. Updates
-        the estimate of every size no larger in nodes and depth (`kept_drafts`)."""
+        the estimate of every size no larger in nodes and depth (`kept_drafts`): the mean of the prior, counted as
+        `PRIOR_ROUNDS` rounds, and the rounds seen, while there are fewer than 1 / (1 - momentum) in all, then a
+        running average."""
         for s in self.sizes:
             if s[0] <= size[0] and s[1] <= size[1]:
                 kept = kept_drafts(tree, acc.path, s).double().mean().item()  # host sync
-                self.accepted[s] = self.momentum * self.accepted[s] + (1 - self.momentum) * kept
+                self.seen[s] += 1
+                w = max(1 - self.momentum, 1 / (self.seen[s] + PRIOR_ROUNDS))
+                self.accepted[s] = (1 - w) * self.accepted[s] + w * kept

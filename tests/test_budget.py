@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparkrl.budget import AR, EXPLORE_EVERY, Budget, CostModel, kept_drafts, tree_sizes
+from sparkrl.budget import AR, EXPLORE_EVERY, PROBE_EVERY, Budget, CostModel, PRIOR_ROUNDS, kept_drafts, nondecreasing, smoothed, tree_sizes
 from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.tree import build_tree
@@ -72,14 +72,21 @@ def test_a_verified_round_updates_every_size_it_contains():
     b = Budget(CostModel(ROWS, {s: [1.0] * 4 for s in [AR] + tree_sizes(shape)},
                          {s: [0.0] * 4 for s in tree_sizes(shape)}, [0.0] * 4), shape, prior_accept=1.5)
     acc = type("Acc", (), {"path": PATHS})
-    b.observe((6, 3), ranked_tree(), acc)
-    prior = lambda d: 0.9 * 1.5 * d / 3
+    b.observe((6, 3), ranked_tree(), acc)  # the prior counts as PRIOR_ROUNDS rounds
+    prior = lambda d: 1.5 * d / 3
     kept = {(6, 3): 3.0, (4, 3): 2.0, (4, 2): 2.0, (2, 2): 1.0, (2, 1): 1.0, (1, 1): 0.5}
-    assert all(b.accepted[s] == pytest.approx(prior(s[1]) + 0.1 * k) for s, k in kept.items())
+    mean = lambda s, *ks: (PRIOR_ROUNDS * prior(s[1]) + sum(ks)) / (PRIOR_ROUNDS + len(ks))
+    assert all(b.accepted[s] == pytest.approx(mean(s, k)) for s, k in kept.items())
+    other = type("Acc", (), {"path": torch.tensor([[1, -1, -1], [2, 3, -1]])})  # a; b, c: 1 and 2 drafts
+    b.observe((2, 2), ranked_tree(), other)  # says nothing about larger or deeper trees
+    assert all(b.accepted[s] == pytest.approx(mean(s, kept[s])) for s in [(4, 2), (4, 3), (6, 3)])
+    assert b.seen[2, 2] == 2 and b.seen[4, 2] == 1
+    again = {(2, 2): 1.0, (2, 1): 1.0, (1, 1): 0.5}  # c ranks 3rd; a 2nd, so a 1-node tree keeps only b
+    assert all(b.accepted[s] == pytest.approx(mean(s, kept[s], again[s])) for s in again)
+    b.seen = {s: 100 for s in b.seen}  # past 1 / (1 - momentum) rounds: a running average
     before = dict(b.accepted)
-    b.observe((2, 2), ranked_tree(), acc)  # says nothing about larger or deeper trees
-    assert all(b.accepted[s] == before[s] for s in [(4, 2), (4, 3), (6, 3)])
-    assert all(b.accepted[s] == pytest.approx(0.9 * before[s] + 0.1 * kept[s]) for s in [(1, 1), (2, 1), (2, 2)])
+    b.observe((6, 3), ranked_tree(), acc)
+    assert all(b.accepted[s] == pytest.approx(0.9 * before[s] + 0.1 * k) for s, k in kept.items())
 
 
 def test_a_shallower_tree_is_the_deeper_trees_best_nodes_of_its_depths(tiny_llama):
@@ -123,12 +130,38 @@ def test_cost_model_times_whole_engine_rounds_once_and_caches_them(tiny_llama, t
     shape = TreeShape(2, 2, 3)
     cm = CostModel.measure(tiny_llama, d, shape, time_rounds, repeats=1)
     assert sorted(cm.rounds) == [AR, (1, 1), (2, 1), (2, 2), (3, 2)] and len(cm.level) == len(cm.rows)
-    # the engine reads the clock twice in an AR round and six times in a drafted one
-    assert all(r == 3.0 for r in cm.rounds[AR]) and all(r == 7.0 for s in tree_sizes(shape) for r in cm.rounds[s])
+    # the engine reads the clock twice in an AR round and six times in a drafted one (tree rounds: a fit, `smoothed`)
+    assert all(r == 3.0 for r in cm.rounds[AR]) and all(r == pytest.approx(7.0) for s in tree_sizes(shape) for r in cm.rounds[s])
     assert all(0 <= a <= shape.depth for v in cm.accepted.values() for a in v) and all(t == 1.0 for t in cm.level)
     assert len(list((tmp_path / "costs").glob("rounds-*.json"))) == 1
     monkeypatch.setattr(engine, "time", None)  # cached: nothing is timed again
     assert CostModel.measure(tiny_llama, d, shape, time_rounds) == cm
+
+
+def test_smoothed_fits_tree_rounds_linearly_in_nodes_and_depth():
+    """Per row count, seconds = a + b * nodes + c * (depth - 1) fitted over every tree size (float64 reference:
+    noise-free timings come back exactly, the fit of noisy ones has the least squared error and removes a
+    tree's lucky timing); AR rounds and shapes of fewer than three sizes stay as timed."""
+    sizes = tree_sizes(TreeShape(5, 4, 16))
+    exact = {AR: [1.0, 2.0], **{(n, d): [1.2 + 0.05 * n + 0.1 * (d - 1), 2.5 + 0.2 * n + 0.3 * (d - 1)] for n, d in sizes}}
+    assert all(torch.allclose(torch.tensor(smoothed(exact)[s], dtype=torch.float64), torch.tensor(v, dtype=torch.float64))
+               for s, v in exact.items())
+    noisy = {s: [v[0] * (0.8 if s == (4, 3) else 1.0), v[1]] for s, v in exact.items()}  # (4, 3) timed 20% low
+    fit = smoothed(noisy)
+    assert fit[AR] == noisy[AR] and fit[4, 3][0] > 0.95 * exact[4, 3][0] and fit[4, 3][1] == pytest.approx(exact[4, 3][1])
+    X = torch.tensor([[1.0, n, d - 1] for n, d in sizes], dtype=torch.float64)
+    y = torch.tensor([noisy[s][0] for s in sizes], dtype=torch.float64)
+    best = X @ torch.linalg.pinv(X) @ y  # the least-squares projection
+    assert torch.allclose(torch.tensor([fit[s][0] for s in sizes], dtype=torch.float64), best)
+    two = {AR: [1.0], (2, 2): [1.5], (4, 2): [9.0]}
+    assert smoothed(two) == two and smoothed({AR: [1.0], (15, 15): [3.0]}) == {AR: [1.0], (15, 15): [3.0]}
+
+
+def test_nondecreasing_pools_adjacent_violators():
+    """The least-squares non-decreasing fit over the row counts: violators pooled to their mean, the rest kept."""
+    got = nondecreasing({AR: [14.0, 14.9, 20.6, 19.4, 38.0], (1, 1): [3.0, 1.0, 2.0, 5.0], (2, 2): [1.0, 2.0]})
+    assert got[AR] == pytest.approx([14.0, 14.9, 20.0, 20.0, 38.0]) and got[2, 2] == [1.0, 2.0]
+    assert got[1, 1] == pytest.approx([2.0, 2.0, 2.0, 5.0])
 
 
 def test_the_prediction_follows_the_expected_acceptance():
@@ -150,16 +183,16 @@ def test_the_prediction_follows_the_expected_acceptance():
     assert back.cost == cost and back.choose(1) == T
 
 
-def test_a_tree_that_nearly_pays_is_tried_again_and_one_that_does_not_never():
+def test_a_tree_that_nearly_pays_is_tried_again_and_one_that_does_not_rarely():
     """AR 1.0 s; a 4-node tree 1.5 s. Expecting 0.4 drafts it costs 1.07 s per token: declined, but within
     the 15% margin, so every 8th round drafts it; once a drafted round shows it pays, every round does.
-    Expecting 0.1 drafts (1.36 s per token) it is never tried."""
+    Expecting 0.1 drafts (1.36 s per token) it is tried once every PROBE_EVERY rounds."""
     slow = [9.0, 9.0]
     cost = CostModel((1, 2), full_depth({0: [1.0, 1.2], 1: slow, 2: slow, 4: [1.5, 2.0]}, 4),
                      full_depth({n: [0.0, 0.0] for n in (1, 2, 4)}, 4), [0.0, 0.0])
     T = (4, 4)
     b = Budget(cost, TreeShape(4, 1, 4))
-    b.accepted[T] = 0.4
+    b.accepted[T], b.seen[T] = 0.4, 100  # as after many rounds
     picks = [b.choose(1) for _ in range(2 * EXPLORE_EVERY)]
     assert picks == ([AR] * (EXPLORE_EVERY - 1) + [T]) * 2
     for _ in range(3):
@@ -173,7 +206,8 @@ def test_a_tree_that_nearly_pays_is_tried_again_and_one_that_does_not_never():
     assert b.accepted[T] == pytest.approx(0.76)  # the tried round accepted 4 drafts
     assert [b.choose(1) for _ in range(5)] == [T] * 5
     b.accepted[T] = 0.1
-    assert all(b.choose(1) == AR for _ in range(10 * EXPLORE_EVERY))
+    b.declined = 0
+    assert [b.choose(1) for _ in range(2 * PROBE_EVERY)] == ([AR] * (PROBE_EVERY - 1) + [T]) * 2
 
 
 class Alternating(Budget):
