@@ -23,7 +23,7 @@ from sparkrl.weights import load_model
 
 def gather_rows(cache: KVCache, rows: torch.Tensor) -> None:
     """The previous `keep_rows`: every kept row copied into new buffers."""
-    cache.kv = cache.kv.index_select(2, rows)
+    cache.kv = cache.store = cache.kv.index_select(2, rows)
     cache._views()
     cache.lengths = cache.lengths.index_select(0, rows)
 

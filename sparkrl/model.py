@@ -148,11 +148,13 @@ class KVCache:
     before: 0.4 ms of a one-response tree round on this CPU); `k[i]` and `v[i]` are views of it.
     """
 
-    kv: torch.Tensor  # (2, L, B, H_kv, capacity, D); may be a view of the first B rows of a larger buffer
+    kv: torch.Tensor  # (2, L, B, H_kv, capacity, D), contiguous; after `keep_rows` a view of the first B rows
     lengths: torch.Tensor  # (B,) int64, committed tokens per sequence
     pending: int = 0  # speculative tokens written after lengths[b] by forwards since the last commit
 
     def __post_init__(self):
+        assert self.kv.is_contiguous(), "KVCache: a contiguous buffer"
+        self.store = self.kv  # the whole buffer, of which kv holds the first B rows
         self._views()
 
     def _views(self) -> None:
@@ -167,7 +169,7 @@ class KVCache:
                    lengths=torch.zeros(batch, dtype=torch.long, device=device))
 
     def clone(self) -> "KVCache":
-        return KVCache(self.kv.clone(), self.lengths.clone(), self.pending)
+        return KVCache(self.kv.clone(memory_format=torch.contiguous_format), self.lengths.clone(), self.pending)
 
     @property
     def batch(self) -> int:
@@ -188,8 +190,13 @@ class KVCache:
             base = self.lengths[:, None]
             src = self.rows(base + keep)
             dst = self.rows(base + torch.arange(keep.shape[1], device=keep.device))
-            flat = self.kv.view(2 * self.kv.shape[1], -1, self.kv.shape[-1])  # (2L, B * H_kv * capacity, D)
-            flat.index_copy_(1, dst, flat.index_select(1, src))
+            # rows of the whole buffer viewed as (2L * B' * H_kv * capacity, D): one gather and one copy on a
+            # contiguous 2-D tensor (on the strided view `keep_rows` leaves, gathering along its merged rows made a
+            # 6-row tree round take 4x as long)
+            flat = self.store.view(-1, self.kv.shape[-1])
+            per = flat.shape[0] // (2 * self.kv.shape[1])  # rows of one layer's K or V
+            offsets = torch.arange(0, flat.shape[0], per, device=keep.device)[:, None]
+            flat.index_copy_(0, (offsets + dst).flatten(), flat.index_select(0, (offsets + src).flatten()))
         self.lengths = self.lengths + n_keep
         self.pending = 0
 
@@ -224,7 +231,7 @@ class KVCache:
                     self.kv[:, :, i].copy_(self.kv[:, :, r])
             self.kv = self.kv[:, :, :len(idx)]
         else:
-            self.kv = self.kv.index_select(2, rows)
+            self.kv = self.store = self.kv.index_select(2, rows)
         self._views()
         self.lengths = self.lengths.index_select(0, rows)
 

@@ -212,6 +212,14 @@ def test_keep_rows_equals_a_gather_of_the_rows(steps):
     k = torch.randn(cache.batch, 1, 1, 4, dtype=torch.float64)
     cache.write(0, cache.rows(torch.zeros(cache.batch, 1, dtype=torch.long)), k, k)
     assert torch.equal(cache.k[0][:, :, :1], k) and torch.equal(cache.k[0][:, :, 1:], ref[0][0][:, :, 1:])
+    # a commit of a speculative region on the compacted cache moves the same positions as on a fresh copy of it
+    fresh = model_mod.KVCache(torch.stack([torch.stack(cache.k), torch.stack(cache.v)]).contiguous(), cache.lengths.clone())
+    keep = torch.tensor([[0, 2], [1, 2], [0, 1]]).repeat(2, 1)[:cache.batch]
+    for c in (cache, fresh):
+        c.lengths = torch.zeros(cache.batch, dtype=torch.long)
+        c.pending = 3
+        c.commit(keep, torch.full((cache.batch,), 2))
+    assert all(torch.equal(a, b) for a, b in zip((*cache.k, *cache.v), (*fresh.k, *fresh.v)))
 
 
 def test_unsupported_architecture_lists_supported():
