@@ -34,9 +34,12 @@ The acceptance estimates only move in rounds that draft, so once a run of unluck
 estimate just below break-even the budget would stay autoregressive for good, however well the
 drafter does (measured: with the shipped drafter at one response trees every round ran at 1.08x of
 AR while the budget drafted 30 of 889 rounds, 0.99x). So a tree predicted within `EXPLORE_MARGIN` of
-an autoregressive step per token is drafted once every `EXPLORE_EVERY` rounds that declined it: at
-most 1/EXPLORE_EVERY of the rounds lose at most that margin, and a tree that pays is found again; any
-other best tree once every `PROBE_EVERY`.
+an autoregressive step per token is drafted again after `EXPLORE_EVERY` declined rounds per row its last
+drafted round verified (at most `PROBE_EVERY`): a round over B rows tells B rows' acceptance, and the
+estimates need fresh rows at a steady rate per round (acceptance drifts with the prompts and the policy),
+not per row: at one response at most 1/EXPLORE_EVERY of the rounds lose at most that margin, from 8 rows
+1/PROBE_EVERY (exploring every 8th round, 1-node trees at 8 rows cost 2% of a rollout and never paid here);
+any other best tree once every `PROBE_EVERY`. The estimates likewise weigh a verified round by its rows.
 """
 
 from __future__ import annotations
@@ -66,13 +69,13 @@ GAIN = 0.9  # a tree is chosen when predicted at least 10% faster per committed 
 # cost model's error (measured at 8 rows: 1-node trees predicted 1.08x ran at 0.96x) must not turn a
 # predicted gain into a loss
 EXPLORE_MARGIN = 1.15  # a tree predicted within 15% of an AR step per committed token (but not chosen) ...
-EXPLORE_EVERY = 8  # ... is drafted once every 8 rounds that declined it
+EXPLORE_EVERY = 8  # ... is drafted again after 8 declined rounds per row its last drafted round verified
 PROBE_EVERY = 64  # any other best tree once every 64: one response's rounds accept 0 to depth drafts, so a few
 # unlucky ones could rate every tree past the margin, and with no drafted round no estimate moves again (measured
 # twice: 0 of 1,016 rounds drafted at one response; in another run 4-node depth-1 trees every round ran 1.12x of AR).
 # At most 1/64 of the rounds lose what a tree costs beyond an AR step
 CONTEXT = 192  # committed tokens per row while timing (a typical mid-rollout length)
-PRIOR_ROUNDS = 4  # the optimistic prior acceptance weighs as much as this many verified rounds: blended in as
+PRIOR_ROWS = 4  # the optimistic prior acceptance weighs as much as this many verified rows: blended in as
 # 1 / (1 - momentum) = 10 (a running average from the prior) it kept large trees overrated for dozens of rounds
 # (16 nodes at depth 5 in two runs: 1.69 and 1.55 drafts expected, 0.71 and 0.82 accepted); replaced by the first
 # round seen, one unlucky round at one response (0 or 1 drafts) could rate every tree too low to be tried again
@@ -227,17 +230,19 @@ class Budget:
         self.cost, self.shape = cost, shape
         # expected accepted drafts per round for each size; optimistic at first, kept across rollouts
         self.accepted = {s: prior_accept * s[1] / shape.depth for s in self.sizes}
-        self.seen = {s: 0 for s in self.sizes}  # verified rounds that told each size's acceptance
+        self.seen = {s: 0 for s in self.sizes}  # verified rows that told each size's acceptance
         self.scale = {s: 1.0 for s in [AR] + self.sizes}  # measured / predicted round seconds (adaptive)
         self.momentum, self.adaptive = momentum, adaptive
         self.declined = 0  # autoregressive rounds chosen since the last drafted one, a tree nearly paying
+        self.wait = EXPLORE_EVERY  # declined rounds before such a tree is drafted again (by the last drafted rows)
 
     def state_dict(self) -> dict:
         """What a resumed run needs to choose as the uninterrupted one would: the cost model it used
         and the running estimates."""
         return {"cost": self.cost.to_dict(), "accepted": {_key(s): a for s, a in self.accepted.items()},
                 "seen": {_key(s): n for s, n in self.seen.items()},
-                "scale": {_key(s): a for s, a in self.scale.items()}, "declined": self.declined}
+                "scale": {_key(s): a for s, a in self.scale.items()}, "declined": self.declined,
+                "wait": self.wait}
 
     def load_state_dict(self, state: dict) -> None:
         if "cost" not in state:  # a checkpoint from before sizes had depths: its estimates no longer apply
@@ -247,6 +252,7 @@ class Budget:
         self.seen = {_size(k): n for k, n in state.get("seen", {k: 1 << 20 for k in state["accepted"]}).items()}
         self.scale = {_size(k): a for k, a in state["scale"].items()}
         self.declined = state["declined"]
+        self.wait = state.get("wait", EXPLORE_EVERY)
 
     @property
     def sizes(self) -> list[Size]:
@@ -261,20 +267,18 @@ class Budget:
     def choose(self, B: int) -> Size:
         """The size for a round over B rows (AR: autoregressive): the tree with the fewest predicted
         seconds per committed token if it beats an autoregressive step by the margin GAIN, or if it comes within
-        EXPLORE_MARGIN of one and EXPLORE_EVERY rounds have declined it since the last drafted round (PROBE_EVERY
-        rounds when it does not)."""
+        EXPLORE_MARGIN of one and EXPLORE_EVERY rounds per row the last drafted round verified (at most
+        PROBE_EVERY) have declined it since (PROBE_EVERY rounds when it does not come within the margin)."""
         ar = self.seconds(B, AR)
         costs = {s: self.seconds(B, s) / (1.0 + self.accepted[s]) for s in self.sizes}  # seconds per token
         best = min(costs, key=costs.get)
         per_token = costs[best]
-        if per_token < ar * GAIN:
-            self.declined = 0
-            return best
-        self.declined += 1
-        if self.declined >= (EXPLORE_EVERY if per_token < ar * EXPLORE_MARGIN else PROBE_EVERY):
-            self.declined = 0
-            return best
-        return AR
+        if per_token >= ar * GAIN:
+            self.declined += 1
+            if self.declined < (self.wait if per_token < ar * EXPLORE_MARGIN else PROBE_EVERY):
+                return AR
+        self.declined, self.wait = 0, min(EXPLORE_EVERY * B, PROBE_EVERY)
+        return best
 
     def observe_round(self, size: Size, B: int, seconds: float) -> None:
         """A round of `size` over B rows took `seconds` in all (only used when adaptive)."""
@@ -291,11 +295,12 @@ class Budget:
     def observe(self, size: Size, tree, acc) -> None:
         """A verified round of `size`: its `verify.Tree` (with the builder's ranks) and `Acceptance`. Updates
         the estimate of every size no larger in nodes and depth (`kept_drafts`): the mean of the prior, counted as
-        `PRIOR_ROUNDS` rounds, and the rounds seen, while there are fewer than 1 / (1 - momentum) in all, then a
-        running average."""
+        `PRIOR_ROWS` rows, and the rows seen, while there are fewer than 1 / (1 - momentum) in all, then a
+        running average over rows (a round over B rows moves it as B rows of its mean would)."""
+        B = acc.path.shape[0]
         for s in self.sizes:
             if s[0] <= size[0] and s[1] <= size[1]:
                 kept = kept_drafts(tree, acc.path, s).double().mean().item()  # host sync
-                self.seen[s] += 1
-                w = max(1 - self.momentum, 1 / (self.seen[s] + PRIOR_ROUNDS))
+                self.seen[s] += B
+                w = max(1 - self.momentum ** B, B / (self.seen[s] + PRIOR_ROWS))
                 self.accepted[s] = (1 - w) * self.accepted[s] + w * kept

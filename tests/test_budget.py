@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparkrl.budget import AR, EXPLORE_EVERY, PROBE_EVERY, Budget, CostModel, PRIOR_ROUNDS, kept_drafts, nondecreasing, smoothed, tree_sizes
+from sparkrl.budget import AR, EXPLORE_EVERY, PROBE_EVERY, Budget, CostModel, PRIOR_ROWS, kept_drafts, nondecreasing, smoothed, tree_sizes
 from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.tree import build_tree
@@ -72,21 +72,21 @@ def test_a_verified_round_updates_every_size_it_contains():
     b = Budget(CostModel(ROWS, {s: [1.0] * 4 for s in [AR] + tree_sizes(shape)},
                          {s: [0.0] * 4 for s in tree_sizes(shape)}, [0.0] * 4), shape, prior_accept=1.5)
     acc = type("Acc", (), {"path": PATHS})
-    b.observe((6, 3), ranked_tree(), acc)  # the prior counts as PRIOR_ROUNDS rounds
+    b.observe((6, 3), ranked_tree(), acc)  # the prior counts as PRIOR_ROWS rows, a round as its 2 rows
     prior = lambda d: 1.5 * d / 3
-    kept = {(6, 3): 3.0, (4, 3): 2.0, (4, 2): 2.0, (2, 2): 1.0, (2, 1): 1.0, (1, 1): 0.5}
-    mean = lambda s, *ks: (PRIOR_ROUNDS * prior(s[1]) + sum(ks)) / (PRIOR_ROUNDS + len(ks))
+    kept = {(6, 3): 3.0, (4, 3): 2.0, (4, 2): 2.0, (2, 2): 1.0, (2, 1): 1.0, (1, 1): 0.5}  # the rows' mean
+    mean = lambda s, *ks: (PRIOR_ROWS * prior(s[1]) + 2 * sum(ks)) / (PRIOR_ROWS + 2 * len(ks))
     assert all(b.accepted[s] == pytest.approx(mean(s, k)) for s, k in kept.items())
     other = type("Acc", (), {"path": torch.tensor([[1, -1, -1], [2, 3, -1]])})  # a; b, c: 1 and 2 drafts
     b.observe((2, 2), ranked_tree(), other)  # says nothing about larger or deeper trees
     assert all(b.accepted[s] == pytest.approx(mean(s, kept[s])) for s in [(4, 2), (4, 3), (6, 3)])
-    assert b.seen[2, 2] == 2 and b.seen[4, 2] == 1
+    assert b.seen[2, 2] == 4 and b.seen[4, 2] == 2
     again = {(2, 2): 1.0, (2, 1): 1.0, (1, 1): 0.5}  # c ranks 3rd; a 2nd, so a 1-node tree keeps only b
     assert all(b.accepted[s] == pytest.approx(mean(s, kept[s], again[s])) for s in again)
-    b.seen = {s: 100 for s in b.seen}  # past 1 / (1 - momentum) rounds: a running average
+    b.seen = {s: 100 for s in b.seen}  # past 1 / (1 - momentum) rows: a running average, one step per row
     before = dict(b.accepted)
     b.observe((6, 3), ranked_tree(), acc)
-    assert all(b.accepted[s] == pytest.approx(0.9 * before[s] + 0.1 * k) for s, k in kept.items())
+    assert all(b.accepted[s] == pytest.approx(0.81 * before[s] + 0.19 * k) for s, k in kept.items())
 
 
 def test_a_shallower_tree_is_the_deeper_trees_best_nodes_of_its_depths(tiny_llama):
@@ -208,6 +208,29 @@ def test_a_tree_that_nearly_pays_is_tried_again_and_one_that_does_not_rarely():
     b.accepted[T] = 0.1
     b.declined = 0
     assert [b.choose(1) for _ in range(2 * PROBE_EVERY)] == ([AR] * (PROBE_EVERY - 1) + [T]) * 2
+
+
+def test_a_round_over_more_rows_waits_longer_before_the_next_exploration():
+    """A drafted round over B rows told B rows' acceptance: a tree within the margin is explored again after
+    EXPLORE_EVERY declined rounds per row of it, at most PROBE_EVERY."""
+    cost = CostModel((1, 64), full_depth({0: [1.0, 1.0], 1: [9.0, 9.0], 2: [9.0, 9.0], 4: [1.5, 1.5]}, 4),
+                     full_depth({n: [0.0, 0.0] for n in (1, 2, 4)}, 4), [0.0, 0.0])
+    T = (4, 4)
+    b = Budget(cost, TreeShape(4, 1, 4))
+    b.accepted[T], b.seen[T] = 0.4, 100  # 1.07 s per token: within the margin, declined
+    gaps = []
+    for rows, after in ((2, 1), (1, 2), (8, 1), (64, 64)):  # explore over `rows`, then decline over `after`
+        b.declined = b.wait  # due: the next round over `rows` explores
+        assert b.choose(rows) == T
+        picks = [b.choose(after) for _ in range(PROBE_EVERY + 1)]
+        gaps.append(picks.index(T) + 1)
+    assert gaps == [2 * EXPLORE_EVERY, EXPLORE_EVERY, PROBE_EVERY, PROBE_EVERY]
+    rows = torch.arange(1, 5)[None].expand(8, -1)  # a verified round over 8 rows, all 4 drafts accepted
+    b.seen[T] = 100
+    b.observe(T, Tree(torch.zeros(8, 5, dtype=torch.long), rows - 2, torch.ones(8, 5, dtype=torch.bool),
+                      torch.arange(5)[None].expand(8, -1), torch.arange(5)[None].expand(8, -1)),
+              type("Acc", (), {"path": rows}))
+    assert b.accepted[T] == pytest.approx(0.9 ** 8 * 0.4 + (1 - 0.9 ** 8) * 4)  # as 8 rows one by one
 
 
 class Alternating(Budget):
