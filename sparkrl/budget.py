@@ -34,12 +34,14 @@ The acceptance estimates only move in rounds that draft, so once a run of unluck
 estimate just below break-even the budget would stay autoregressive for good, however well the
 drafter does (measured: with the shipped drafter at one response trees every round ran at 1.08x of
 AR while the budget drafted 30 of 889 rounds, 0.99x). So a tree predicted within `EXPLORE_MARGIN` of
-an autoregressive step per token is drafted again after `EXPLORE_EVERY` declined rounds per row its last
-drafted round verified (at most `PROBE_EVERY`): a round over B rows tells B rows' acceptance, and the
-estimates need fresh rows at a steady rate per round (acceptance drifts with the prompts and the policy),
-not per row: at one response at most 1/EXPLORE_EVERY of the rounds lose at most that margin, from 8 rows
-1/PROBE_EVERY (exploring every 8th round, 1-node trees at 8 rows cost 2% of a rollout and never paid here);
-any other best tree once every `PROBE_EVERY`. The estimates likewise weigh a verified round by its rows.
+an autoregressive step per token is drafted again after `EXPLORE_EVERY` declined rounds, any other best tree
+after `PROBE_EVERY`, per row the last drafted round verified (at most `LONGEST_WAIT` rounds): a round over B
+rows tells B rows' acceptance, and the estimates need fresh rows at a steady rate per round (acceptance drifts
+with the prompts and the policy), not per row. At one response at most 1/EXPLORE_EVERY of the rounds lose at
+most that margin; at many, an exploration also pays the drafter's catch-up on every AR round since the last
+drafted one (at 64 rows: 147 ms after about 64 of them, an AR round 114 ms, a 1-node tree round 1.6 AR rounds;
+exploring every 8th round, the budget drafted 30 of 252 rounds at 64 rows and ran at 0.87x of AR). The
+estimates likewise weigh a verified round by its rows.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ GAIN = 0.9  # a tree is chosen when predicted at least 10% faster per committed 
 # predicted gain into a loss
 EXPLORE_MARGIN = 1.15  # a tree predicted within 15% of an AR step per committed token (but not chosen) ...
 EXPLORE_EVERY = 8  # ... is drafted again after 8 declined rounds per row its last drafted round verified
-PROBE_EVERY = 64  # any other best tree once every 64: one response's rounds accept 0 to depth drafts, so a few
+LONGEST_WAIT = 512  # declined rounds at most (4 rollouts of 128 tokens): estimates go stale as the policy moves
+PROBE_EVERY = 64  # any other best tree after 64 per row: one response's rounds accept 0 to depth drafts, so a few
 # unlucky ones could rate every tree past the margin, and with no drafted round no estimate moves again (measured
 # twice: 0 of 1,016 rounds drafted at one response; in another run 4-node depth-1 trees every round ran 1.12x of AR).
 # At most 1/64 of the rounds lose what a tree costs beyond an AR step
@@ -234,7 +237,7 @@ class Budget:
         self.scale = {s: 1.0 for s in [AR] + self.sizes}  # measured / predicted round seconds (adaptive)
         self.momentum, self.adaptive = momentum, adaptive
         self.declined = 0  # autoregressive rounds chosen since the last drafted one, a tree nearly paying
-        self.wait = EXPLORE_EVERY  # declined rounds before such a tree is drafted again (by the last drafted rows)
+        self.rows = 1  # rows of the last drafted round: the declined rounds before the next exploration scale with it
 
     def state_dict(self) -> dict:
         """What a resumed run needs to choose as the uninterrupted one would: the cost model it used
@@ -242,7 +245,7 @@ class Budget:
         return {"cost": self.cost.to_dict(), "accepted": {_key(s): a for s, a in self.accepted.items()},
                 "seen": {_key(s): n for s, n in self.seen.items()},
                 "scale": {_key(s): a for s, a in self.scale.items()}, "declined": self.declined,
-                "wait": self.wait}
+                "rows": self.rows}
 
     def load_state_dict(self, state: dict) -> None:
         if "cost" not in state:  # a checkpoint from before sizes had depths: its estimates no longer apply
@@ -252,7 +255,7 @@ class Budget:
         self.seen = {_size(k): n for k, n in state.get("seen", {k: 1 << 20 for k in state["accepted"]}).items()}
         self.scale = {_size(k): a for k, a in state["scale"].items()}
         self.declined = state["declined"]
-        self.wait = state.get("wait", EXPLORE_EVERY)
+        self.rows = state.get("rows", 1)
 
     @property
     def sizes(self) -> list[Size]:
@@ -267,17 +270,18 @@ class Budget:
     def choose(self, B: int) -> Size:
         """The size for a round over B rows (AR: autoregressive): the tree with the fewest predicted
         seconds per committed token if it beats an autoregressive step by the margin GAIN, or if it comes within
-        EXPLORE_MARGIN of one and EXPLORE_EVERY rounds per row the last drafted round verified (at most
-        PROBE_EVERY) have declined it since (PROBE_EVERY rounds when it does not come within the margin)."""
+        EXPLORE_MARGIN of one and EXPLORE_EVERY rounds per row the last drafted round verified (PROBE_EVERY when
+        it does not come within the margin; at most LONGEST_WAIT) have declined it since."""
         ar = self.seconds(B, AR)
         costs = {s: self.seconds(B, s) / (1.0 + self.accepted[s]) for s in self.sizes}  # seconds per token
         best = min(costs, key=costs.get)
         per_token = costs[best]
         if per_token >= ar * GAIN:
             self.declined += 1
-            if self.declined < (self.wait if per_token < ar * EXPLORE_MARGIN else PROBE_EVERY):
+            every = EXPLORE_EVERY if per_token < ar * EXPLORE_MARGIN else PROBE_EVERY
+            if self.declined < min(every * self.rows, LONGEST_WAIT):
                 return AR
-        self.declined, self.wait = 0, min(EXPLORE_EVERY * B, PROBE_EVERY)
+        self.declined, self.rows = 0, B
         return best
 
     def observe_round(self, size: Size, B: int, seconds: float) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparkrl.budget import AR, EXPLORE_EVERY, PROBE_EVERY, Budget, CostModel, PRIOR_ROWS, kept_drafts, nondecreasing, smoothed, tree_sizes
+from sparkrl.budget import AR, EXPLORE_EVERY, LONGEST_WAIT, PROBE_EVERY, Budget, CostModel, PRIOR_ROWS, kept_drafts, nondecreasing, smoothed, tree_sizes
 from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.tree import build_tree
@@ -212,19 +212,24 @@ def test_a_tree_that_nearly_pays_is_tried_again_and_one_that_does_not_rarely():
 
 def test_a_round_over_more_rows_waits_longer_before_the_next_exploration():
     """A drafted round over B rows told B rows' acceptance: a tree within the margin is explored again after
-    EXPLORE_EVERY declined rounds per row of it, at most PROBE_EVERY."""
+    EXPLORE_EVERY declined rounds per row of it, any other after PROBE_EVERY per row, at most LONGEST_WAIT."""
     cost = CostModel((1, 64), full_depth({0: [1.0, 1.0], 1: [9.0, 9.0], 2: [9.0, 9.0], 4: [1.5, 1.5]}, 4),
                      full_depth({n: [0.0, 0.0] for n in (1, 2, 4)}, 4), [0.0, 0.0])
     T = (4, 4)
     b = Budget(cost, TreeShape(4, 1, 4))
     b.accepted[T], b.seen[T] = 0.4, 100  # 1.07 s per token: within the margin, declined
-    gaps = []
-    for rows, after in ((2, 1), (1, 2), (8, 1), (64, 64)):  # explore over `rows`, then decline over `after`
-        b.declined = b.wait  # due: the next round over `rows` explores
-        assert b.choose(rows) == T
-        picks = [b.choose(after) for _ in range(PROBE_EVERY + 1)]
-        gaps.append(picks.index(T) + 1)
-    assert gaps == [2 * EXPLORE_EVERY, EXPLORE_EVERY, PROBE_EVERY, PROBE_EVERY]
+    def gaps(runs):
+        out = []
+        for rows, after in runs:  # explore over `rows`, then decline over `after`
+            b.declined = LONGEST_WAIT  # due: the next round over `rows` explores
+            assert b.choose(rows) == T
+            picks = [b.choose(after) for _ in range(LONGEST_WAIT + 1)]
+            out.append(picks.index(T) + 1)
+        return out
+    assert gaps([(2, 1), (1, 2), (8, 1), (64, 64)]) == [2 * EXPLORE_EVERY, EXPLORE_EVERY, 8 * EXPLORE_EVERY, LONGEST_WAIT]
+    b.accepted[T] = 0.1  # 1.36 s per token: past the margin
+    assert gaps([(1, 1), (2, 2), (64, 1)]) == [PROBE_EVERY, 2 * PROBE_EVERY, LONGEST_WAIT]
+    b.accepted[T] = 0.4
     rows = torch.arange(1, 5)[None].expand(8, -1)  # a verified round over 8 rows, all 4 drafts accepted
     b.seen[T] = 100
     b.observe(T, Tree(torch.zeros(8, 5, dtype=torch.long), rows - 2, torch.ones(8, 5, dtype=torch.bool),
