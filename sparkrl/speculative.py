@@ -64,23 +64,36 @@ class NoAdaptation:
 
 class Backlog:
     """Drafter inputs of autoregressive rounds (the sampled token, the policy's features at its
-    predecessor) that the drafter has not run yet: it runs them all at the next drafted round."""
+    predecessor) that the drafter has not run yet: it runs them all at the next drafted round.
+
+    Finished responses leave by an index, not a copy: the rounds added since the last drop share one map
+    from today's rows to theirs, composed at each drop and applied once at `pop`. (Selecting every stored
+    round's rows at every drop copied the whole backlog each time: at 64 responses a few hundred MB of
+    features over a rollout that never drafts.)"""
 
     def __init__(self):
-        self.tokens, self.feats = [], []
+        self.groups = []  # [tokens, feats, rows]: rounds added between two drops; rows maps today's rows to theirs
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
 
     def add(self, tokens: torch.Tensor, feats) -> None:
-        self.tokens.append(tokens)
-        self.feats.append(feats)
+        if not self.groups or self.groups[-1][2] is not None:
+            self.groups.append([[], [], None])
+        self.groups[-1][0].append(tokens)
+        self.groups[-1][1].append(feats)
 
     def keep(self, rows: torch.Tensor) -> None:
-        self.tokens = [t[rows] for t in self.tokens]
-        self.feats = [None if f is None else f[rows] for f in self.feats]
+        for g in self.groups:
+            g[2] = rows if g[2] is None else g[2].index_select(0, rows)
 
     def pop(self):
-        tokens = torch.cat(self.tokens, 1)
-        feats = None if self.feats[0] is None else torch.cat(self.feats, 1)
-        self.tokens, self.feats = [], []
+        def part(xs, rows):
+            x = torch.cat(xs, 1)
+            return x if rows is None else x.index_select(0, rows)
+        tokens = torch.cat([part(t, r) for t, _, r in self.groups], 1)
+        feats = None if self.groups[0][1][0] is None else torch.cat([part(f, r) for _, f, r in self.groups], 1)
+        self.groups = []
         n = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=tokens.device)
         return tokens, feats, n
 
@@ -158,7 +171,7 @@ class Speculation:
         in one policy forward, accept exactly, commit."""
         policy, drafter, shape, sampling = self.policy, self.drafter, self.shape, self.sampling
         t1 = time.perf_counter()
-        if self.backlog.tokens:
+        if self.backlog:
             self.state = catch_up(drafter, self.dcache, *self.backlog.pop())
         dev = self.state.root.device
         if self.chain:  # from the generators: one per test, one for the residual, one per draft token

@@ -20,7 +20,7 @@ from sparkrl.kernels import is_packed, pack, packable
 from sparkrl.precision import RolloutCopy, use_float32_attention, use_native, use_weight_major
 from sparkrl.config import TreeShape
 from sparkrl.rollout import generate, response_generators
-from sparkrl.speculative import catch_up, generate_speculative
+from sparkrl.speculative import Backlog, catch_up, generate_speculative
 from sparkrl.sampling import target_probs
 from sparkrl.spark import Spark, init_projection
 
@@ -315,3 +315,24 @@ def test_round_stats_merge_sums_counts_and_sums_or_maxes_times():
         assert m.aal == 7 / 4 and m.accepted_at_depth == [2, 1] and m.active_aal == [(2, 2.0), (1, 2.0)]
         assert (m.draft_s, m.verify_s, m.accept_s, m.ar_s) == (t([1.0, 0.5]), t([2.0, 5.0]), t([0.5, 0.25]), t([0.0, 4.0]))
         assert m.adapter == {"spark_s": t([1.0, 2.0]), "spark_contexts": 7}
+
+
+def test_backlog_keeps_rows_by_index_as_a_copy_would():
+    """Rounds added between drops (rows ascending, as finished responses leave) come out of `pop` as if every
+    stored round had been cut to the kept rows at each drop; with and without features."""
+    g = torch.Generator().manual_seed(0)
+    for with_feats in (True, False):
+        back, ref, rows = Backlog(), [], 6
+        for keep in (None, [0, 2, 3, 5], None, None, [1, 2], None):
+            if keep is not None:
+                back.keep(torch.tensor(keep))
+                ref = [(t[keep], None if f is None else f[keep]) for t, f in ref]
+                rows = len(keep)
+            t = torch.randint(0, 100, (rows, 1), generator=g)
+            f = torch.randn(rows, 1, 3, generator=g) if with_feats else None
+            back.add(t, f)
+            ref.append((t, f))
+        tokens, feats, n = back.pop()
+        assert torch.equal(tokens, torch.cat([t for t, _ in ref], 1)) and n.tolist() == [len(ref)] * rows
+        assert (feats is None) if not with_feats else torch.equal(feats, torch.cat([f for _, f in ref], 1))
+        assert not back
