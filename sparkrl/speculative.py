@@ -68,8 +68,8 @@ class Backlog:
 
     Finished responses leave by an index, not a copy: the rounds added since the last drop share one map
     from today's rows to theirs, composed at each drop and applied once at `pop`. (Selecting every stored
-    round's rows at every drop copied the whole backlog each time: at 64 responses a few hundred MB of
-    features over a rollout that never drafts.)"""
+    round's rows at every drop copied the whole backlog each time: at 64 responses, 221 KB of bfloat16
+    features per round held, at each of dozens of drops.)"""
 
     def __init__(self):
         self.groups = []  # [tokens, feats, rows]: rounds added between two drops; rows maps today's rows to theirs
