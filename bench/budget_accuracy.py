@@ -14,15 +14,11 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
-from sparkrl.build import make_drafting
 from sparkrl.config import DraftConfig, SamplingConfig
-from sparkrl.data import build_prompts, held_out, load_problems
-from sparkrl.precision import rollout_copy
 from sparkrl.rollout import generate, response_generators
 from sparkrl.speculative import generate_speculative
-from sparkrl.weights import load_model
+
+from default_rollouts import default_rollouts
 
 
 class Recording:
@@ -59,12 +55,7 @@ def main():
     ap.add_argument("--out", default="bench/results/budget_accuracy")
     args = ap.parse_args()
     dcfg = DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, budget="auto")
-    lm = load_model("default", dtype=args.dtype)
-    lm.model = rollout_copy(lm.model, lm.model.lm_head.weight.dtype, "auto").model
-    d = make_drafting(dcfg, lm.model, lm.model, 1.0)
-    problems = load_problems(args.data).problems
-    problems = [p for p in problems if held_out(p, args.heldout)] if args.heldout else problems
-    prompts = build_prompts(lm.tokenizer, problems[:64], 512, "skip").prompt_ids
+    lm, d, prompts = default_rollouts(dcfg, args.dtype, args.data, args.heldout)
     sc = SamplingConfig(1.0, 0.95, args.max_new_tokens)
     result = {"meta": vars(args), "settings": []}
     for spec in args.batches.split(","):
