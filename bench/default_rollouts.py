@@ -9,12 +9,12 @@ from sparkrl.precision import rollout_copy
 from sparkrl.weights import load_model
 
 
-def default_rollouts(dcfg, dtype: str, data: str, heldout: float = 0.0, kernels: str = "auto"):
+def default_rollouts(dcfg, dtype: str, data: str, heldout: float = 0.0, kernels: str = "auto", count: int = 64):
     """(the loaded model with its rollout copy in `dtype` as .model, `build.Drafting` in the same dtype, the
-    first 64 prompts of `data`; with `heldout`, of the problems held out of draft pretraining only)."""
+    prompts of the first `count` problems of `data`; with `heldout`, of those held out of draft pretraining)."""
     lm = load_model("default", dtype=dtype)
     lm.model = rollout_copy(lm.model, lm.model.lm_head.weight.dtype, kernels).model  # as sparkrl's rollout copy
     d = make_drafting(dcfg, lm.model, lm.model, 1.0)  # the drafter in the policy's dtype, kernels and attention
     problems = load_problems(data).problems
     problems = [p for p in problems if held_out(p, heldout)] if heldout else problems
-    return lm, d, build_prompts(lm.tokenizer, problems[:64], 512, "skip").prompt_ids
+    return lm, d, build_prompts(lm.tokenizer, problems[:count], 512, "skip").prompt_ids

@@ -22,13 +22,11 @@ from pathlib import Path
 
 import torch
 
-from sparkrl.build import make_drafting
 from sparkrl.config import DraftConfig, SamplingConfig
-from sparkrl.data import build_prompts, held_out, load_problems
-from sparkrl.precision import rollout_copy
 from sparkrl.rollout import response_generators
 from sparkrl.speculative import NoAdaptation, Speculation
-from sparkrl.weights import load_model
+
+from default_rollouts import default_rollouts
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:
@@ -87,12 +85,7 @@ def main():
     if (0, 0) not in sizes:
         ap.error("--sizes must include 0,0 (the autoregressive reference)")
     dcfg = DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, budget="fixed")
-    lm = load_model("default", dtype=args.dtype)
-    lm.model = rollout_copy(lm.model, lm.model.lm_head.weight.dtype, "auto").model
-    d = make_drafting(dcfg, lm.model, lm.model, 1.0)
-    problems = load_problems(args.data).problems
-    problems = [p for p in problems if held_out(p, args.heldout)] if args.heldout else problems
-    prompts = build_prompts(lm.tokenizer, problems[:args.prompts], 512, "skip").prompt_ids
+    lm, d, prompts = default_rollouts(dcfg, args.dtype, args.data, args.heldout, count=args.prompts)
     result = {"meta": {**vars(args), "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": {}}
     for rows in map(int, args.rows.split(",")):
         res = measure(lm.model, d.rollout.model, dcfg.shape(), prompts, rows, sizes, args.rounds, args.warmup)
