@@ -205,10 +205,11 @@ def nondecreasing(rounds: dict[Size, list[float]]) -> dict[Size, list[float]]:
 def smoothed(rounds: dict[Size, list[float]]) -> dict[Size, list[float]]:
     """Timed tree rounds replaced by a least-squares fit, per row count, of seconds = a + b * nodes +
     c * (depth - 1) over all the timed trees (AR rounds as timed). One size's timing spread by 10-20%
-    between rounds here, as much as sizes differ from each other, so a per-size table let noise pick the tree
-    (a 4-node tree 3 deep, timed low, drafted in 432 of 569 rounds of a rollout that ran at 0.97x of AR). Verifying n nodes costs about linearly in n and each level below the
-    first one drafter forward, so the fit pools every size's timing into three numbers per row count. Fewer
-    than three distinct sizes (a chain, a block): as timed."""
+    between rounds here, as much as sizes differ from each other, so a per-size table let noise pick the
+    tree (a 4-node tree 3 deep, timed low, drafted in 432 of 569 rounds of a rollout that ran at 0.97x of
+    AR). Verifying n nodes costs about linearly in n and each level below the first one drafter forward, so
+    the fit pools every size's timing into three numbers per row count. Fewer than three distinct sizes (a
+    chain, a block): as timed."""
     trees = [s for s in rounds if s != AR]
     if len({(n, d) for n, d in trees}) < 3:
         return dict(rounds)

@@ -231,10 +231,10 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
     timed rounds (after one untimed) of every size (nodes, depth) in `sizes` (`budget.AR`: an
     autoregressive round), sizes in turn, the median kept (with the drafts it accepted); after each
     autoregressive round the drafter catches up untimed, as a run of them would once at its end (timed, the
-    tree round after it paid that too: a 1-node tree, always after AR, timed 1.04x a 4-node one at one row); also the drafts those rounds accepted per
-    row, and what one more accepted level costs (LM head + the nucleus and a sample on B rows of the
-    policy's hidden states in that text). Sampling at temperature 1, top-p 0.95; random numbers from
-    fixed generators (the global RNG is left alone).
+    tree round after it paid that too: a 1-node tree, always after AR, timed 1.04x a 4-node one at one
+    row); also the drafts those rounds accepted per row, and what one more accepted level costs (LM head +
+    the nucleus and a sample on B rows of the policy's hidden states in that text). Sampling at temperature
+    1, top-p 0.95; random numbers from fixed generators (the global RNG is left alone).
 
     The text is the policy's own, not random tokens: sampling's cost depends on how wide the nucleus
     is (top-p within 256 candidates, else 4096, else a full sort), and after random tokens the
