@@ -3,12 +3,13 @@
 Same policy (the embedded default), same prompts (GSM8K questions in the GRPO prompt format; with
 --heldout, only those held out of draft pretraining), same per-response seeds, temperature 1, top-p
 0.95. Batches of 1, 8 and 64 responses (1 prompt x 1, 1 prompt x 8, 8 prompts x 8). After one untimed
-rollout of each (a process's first rollouts run cold), three systems alternate within each repeat (autoregressive, the drafter's full proposal every round, and with the
-budget); tokens/s over all repeats (responses end at their EOS, so systems and repeats generate
-different counts), and the rollouts' seconds against AR's (`time_ratio`: a batch lasts as long as its longest
-response, so with several responses tokens/s also counts how long the shorter ones happened to run); settings with fewer than --min-responses responses run several prompt sets in
-turn. Optionally (--grpo-step) one GRPO step each way, to split its time into
-generation, draft training and policy training.
+rollout of each (a process's first rollouts run cold), three systems alternate within each repeat
+(autoregressive, the drafter's full proposal every round, and with the budget); tokens/s over all repeats
+(responses end at their EOS, so systems and repeats generate different counts), and the rollouts' seconds
+against AR's (`time_ratio`: a batch lasts as long as its longest response, so with several responses
+tokens/s also counts how long the shorter ones happened to run); settings with fewer than --min-responses
+responses run several prompt sets in turn. Optionally (--grpo-step) one GRPO step each way, to split its
+time into generation, draft training and policy training.
 
     .venv/bin/python bench/spec_vs_ar.py --draft eagle3 --draft-checkpoint default --heldout 0.05 \
         --data ../shared/data/gsm8k/train.jsonl --dtype bfloat16 --out bench/results
@@ -27,12 +28,10 @@ import torch
 
 from sparkrl.budget import AR, Budget, CostModel
 from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
-from sparkrl.data import build_prompts, held_out, load_problems
-from sparkrl.build import make_drafting
-from sparkrl.precision import rollout_copy
 from sparkrl.rollout import RoundStats, generate, response_generators
 from sparkrl.speculative import generate_speculative
-from sparkrl.weights import load_model
+
+from default_rollouts import default_rollouts
 
 
 def main():
@@ -69,15 +68,9 @@ def main():
     depth, branch, nodes = map(int, args.tree.split(","))
     dcfg = DraftConfig(draft=args.draft, draft_checkpoint=args.draft_checkpoint, tree_depth=depth, tree_branch=branch,
                        tree_nodes=nodes, tree_stop=args.tree_stop, budget=args.budget, block_size=args.block_size)
-    lm = load_model("default", dtype=args.dtype)
-    dt = lm.model.lm_head.weight.dtype
-    lm.model = rollout_copy(lm.model, dt, args.cpu_kernels).model  # as sparkrl's rollout copy
-    d = make_drafting(dcfg, lm.model, lm.model, 1.0)  # the drafter in the policy's dtype, kernels and attention
+    lm, d, prompts = default_rollouts(dcfg, args.dtype, args.data, args.heldout, args.cpu_kernels, skip=args.skip)
     drafter, budget = d.rollout.model, d.budget
     full_depth_budget = full_depth_only(budget, dcfg.shape()) if args.also_full_depth else None
-    problems = load_problems(args.data).problems
-    problems = [p for p in problems if held_out(p, args.heldout)] if args.heldout else problems[args.skip:]
-    prompts = build_prompts(lm.tokenizer, problems[:64], 512, "skip").prompt_ids
     sc = SamplingConfig(1.0, 0.95, args.max_new_tokens)
     rows = []
     for spec in args.batches.split(","):
