@@ -57,7 +57,7 @@ from sparkrl.config import TreeShape
 from sparkrl.machine import measurement_path
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-ENGINE = 11  # part of the timing cache's key: bumped when a round's work or its timing changes (2: a tree
+ENGINE = 12  # part of the timing cache's key: bumped when a round's work or its timing changes (2: a tree
 # of n nodes drafts min(depth, n) levels; sizes timed in turn, 3 repeats, 7 row counts; 3: the
 # acceptance walk runs the LM head only for the rows still walking; 4: timed on the policy's own text,
 # not random tokens; the drafter's catch-up runs its head at one position per row; 5: weight-major products
@@ -66,7 +66,8 @@ ENGINE = 11  # part of the timing cache's key: bumped when a round's work or its
 # paths, `verify.PathLogits`; 9: sampling on the compiled nucleus with the compiled ops; 10: sizes are
 # (nodes, depth): shallower trees too; 11: a commit moves every layer's kept tokens at once, the median of the
 # timed rounds, the drafter's catch-up after AR rounds untimed, tree rounds fitted: `smoothed`,
-# non-decreasing in rows, 3x the repeats up to 8 rows)
+# non-decreasing in rows, 3x the repeats up to 8 rows; 12: the walk's LM head covers the best-ranked nodes below
+# the asked one, not the first-child path)
 GAIN = 0.9  # a tree is chosen when predicted at least 10% faster per committed token than an AR step: the
 # cost model's error (measured at 8 rows: 1-node trees predicted 1.08x ran at 0.96x) must not turn a
 # predicted gain into a loss

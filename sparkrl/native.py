@@ -27,7 +27,9 @@ At one row most of a decode step's time is not the weights but dispatching some 
 ops, and a norm (5-8 of them) and RoPE (7) are some 30 of a layer's 60: `rms_norm` and `rope` do each in
 one call, rounding a bfloat16 intermediate wherever the tensor ops do (BENCHMARKS.md "The compiled
 RMSNorm and RoPE"). `attention` reads the KV cache once per key/value head for all its query rows (SDPA's
-CPU kernel is made for long blocks, and torch's bfloat16 one was 4-9x slower for one new token).
+CPU kernel is made for long blocks, and torch's bfloat16 one was 4-9x slower for one new token); with fewer
+heads than keep the threads equally busy (one sequence: 3 heads on 2 threads) it splits their positions into
+parts merged after (1.1-1.3x per call at one sequence, 5 new tokens, 350-1,500 positions; BENCHMARKS.md).
 
 After the LM head, `nucleus` samples a row in one call: the softmax, the top-p nucleus, the token in id
 order and its log-probability. torch's ops find the nucleus with a top-256 preselection, then top-4096, then a

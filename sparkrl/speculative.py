@@ -187,7 +187,8 @@ class Speculation:
         B = tree.tokens.shape[0]
         self.dcache.commit(n_keep=torch.zeros(B, dtype=torch.long, device=tree.tokens.device))  # roll back
         t2 = time.perf_counter()
-        out = policy(tree.tokens, self.pcache, tree_mask=tree.ancestor_mask(), depth=tree.depth, taps=self.taps)
+        ancestors = tree.ancestor_mask()
+        out = policy(tree.tokens, self.pcache, tree_mask=ancestors, depth=tree.depth, taps=self.taps)
         t3 = time.perf_counter()
         if self.chain:  # every chain node's target is needed; q over the policy's vocabulary
             node_logits = policy.logits(out.hidden)  # (B, 1+D, V)
@@ -195,8 +196,8 @@ class Speculation:
             q.index_copy_(2, drafter.vocab_ids, prop.q)
             acc = accept_chain(tree.tokens[:, 1:], q, node_logits, sampling.temperature, sampling.top_p,
                                u[:, :shape.depth + 1], self.vocab)
-        else:  # the LM head runs on the nodes the acceptance walk visits, and the first choices below them
-            acc = accept_tree(tree, PathLogits(policy.logits, out.hidden, tree, PATH_ROWS), sampling.temperature,
+        else:  # the LM head runs on the nodes the acceptance walk visits, and the drafter's best below them
+            acc = accept_tree(tree, PathLogits(policy.logits, out.hidden, tree, PATH_ROWS, ancestors), sampling.temperature,
                               sampling.top_p, u, shape.depth, self.vocab, policy.compiled_ops)
         n_acc = acc.n_accepted
         kept = torch.cat([torch.zeros_like(acc.path[:, :1]), acc.path.clamp(min=0)], 1)  # (B, 1+D) root + path

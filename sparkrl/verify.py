@@ -147,22 +147,23 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
 
 class PathLogits:
     """Policy logits at tree nodes for the acceptance walk (`accept_tree`'s callable), computed on demand.
-    Each LM-head call also covers the first-child path below every node asked for (the drafter's first
-    choice, then its first choice, ...), as long as the call stays within `rows` rows: while a product is
-    bound by reading the head's weights, a few rows cost what one row does (one response: one pass over
-    the head per round for a walk that follows the first choices, instead of one per level). With more
-    walking rows than `rows` / 2, each call covers just the nodes asked for, as a plain head would.
+    Each LM-head call also covers the nodes below every node asked for that the drafter ranked best (its
+    preference order, `Tree.rank`: the most likely to be walked next, by the draft's cumulative probability),
+    as long as the call stays within `rows` rows: while a product is bound by reading the head's weights, a
+    few rows cost what one row does (one response: one pass over the head per round for most walks, instead of
+    one per level; a 4-node tree 1 deep, root and children, always in one). With more walking rows than
+    `rows` / 2, each call covers just the nodes asked for, as a plain head would.
 
-    head: hidden (n, d) -> logits (n, V); hidden: (B, N, d) the verify forward's final hidden states."""
+    head: hidden (n, d) -> logits (n, V); hidden: (B, N, d) the verify forward's final hidden states;
+    ancestors: the tree's `ancestor_mask()` if the caller has it (else computed here)."""
 
-    def __init__(self, head, hidden: torch.Tensor, tree: Tree, rows: int):
+    def __init__(self, head, hidden: torch.Tensor, tree: Tree, rows: int, ancestors: torch.Tensor | None = None):
         self.head, self.hidden, self.rows = head, hidden, rows
         B, N = tree.tokens.shape
         dev = tree.tokens.device
-        child = tree.valid & (tree.parents >= 0)
-        first = torch.full((B, N + 1), N, dtype=torch.long, device=dev).scatter_reduce_(
-            1, torch.where(child, tree.parents, N), torch.arange(N, device=dev).expand(B, N), "amin")[:, :N]
-        self.first = torch.where(first < N, first, -1)  # (B, N) each node's first child, -1 for a leaf
+        self.below = ancestors if ancestors is not None else tree.ancestor_mask()  # [b, j, i]: j is i or below it
+        rank = tree.rank if tree.rank is not None else torch.arange(N, device=dev).expand(B, N)
+        self.rank = torch.where(tree.valid, rank, N + 1)  # padding never chosen (nor below any valid node)
         self.call = torch.full((B, N), -1, dtype=torch.long, device=dev)  # which head call holds (row, node)
         self.row = torch.zeros((B, N), dtype=torch.long, device=dev)  # and in which of its rows
         self.kept = []  # each head call's logits
@@ -185,15 +186,18 @@ class PathLogits:
         return out
 
     def _compute(self, rows: torch.Tensor, nodes: torch.Tensor) -> None:
-        """Logits at (rows, nodes) and down each one's first-child path, within `self.rows` rows."""
-        length = max(1, self.rows // rows.numel())
-        path = [nodes]
-        for _ in range(length - 1):
-            prev = path[-1]
-            path.append(torch.where(prev >= 0, self.first[rows, prev.clamp(min=0)], -1))
-        at = torch.stack(path, 1)  # (n, length), -1 past a leaf
-        ok = at >= 0
-        r, n = rows[:, None].expand_as(at)[ok], at[ok]
+        """Logits at (rows, nodes) and at the best-ranked nodes below each one not computed yet, within
+        `self.rows` rows."""
+        length = min(max(1, self.rows // rows.numel()), self.call.shape[1])
+        if length == 1:
+            r, n = rows, nodes
+        else:  # the asked node ranks above everything below it (a parent above its children): it comes first
+            N = self.call.shape[1]
+            wanted = self.below[rows, :, nodes] & (self.call[rows] < 0)  # (n, N)
+            key = torch.where(wanted, self.rank[rows], N + 1)
+            best, at = key.topk(length, dim=-1, largest=False)  # (n, length)
+            ok = best <= N
+            r, n = rows[:, None].expand_as(at)[ok], at[ok]
         self.kept.append(self.head(self.hidden[r, n]))
         self.call[r, n] = len(self.kept) - 1
         self.row[r, n] = torch.arange(r.numel(), device=r.device)

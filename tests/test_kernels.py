@@ -566,6 +566,36 @@ def test_the_compiled_cached_attention_matches_a_float64_reference(dtypes, T, D)
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("dtypes", [(F32, F32), (BF16, BF16)])
+def test_the_compiled_attention_split_over_positions_matches_a_float64_reference(threads, dtypes):
+    """With fewer key/value heads than keep the threads equally busy (one sequence, 3 heads), `native.attention`
+    splits each head's positions into parts and merges them: within float32's rounding of float64 attention, also
+    for queries that see positions in one part only (the others empty) and one that sees nothing (zeros)."""
+    dtype, out_dtype = dtypes
+    torch.manual_seed(1)
+    B, H, Hk, T, D, cap, S = 1, 9, 3, 5, 64, 400, 333
+    q = torch.randn(B, T, H, D).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(B, Hk, cap, D) * 2).to(dtype), torch.randn(B, Hk, cap, D).to(dtype)
+    mask = torch.rand(B, 1, T, S) < 0.8
+    mask[0, 0, 1, 40:] = False  # the first part only
+    mask[0, 0, 2, :300] = False  # the last part only
+    mask[0, 0, 3] = False  # nothing
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = native.attention(q, k, v, mask, S, out_dtype)
+    finally:
+        torch.set_num_threads(before)
+    qd, kd, vd = q.double(), k[:, :, :S].double().repeat_interleave(H // Hk, 1), v[:, :, :S].double().repeat_interleave(H // Hk, 1)
+    scores = (qd @ kd.transpose(-1, -2)) / D ** 0.5
+    ref = (torch.softmax(scores.masked_fill(~mask, -float("inf")), -1).nan_to_num(0.0) @ vd).transpose(1, 2)
+    tol = 2 ** -8 if out_dtype == BF16 else 2 ** -18
+    assert bool(((y.double() - ref).abs() <= tol * (ref.abs() + 1)).all())
+    assert bool((y[0, 3] == 0).all())
+
+
+@needs_native
 def test_the_compiled_norm_and_rope_take_no_gradients_and_at_most_ops_tokens_positions():
     x = torch.zeros(3, 576)
     with torch.no_grad():

@@ -209,9 +209,9 @@ class CountedHead:
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 1000])
 def test_path_logits_walk_equals_the_full_table(rows):
-    """`PathLogits` (the head on asked nodes and their first-child paths, within `rows` rows a call) gives
-    the walk over the full logits table, on ragged trees; no call exceeds max(rows, rows asked), and with
-    rows 1 it makes one call per level walked, as a per-level head does."""
+    """`PathLogits` (the head on asked nodes and the best-ranked nodes below them, within `rows` rows a call)
+    gives the walk over the full logits table, on ragged trees; no call exceeds max(rows, rows asked), and
+    with rows 1 it makes one call per level walked, as a per-level head does."""
     g = torch.Generator().manual_seed(1)
     B, depth = 24, 3
     target, draft = ToyLM(3), ToyLM(4)
@@ -232,29 +232,25 @@ def test_path_logits_walk_equals_the_full_table(rows):
     for f in ("path", "n_accepted", "bonus", "last", "rejected", "logp", "targets"):
         assert torch.equal(getattr(lazy, f), getattr(full, f)), f
     walked = (lazy.n_accepted + 1).clamp(max=depth + 1)
-    length = max(1, rows // B)  # the first call: every row's first-child path from the root, this long at most
-    first_call = 0
-    for b in range(B):
-        node, n = 0, 0
-        while node >= 0 and n < length:
-            n += 1
-            node = next((j for j in range(N) if val[b, j] and par[b, j] == node), -1)
-        first_call += n
-    assert head.calls[0] == first_call
+    length = max(1, rows // B)  # the first call: every row's root and the nodes below it, this many at most
+    assert head.calls[0] == sum(min(length, int(val[b].sum())) for b in range(B))
     assert all(c <= max(rows, B) for c in head.calls)
     if rows == 1:
         assert len(head.calls) == int(walked.max()) and sum(head.calls) == int(walked.sum())
 
 
-def test_path_logits_one_call_along_the_first_choices():
-    """One response, a tree whose policy favours the drafter's first child at every level: the walk
-    reaches the bottom with one head call over the root and the first-child path; a walk that leaves that
-    path at level 1 needs one more call, starting at the node it took."""
-    # root 0; children 1 (token 1, first) and 2 (token 2); 1 -> 3 (token 1) -> 4 (token 1); 2 -> 5 (token 3)
+@pytest.mark.parametrize("rows, calls_first, calls_second", [(3, [3, 2], [3, 1]), (8, [6], [6])])
+def test_path_logits_cover_the_best_ranked_nodes_below(rows, calls_first, calls_second):
+    """One response: each head call covers the asked node and the drafter's best-ranked nodes below it not
+    computed yet, `rows` in all. With 3 rows the first call holds the root and its two children; a walk down
+    the first child needs one more call, for the nodes below it (2), one down the second child one for its
+    child (1); with 8 rows the whole tree is one call."""
+    # root 0; children 1 (token 1) and 2 (token 2); 1 -> 3 (token 1) -> 4 (token 1); 2 -> 5 (token 3)
     tree = Tree(torch.tensor([[0, 1, 2, 1, 1, 3]]), torch.tensor([[-1, 0, 0, 1, 3, 2]]),
-                torch.ones(1, 6, dtype=torch.bool), torch.tensor([[0, 1, 1, 2, 3, 2]]))
+                torch.ones(1, 6, dtype=torch.bool), torch.tensor([[0, 1, 1, 2, 3, 2]]),
+                rank=torch.tensor([[0, 1, 2, 3, 5, 4]]))
     u = torch.full((1, 4), 0.5, dtype=torch.float64)
-    for favoured, calls, path in ((1, [4], [1, 3, 4]), (2, [4, 2], [2, 5, -1])):
+    for favoured, calls, path in ((1, calls_first, [1, 3, 4]), (2, calls_second, [2, 5, -1])):
         logits = torch.full((1, 6, V), -30.0)
         logits[0, :, 1] = 30.0  # along the first children: token 1 everywhere
         logits[0, 0] = -30.0
@@ -262,7 +258,7 @@ def test_path_logits_one_call_along_the_first_choices():
         logits[0, 2, :] = -30.0
         logits[0, 2, 3] = 30.0  # below the second child: its child's token 3
         head = CountedHead()
-        acc = accept_tree(tree, PathLogits(head, logits, tree, 8), 1.0, 1.0, u, 3)
+        acc = accept_tree(tree, PathLogits(head, logits, tree, rows), 1.0, 1.0, u, 3)
         assert acc.path[0].tolist() == path and head.calls == calls
 
 

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 namespace {
@@ -194,13 +195,94 @@ void weighted_values(const float* w, const TI* v, int64_t D, int64_t S, int64_t 
   }
 }
 
-// One (sequence, key/value head) at a time, with every query row that reads it (its grouped query heads x
-// the new tokens): each cached key and value row is read from memory once for all of them (at a decode step
-// attention streams the cache: a float32 cache of 8 sequences x 300 positions is 3.7 MB a layer), and four
-// keys' dot products run side by side (one 64-term dot product alone waits on its adds). Every position's
-// score is computed; the softmax (float32) gives a masked one weight 0; then the weighted sum of the values. q (B, H, T, D) any
-// strides with unit stride along D, D a multiple of 8; k, v the cache buffers (B, Hk, capacity, D),
-// positions [0, S) read; mask (B, 1, T, S) with unit stride along S.
+// Rows [0, R) of scaled queries qs (R x D) against positions [0, S) of one key/value head (kh, vh, S x D; mask row
+// of query row r: m0 + (r % T) * mt): four keys' dot products side by side (one 64-term dot product alone waits on
+// its adds), the softmax's numerators (float32; a masked position weight 0, the row's visible maximum `top` taken
+// out), their sum, and the values weighted by them, not yet divided by that sum: o (R x D), top (R), sum (R).
+// A row that sees none of these positions gets zeros and top 0. p: scratch of R x S floats.
+template <typename TI>
+inline __attribute__((always_inline)) void attend_span(const float* __restrict__ qs, int64_t R, int64_t D, int64_t T,
+                 const TI* kh, const TI* vh, const bool* m0,
+                 int64_t mt, int64_t S, float* __restrict__ p, float* __restrict__ o, float* top_out, float* sum_out) {
+  const float neg = -std::numeric_limits<float>::infinity();
+  int64_t s0 = 0;
+  for (; s0 + 4 <= S; s0 += 4) {  // scores, four keys x three query rows at a time (12 sums in registers)
+    const TI* k0 = kh + s0 * D;
+    int64_t r = 0;
+    for (; r + 3 <= R; r += 3) {
+      const float* q0 = qs + r * D;
+      __m256 a[3][4];
+      for (int i = 0; i < 3; ++i)
+        for (int j = 0; j < 4; ++j) a[i][j] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 x0 = _mm256_loadu_ps(q0 + d), x1 = _mm256_loadu_ps(q0 + D + d), x2 = _mm256_loadu_ps(q0 + 2 * D + d);
+        for (int j = 0; j < 4; ++j) {
+          const __m256 kj = load8f(k0 + j * D + d);
+          a[0][j] = _mm256_fmadd_ps(x0, kj, a[0][j]);
+          a[1][j] = _mm256_fmadd_ps(x1, kj, a[1][j]);
+          a[2][j] = _mm256_fmadd_ps(x2, kj, a[2][j]);
+        }
+      }
+      for (int i = 0; i < 3; ++i) _mm_storeu_ps(p + (r + i) * S + s0, hsum4(a[i][0], a[i][1], a[i][2], a[i][3]));
+    }
+    for (; r < R; ++r) {
+      const float* qr = qs + r * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 x = _mm256_loadu_ps(qr + d);
+        a0 = _mm256_fmadd_ps(x, load8f(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(x, load8f(k0 + D + d), a1);
+        a2 = _mm256_fmadd_ps(x, load8f(k0 + 2 * D + d), a2);
+        a3 = _mm256_fmadd_ps(x, load8f(k0 + 3 * D + d), a3);
+      }
+      _mm_storeu_ps(p + r * S + s0, hsum4(a0, a1, a2, a3));
+    }
+  }
+  for (; s0 < S; ++s0)
+    for (int64_t r = 0; r < R; ++r) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qs + r * D + d), load8f(kh + s0 * D + d), a);
+      p[r * S + s0] = hsum(a);
+    }
+  for (int64_t r = 0; r < R; ++r) {  // the softmax's numerators of the visible scores
+    float* pr = p + r * S;
+    const bool* mr = m0 + (r % T) * mt;
+    float top = neg;
+    for (int64_t s = 0; s < S; ++s) top = std::max(top, mr[s] ? pr[s] : neg);
+    if (top == neg) top = 0.0f;  // nothing to attend to here: zeros below, not NaN
+    const __m256 top8 = _mm256_set1_ps(top), lo = _mm256_set1_ps(-87.0f);
+    int64_t s8 = 0;
+    for (; s8 + 8 <= S; s8 += 8) {  // e^(score - top), 0 where masked
+      const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mr + s8));
+      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(m8), _mm256_setzero_si256()));
+      const __m256 e = exp8(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(pr + s8), top8), lo));
+      _mm256_storeu_ps(pr + s8, _mm256_and_ps(e, keep));
+    }
+    for (; s8 < S; ++s8)
+      pr[s8] = mr[s8] ? _mm256_cvtss_f32(exp8(_mm256_set1_ps(std::max(pr[s8] - top, -87.0f)))) : 0.0f;
+    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t s = 0;
+    for (; s + 8 <= S; s += 8)
+      for (int j = 0; j < 8; ++j) part[j] += pr[s + j];
+    float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    for (; s < S; ++s) sum += pr[s];
+    top_out[r] = top;
+    sum_out[r] = sum;
+    for (int64_t d0 = 0; d0 < D; d0 += 64)  // the weighted values, 64 of them at a time in registers
+      weighted_values(pr, vh + d0, D, S, std::min<int64_t>(64, D - d0) / 8, 1.0f, o + r * D + d0);
+  }
+}
+
+constexpr int64_t MIN_SPAN = 64;  // the fewest positions a part of a split head attends to
+
+// softmax(q k^T / sqrt(D), masked) v for every query row of a key/value head (its grouped query heads x the new
+// tokens), one (sequence, key/value head) at a time: each cached key and value row is read from memory once for
+// all of them (at a decode step attention streams the cache: a float32 cache of 8 sequences x 300 positions is
+// 3.7 MB a layer). With fewer heads than keep every thread equally busy (one sequence of the default model: 3
+// on 2 threads, one of which did two), each head's positions are split into parts (flash-decoding): each part's
+// numerators, sum and weighted values with its own maximum, merged per row after. q (B, H, T, D) any strides with
+// unit stride along D, D a multiple of 8; k, v the cache buffers (B, Hk, capacity, D), positions [0, S) read;
+// mask (B, 1, T, S) with unit stride along S.
 template <typename TI, typename TO>
 void attend_heads(const at::Tensor& q, const TI* kb, const TI* vb, const at::Tensor& mask, TO* out, int64_t Hk,
                   int64_t S, int64_t cap) {
@@ -208,86 +290,58 @@ void attend_heads(const at::Tensor& q, const TI* kb, const TI* vb, const at::Ten
   const int64_t qb = q.stride(0), qh = q.stride(1), qt = q.stride(2), mb = mask.stride(0), mt = mask.stride(2);
   const TI* qp = q.data_ptr<TI>();
   const bool* mp = mask.data_ptr<bool>();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D)), neg = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(R * D), p(R * S);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hk, hk = task % Hk;
-      const TI* kh = kb + (b * Hk + hk) * cap * D;
-      const TI* vh = vb + (b * Hk + hk) * cap * D;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const int64_t tasks = B * Hk, threads = at::get_num_threads();
+  int64_t parts = 1;
+  if (tasks % threads != 0 && tasks < 8 * threads)  // parts such that every thread gets as many
+    parts = std::min(threads / std::gcd(tasks, threads), std::max<int64_t>(1, S / MIN_SPAN));
+  std::vector<float> part_o(parts > 1 ? tasks * parts * R * D : 0), part_top(parts > 1 ? tasks * parts * R : 0),
+      part_sum(part_top.size());
+  auto out_row = [&](int64_t b, int64_t hk, int64_t r) { return out + ((b * T + r % T) * H + hk * G + r / T) * D; };
+  at::parallel_for(0, tasks * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(R * D), p(R * ((S + parts - 1) / parts)), o(R * D), top(R), sum(R);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t task = item / parts, c = item % parts, b = task / Hk, hk = task % Hk;
+      const int64_t s0 = S * c / parts, s1 = S * (c + 1) / parts;
       for (int64_t r = 0; r < R; ++r) {  // row r: query head hk * G + r / T, new token r % T; scaled once
         const TI* qr = qp + b * qb + (hk * G + r / T) * qh + (r % T) * qt;
         for (int64_t d = 0; d < D; ++d) qs[r * D + d] = widen(qr[d]) * scale;
       }
-      int64_t s0 = 0;
-      for (; s0 + 4 <= S; s0 += 4) {  // scores, four keys x three query rows at a time (12 sums in registers)
-        const TI* k0 = kh + s0 * D;
-        int64_t r = 0;
-        for (; r + 3 <= R; r += 3) {
-          const float* q0 = qs.data() + r * D;
-          __m256 a[3][4];
-          for (int i = 0; i < 3; ++i)
-            for (int j = 0; j < 4; ++j) a[i][j] = _mm256_setzero_ps();
-          for (int64_t d = 0; d < D; d += 8) {
-            const __m256 x0 = _mm256_loadu_ps(q0 + d), x1 = _mm256_loadu_ps(q0 + D + d),
-                         x2 = _mm256_loadu_ps(q0 + 2 * D + d);
-            for (int j = 0; j < 4; ++j) {
-              const __m256 kj = load8f(k0 + j * D + d);
-              a[0][j] = _mm256_fmadd_ps(x0, kj, a[0][j]);
-              a[1][j] = _mm256_fmadd_ps(x1, kj, a[1][j]);
-              a[2][j] = _mm256_fmadd_ps(x2, kj, a[2][j]);
-            }
-          }
-          for (int i = 0; i < 3; ++i) _mm_storeu_ps(p.data() + (r + i) * S + s0, hsum4(a[i][0], a[i][1], a[i][2], a[i][3]));
-        }
-        for (; r < R; ++r) {
-          const float* qr = qs.data() + r * D;
-          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-          for (int64_t d = 0; d < D; d += 8) {
-            const __m256 x = _mm256_loadu_ps(qr + d);
-            a0 = _mm256_fmadd_ps(x, load8f(k0 + d), a0);
-            a1 = _mm256_fmadd_ps(x, load8f(k0 + D + d), a1);
-            a2 = _mm256_fmadd_ps(x, load8f(k0 + 2 * D + d), a2);
-            a3 = _mm256_fmadd_ps(x, load8f(k0 + 3 * D + d), a3);
-          }
-          _mm_storeu_ps(p.data() + r * S + s0, hsum4(a0, a1, a2, a3));
-        }
-      }
-      for (; s0 < S; ++s0)
+      const int64_t at = ((b * Hk + hk) * cap + s0) * D;
+      float* po = parts > 1 ? part_o.data() + item * R * D : o.data();
+      float* pt = parts > 1 ? part_top.data() + item * R : top.data();
+      float* ps = parts > 1 ? part_sum.data() + item * R : sum.data();
+      attend_span(qs.data(), R, D, T, kb + at, vb + at, mp + b * mb + s0, mt, s1 - s0, p.data(), po, pt, ps);
+      if (parts == 1)
         for (int64_t r = 0; r < R; ++r) {
-          __m256 a = _mm256_setzero_ps();
-          for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qs.data() + r * D + d), load8f(kh + s0 * D + d), a);
-          p[r * S + s0] = hsum(a);
+          const float inv = ps[r] > 0.0f ? 1.0f / ps[r] : 0.0f;
+          TO* y = out_row(b, hk, r);
+          for (int64_t d = 0; d < D; ++d) y[d] = narrow<TO>(po[r * D + d] * inv);
         }
-      for (int64_t r = 0; r < R; ++r) {  // softmax of the visible scores
-        float* pr = p.data() + r * S;
-        const bool* mr = mp + b * mb + (r % T) * mt;
-        float top = neg;
-        for (int64_t s = 0; s < S; ++s) top = std::max(top, mr[s] ? pr[s] : neg);
-        if (top == neg) top = 0.0f;  // nothing to attend to (no query here does that): zeros below, not NaN
-        const __m256 top8 = _mm256_set1_ps(top), lo = _mm256_set1_ps(-87.0f);
-        int64_t s8 = 0;
-        for (; s8 + 8 <= S; s8 += 8) {  // e^(score - top), 0 where masked
-          const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mr + s8));
-          const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(m8), _mm256_setzero_si256()));
-          const __m256 e = exp8(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(pr + s8), top8), lo));
-          _mm256_storeu_ps(pr + s8, _mm256_and_ps(e, keep));
-        }
-        for (; s8 < S; ++s8)
-          pr[s8] = mr[s8] ? _mm256_cvtss_f32(exp8(_mm256_set1_ps(std::max(pr[s8] - top, -87.0f)))) : 0.0f;
-        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t s = 0;
-        for (; s + 8 <= S; s += 8)
-          for (int j = 0; j < 8; ++j) part[j] += pr[s + j];
-        float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-        for (; s < S; ++s) sum += pr[s];
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        TO* o = out + ((b * T + r % T) * H + hk * G + r / T) * D;
-        for (int64_t d0 = 0; d0 < D; d0 += 64)  // the weighted values, 64 of them at a time in registers
-          weighted_values(pr, vh + d0, D, S, std::min<int64_t>(64, D - d0) / 8, inv, o + d0);
-      }
     }
   });
+  if (parts == 1) return;
+  const float neg = -std::numeric_limits<float>::infinity();
+  std::vector<float> acc(D);
+  for (int64_t task = 0; task < tasks; ++task)  // the parts of each row, rescaled to the row's maximum
+    for (int64_t r = 0; r < R; ++r) {
+      float top = neg;
+      for (int64_t c = 0; c < parts; ++c) {
+        const int64_t i = (task * parts + c) * R + r;
+        if (part_sum[i] > 0.0f) top = std::max(top, part_top[i]);
+      }
+      float sum = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t c = 0; c < parts; ++c) {
+        const int64_t i = (task * parts + c) * R + r;
+        const float f = part_sum[i] > 0.0f ? std::exp(part_top[i] - top) : 0.0f;
+        sum += f * part_sum[i];
+        for (int64_t d = 0; d < D; ++d) acc[d] += f * part_o[i * D + d];
+      }
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      TO* y = out_row(task / Hk, task % Hk, r);
+      for (int64_t d = 0; d < D; ++d) y[d] = narrow<TO>(acc[d] * inv);
+    }
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
