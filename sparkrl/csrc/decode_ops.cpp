@@ -167,31 +167,29 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {  // (sum a, sum b,
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// o[0, 8 * NC) = inv * sum_s w[s] v[s * D + (0, 8 * NC)], the sums in NC registers; v read once
-template <int NC, typename TI, typename TO>
-void weighted_values_n(const float* w, const TI* v, int64_t D, int64_t S, float inv, TO* o) {
+// o[0, 8 * NC) = sum_s w[s] v[s * D + (0, 8 * NC)] (float32), the sums in NC registers; v read once
+template <int NC, typename TI>
+void weighted_values_n(const float* w, const TI* v, int64_t D, int64_t S, float* o) {
   __m256 acc[NC];
   for (int i = 0; i < NC; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
     const __m256 ws = _mm256_set1_ps(w[s]);
     for (int i = 0; i < NC; ++i) acc[i] = _mm256_fmadd_ps(ws, load8f(v + s * D + 8 * i), acc[i]);
   }
-  alignas(32) float tmp[8 * NC];
-  for (int i = 0; i < NC; ++i) _mm256_store_ps(tmp + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
-  for (int d = 0; d < 8 * NC; ++d) o[d] = narrow<TO>(tmp[d]);
+  for (int i = 0; i < NC; ++i) _mm256_storeu_ps(o + 8 * i, acc[i]);
 }
 
-template <typename TI, typename TO>
-void weighted_values(const float* w, const TI* v, int64_t D, int64_t S, int64_t nc, float inv, TO* o) {
+template <typename TI>
+void weighted_values(const float* w, const TI* v, int64_t D, int64_t S, int64_t nc, float* o) {
   switch (nc) {
-    case 8: return weighted_values_n<8>(w, v, D, S, inv, o);
-    case 7: return weighted_values_n<7>(w, v, D, S, inv, o);
-    case 6: return weighted_values_n<6>(w, v, D, S, inv, o);
-    case 5: return weighted_values_n<5>(w, v, D, S, inv, o);
-    case 4: return weighted_values_n<4>(w, v, D, S, inv, o);
-    case 3: return weighted_values_n<3>(w, v, D, S, inv, o);
-    case 2: return weighted_values_n<2>(w, v, D, S, inv, o);
-    default: return weighted_values_n<1>(w, v, D, S, inv, o);
+    case 8: return weighted_values_n<8>(w, v, D, S, o);
+    case 7: return weighted_values_n<7>(w, v, D, S, o);
+    case 6: return weighted_values_n<6>(w, v, D, S, o);
+    case 5: return weighted_values_n<5>(w, v, D, S, o);
+    case 4: return weighted_values_n<4>(w, v, D, S, o);
+    case 3: return weighted_values_n<3>(w, v, D, S, o);
+    case 2: return weighted_values_n<2>(w, v, D, S, o);
+    default: return weighted_values_n<1>(w, v, D, S, o);
   }
 }
 
@@ -202,8 +200,9 @@ void weighted_values(const float* w, const TI* v, int64_t D, int64_t S, int64_t 
 // A row that sees none of these positions gets zeros and top 0. p: scratch of R x S floats.
 template <typename TI>
 inline __attribute__((always_inline)) void attend_span(const float* __restrict__ qs, int64_t R, int64_t D, int64_t T,
-                 const TI* kh, const TI* vh, const bool* m0,
-                 int64_t mt, int64_t S, float* __restrict__ p, float* __restrict__ o, float* top_out, float* sum_out) {
+                                                       const TI* kh, const TI* vh, const bool* m0, int64_t mt, int64_t S,
+                                                       float* __restrict__ p, float* __restrict__ o, float* top_out,
+                                                       float* sum_out) {
   const float neg = -std::numeric_limits<float>::infinity();
   int64_t s0 = 0;
   for (; s0 + 4 <= S; s0 += 4) {  // scores, four keys x three query rows at a time (12 sums in registers)
@@ -269,7 +268,7 @@ inline __attribute__((always_inline)) void attend_span(const float* __restrict__
     top_out[r] = top;
     sum_out[r] = sum;
     for (int64_t d0 = 0; d0 < D; d0 += 64)  // the weighted values, 64 of them at a time in registers
-      weighted_values(pr, vh + d0, D, S, std::min<int64_t>(64, D - d0) / 8, 1.0f, o + r * D + d0);
+      weighted_values(pr, vh + d0, D, S, std::min<int64_t>(64, D - d0) / 8, o + r * D + d0);
   }
 }
 
@@ -297,7 +296,11 @@ void attend_heads(const at::Tensor& q, const TI* kb, const TI* vb, const at::Ten
     parts = std::min(threads / std::gcd(tasks, threads), std::max<int64_t>(1, S / MIN_SPAN));
   std::vector<float> part_o(parts > 1 ? tasks * parts * R * D : 0), part_top(parts > 1 ? tasks * parts * R : 0),
       part_sum(part_top.size());
-  auto out_row = [&](int64_t b, int64_t hk, int64_t r) { return out + ((b * T + r % T) * H + hk * G + r / T) * D; };
+  auto write = [&](int64_t task, int64_t r, const float* o, float sum) {  // row r of a task: o / sum, as TO
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    TO* y = out + ((task / Hk * T + r % T) * H + task % Hk * G + r / T) * D;
+    for (int64_t d = 0; d < D; ++d) y[d] = narrow<TO>(o[d] * inv);
+  };
   at::parallel_for(0, tasks * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(R * D), p(R * ((S + parts - 1) / parts)), o(R * D), top(R), sum(R);
     for (int64_t item = begin; item < end; ++item) {
@@ -313,11 +316,7 @@ void attend_heads(const at::Tensor& q, const TI* kb, const TI* vb, const at::Ten
       float* ps = parts > 1 ? part_sum.data() + item * R : sum.data();
       attend_span(qs.data(), R, D, T, kb + at, vb + at, mp + b * mb + s0, mt, s1 - s0, p.data(), po, pt, ps);
       if (parts == 1)
-        for (int64_t r = 0; r < R; ++r) {
-          const float inv = ps[r] > 0.0f ? 1.0f / ps[r] : 0.0f;
-          TO* y = out_row(b, hk, r);
-          for (int64_t d = 0; d < D; ++d) y[d] = narrow<TO>(po[r * D + d] * inv);
-        }
+        for (int64_t r = 0; r < R; ++r) write(task, r, po + r * D, ps[r]);
     }
   });
   if (parts == 1) return;
@@ -338,9 +337,7 @@ void attend_heads(const at::Tensor& q, const TI* kb, const TI* vb, const at::Ten
         sum += f * part_sum[i];
         for (int64_t d = 0; d < D; ++d) acc[d] += f * part_o[i * D + d];
       }
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-      TO* y = out_row(task / Hk, task % Hk, r);
-      for (int64_t d = 0; d < D; ++d) y[d] = narrow<TO>(acc[d] * inv);
+      write(task, r, acc.data(), sum);
     }
 }
 
