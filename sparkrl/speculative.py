@@ -71,28 +71,38 @@ class Backlog:
     round's rows at every drop copied the whole backlog each time: at 64 responses, 221 KB of bfloat16
     features per round held, at each of dozens of drops.)"""
 
+    @dataclasses.dataclass
+    class Group:
+        """Rounds added between two drops: their tokens and features, and the map from today's rows to theirs
+        (None: the same rows)."""
+
+        tokens: list = dataclasses.field(default_factory=list)
+        feats: list = dataclasses.field(default_factory=list)
+        rows: torch.Tensor | None = None
+
+        def rounds(self, parts: list) -> torch.Tensor:
+            x = torch.cat(parts, 1)
+            return x if self.rows is None else x.index_select(0, self.rows)
+
     def __init__(self):
-        self.groups = []  # [tokens, feats, rows]: rounds added between two drops; rows maps today's rows to theirs
+        self.groups: list[Backlog.Group] = []
 
     def __bool__(self) -> bool:
         return bool(self.groups)
 
     def add(self, tokens: torch.Tensor, feats) -> None:
-        if not self.groups or self.groups[-1][2] is not None:
-            self.groups.append([[], [], None])
-        self.groups[-1][0].append(tokens)
-        self.groups[-1][1].append(feats)
+        if not self.groups or self.groups[-1].rows is not None:
+            self.groups.append(Backlog.Group())
+        self.groups[-1].tokens.append(tokens)
+        self.groups[-1].feats.append(feats)
 
     def keep(self, rows: torch.Tensor) -> None:
         for g in self.groups:
-            g[2] = rows if g[2] is None else g[2].index_select(0, rows)
+            g.rows = rows if g.rows is None else g.rows.index_select(0, rows)
 
     def pop(self):
-        def part(xs, rows):
-            x = torch.cat(xs, 1)
-            return x if rows is None else x.index_select(0, rows)
-        tokens = torch.cat([part(t, r) for t, _, r in self.groups], 1)
-        feats = None if self.groups[0][1][0] is None else torch.cat([part(f, r) for _, f, r in self.groups], 1)
+        tokens = torch.cat([g.rounds(g.tokens) for g in self.groups], 1)
+        feats = None if self.groups[0].feats[0] is None else torch.cat([g.rounds(g.feats) for g in self.groups], 1)
         self.groups = []
         n = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=tokens.device)
         return tokens, feats, n
