@@ -37,6 +37,8 @@ class Tree:
     valid: torch.Tensor  # (B, N) bool
     depth: torch.Tensor  # (B, N) int64, 0 for the root
     rank: torch.Tensor | None = None  # (B, N) the builder's preference order (1 = best; root 0)
+    prob: torch.Tensor | None = None  # (B, N) float32: the drafter's probability of each node's path from the root
+    # (its cumulative draft probability; root 1): with point-mass trees, the chance it is accepted if q were p
 
     @property
     def size(self) -> int:

@@ -11,6 +11,7 @@ its token and the drafter's `a` output at its parent), re-derives the recorded n
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -203,6 +204,7 @@ def test_build_tree_equals_brute_force_reference(tiny_llama, shape, smaller, see
                 lp = torch.log_softmax(ctx.z[r, node[par]].double(), -1)
                 cum.append(cum[par] + float(lp[inverse[int(tree.tokens[r, i])]]))
                 assert abs(cum[i] - score[paths[i]]) < 1e-4, (nodes, r, paths[i], cum[i], score[paths[i]])
+                assert abs(float(tree.prob[r, i]) - math.exp(score[paths[i]])) < 1e-4 * math.exp(score[paths[i]])
                 # a node has a context iff it was expanded, i.e. it is above the last level drafted (a
                 # tree of n nodes drafts min(depth, n) levels)
                 assert (node[i] >= 0) == (len(paths[i]) < min(shape.depth, nodes))

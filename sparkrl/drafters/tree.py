@@ -181,6 +181,7 @@ def _select(tok, score, parent, depth, root, nodes) -> tuple[Tree, torch.Tensor]
         valid=torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev), valid], 1),
         depth=torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), depth.gather(1, keep)], 1),
         rank=torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), perm + 1], 1),
+        prob=torch.cat([torch.ones(B, 1, device=dev), score.gather(1, keep).float().exp()], 1),
     ), keep
 
 
