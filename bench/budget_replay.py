@@ -17,7 +17,8 @@ the prompts):
   expected drafts of a size being the sum of its nodes' path probabilities (known before verifying: an upper
   bound on what a per-round rule could do, as deeper sizes must be drafted to be scored).
 
-Also the calibration: per size, the rounds in quartiles of their expected drafts, against the drafts kept.
+Also the calibration: per size, the rounds in quartiles of their expected drafts, against the drafts kept; and
+per size at 1 and 8 rows, the drafts a round would have to accept for 1.1x and 1.3x of AR per token.
 The replay scores sizes with the cost model, not with timed rollouts: its ratios say how the policies compare,
 `spec_vs_ar.py` how fast the engine runs.
 
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from sparkrl.budget import AR, Budget, kept_drafts, tree_sizes
+from sparkrl.budget import AR, Budget, _size, kept_drafts, tree_sizes
 from sparkrl.config import DraftConfig, SamplingConfig
 from sparkrl.data import build_prompts, held_out, load_problems
 from sparkrl.rollout import response_generators
@@ -121,6 +122,20 @@ def calibration(rounds: list[Recorded], sizes) -> dict:
     return out
 
 
+def needed(cost, sizes, rows=(1, 8), gains=(1.1, 1.3)) -> dict:
+    """Per row count and size: the round's cost at no accepted draft (in AR rounds) and the drafts a round
+    must accept for each gain per token over AR, by the cost model (round seconds are linear in drafts)."""
+    out = {}
+    for B in rows:
+        ar = cost.seconds(B, AR)
+        for s in sizes:
+            c0 = cost.seconds(B, s, 0.0) / ar
+            c1 = cost.seconds(B, s, 1.0) / ar - c0  # one more accepted draft
+            out[f"{B} rows, {s[0]},{s[1]}"] = {"round_vs_ar": c0, **{f"for {g}x": (g * c0 - 1) / (1 - g * c1)
+                                                                     for g in gains}}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default="../shared/data/gsm8k/train.jsonl")
@@ -162,7 +177,7 @@ def main():
                  for r, part in zip(runs, [rounds] + quarters)]
         systems[name] = {**runs[0], "vs_ar": rates[0], "quarters_vs_ar": rates[1:]}
     result = {"meta": {**vars(args), "rounds": len(rounds), "torch": torch.__version__}, "systems": systems,
-              "calibration": calibration(rounds, sizes)}
+              "calibration": calibration(rounds, sizes), "needed": needed(cost, sizes)}
     print(f"{len(rounds)} recorded rounds; per token against AR, by the cost model's round seconds:")
     for name, v in systems.items():
         top = sorted(v["picked"].items(), key=lambda kv: -kv[1])[:4]
@@ -171,6 +186,11 @@ def main():
     print("calibration (quartiles of expected drafts: expected -> kept):")
     for s, qs in result["calibration"].items():
         print(f"  {s:5s} " + "  ".join(f"{q['expected']:.2f}->{q['kept']:.2f}" for q in qs))
+    print("drafts a round must accept per row for a gain over AR (cost model) against what it kept here:")
+    for k, v in result["needed"].items():
+        s = _size(k.split(", ")[1])
+        print(f"  {k:13s} round {v['round_vs_ar']:.2f} AR; kept {sum(r.kept[s] for r in rounds) / len(rounds):.2f}; "
+              + "; ".join(f"{g} {a:.2f}" + (" (> depth)" if a > s[1] else "") for g, a in v.items() if g != "round_vs_ar"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "budget_replay.json").write_text(json.dumps(result, indent=1))
