@@ -13,10 +13,10 @@ def default_rollouts(dcfg, dtype: str, data: str, heldout: float = 0.0, kernels:
                      skip: int = 0):
     """(the loaded model with its rollout copy in `dtype` as .model, `build.Drafting` in the same dtype, the
     prompts of the first `count` problems of `data` after `skip`; with `heldout`, of those held out of draft
-    pretraining instead)."""
+    pretraining only)."""
     lm = load_model("default", dtype=dtype)
     lm.model = rollout_copy(lm.model, lm.model.lm_head.weight.dtype, kernels).model  # as sparkrl's rollout copy
     d = make_drafting(dcfg, lm.model, lm.model, 1.0)  # the drafter in the policy's dtype, kernels and attention
     problems = load_problems(data).problems
-    problems = [p for p in problems if held_out(p, heldout)] if heldout else problems[skip:]
+    problems = ([p for p in problems if held_out(p, heldout)] if heldout else problems)[skip:]
     return lm, d, build_prompts(lm.tokenizer, problems[:count], 512, "skip").prompt_ids

@@ -11,6 +11,7 @@ Per size: milliseconds per round and per committed token, tokens per round per r
 autoregressive engine of the same rows.
 
     .venv/bin/python bench/round_costs.py --rows 1,8 --out bench/results/round_costs
+    .venv/bin/python bench/round_costs.py --rows 1 --sizes "0,0;1,1;4,1;c1;c2;c3" --out ...   # with sampled chains
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from sparkrl.config import DraftConfig, SamplingConfig
+from sparkrl.config import DraftConfig, SamplingConfig, TreeShape
 from sparkrl.rollout import response_generators
 from sparkrl.speculative import NoAdaptation, Speculation
 
@@ -30,7 +31,14 @@ from default_rollouts import default_rollouts
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:
-    return [tuple(int(x) for x in s.split(",")) for s in text.split(";")]
+    """"n,d;..." trees of n nodes d deep (0,0: AR); "cD": a chain of D tokens sampled from the drafter, as
+    (-D, D)."""
+    return [(-int(s[1:]), int(s[1:])) if s.startswith("c") else tuple(int(x) for x in s.split(","))
+            for s in text.split(";")]
+
+
+def size_name(s) -> str:
+    return f"c{s[1]}" if s[0] < 0 else f"{s[0]},{s[1]}"
 
 
 @torch.no_grad()
@@ -41,13 +49,14 @@ def measure(policy, drafter, shape, prompts, rows: int, sizes, rounds: int, warm
     for j, prompt in enumerate(prompts):
         engines = {}
         for s in sizes:
-            eng = Speculation(policy, drafter.bind(policy), sc, shape, response_generators(j, 1, rows), NoAdaptation())
+            eng = Speculation(policy, drafter.bind(policy), sc, TreeShape.chain(s[1]) if s[0] < 0 else shape,
+                              response_generators(j, 1, rows), NoAdaptation())
             eng.start([prompt], rows, ())
             engines[s] = eng
         for r in range(warmup + rounds):
             for s, eng in engines.items():
                 t = time.perf_counter()
-                rd = eng.autoregressive_round() if s[0] == 0 else eng.speculative_round(*s)[0]
+                rd = eng.autoregressive_round() if s[0] == 0 else eng.speculative_round(abs(s[0]), s[1])[0]
                 dt = time.perf_counter() - t
                 if r >= warmup:
                     a = tot[s]
@@ -61,7 +70,7 @@ def measure(policy, drafter, shape, prompts, rows: int, sizes, rounds: int, warm
     out = {}
     for s, a in tot.items():
         n = a["rounds"]
-        out[f"{s[0]},{s[1]}"] = {
+        out[size_name(s)] = {
             "ms_per_round": 1e3 * a["s"] / n, "tokens_per_round": a["tokens"] / n / rows,
             "ms_per_token": 1e3 * a["s"] / a["tokens"], "speedup": ar_per_token / (a["s"] / a["tokens"]),
             "split_ms": {k: 1e3 * a[k] / n for k in ("draft_s", "verify_s", "accept_s")}}
@@ -74,8 +83,10 @@ def main():
     ap.add_argument("--data", default="../shared/data/gsm8k/train.jsonl")
     ap.add_argument("--heldout", type=float, default=0.05, help="only problems held out of draft pretraining")
     ap.add_argument("--rows", default="1,8", help="responses per engine (one prompt's group)")
-    ap.add_argument("--sizes", default="0,0;1,1;2,1;4,1;4,2;8,2;8,3;16,5", help="nodes,depth;... (0,0: AR)")
+    ap.add_argument("--sizes", default="0,0;1,1;2,1;4,1;4,2;8,2;8,3;16,5",
+                    help="nodes,depth;... (0,0: AR; cD: a sampled chain of D tokens)")
     ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--skip", type=int, default=0, help="problems to skip (the rollout benches report on the first)")
     ap.add_argument("--rounds", type=int, default=48, help="timed rounds per engine and prompt")
     ap.add_argument("--warmup", type=int, default=4, help="untimed rounds per engine and prompt")
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
@@ -85,7 +96,8 @@ def main():
     if (0, 0) not in sizes:
         ap.error("--sizes must include 0,0 (the autoregressive reference)")
     dcfg = DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, budget="fixed")
-    lm, d, prompts = default_rollouts(dcfg, args.dtype, args.data, args.heldout, count=args.prompts)
+    lm, d, prompts = default_rollouts(dcfg, args.dtype, args.data, args.heldout, count=args.prompts,
+                                         skip=args.skip)
     result = {"meta": {**vars(args), "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": {}}
     for rows in map(int, args.rows.split(",")):
         res = measure(lm.model, d.rollout.model, dcfg.shape(), prompts, rows, sizes, args.rounds, args.warmup)
