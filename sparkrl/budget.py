@@ -24,11 +24,15 @@ thread count, tree shape and kernels (cached under the user cache dir), fits the
 linearly in nodes and depth per row count (`smoothed`: one size's timing is as noisy as sizes differ), keeps
 every size non-decreasing in rows (`nondecreasing`), and interpolates. The timed
 rounds run on a text the policy sampled itself (sampling's cost depends on the nucleus's width, and
-random tokens make it thousands of tokens wide); each draft accepted more or fewer than there walks
-one more or one fewer level (the LM head and the target distribution on B rows, timed too), which
-the prediction corrects at the acceptance the budget expects. (It timed only the verify forward and
-the drafting until it was measured that the rest is 20-30% of a round and made trees look cheaper
-than they are.)
+random tokens make it thousands of tokens wide). Each accepted draft walks one more level (the LM head
+and the target distribution on B rows, timed too), so every timed round is first brought to no accepted
+draft (`at_zero`) and the prediction adds the levels of the acceptance the budget expects. (It timed only
+the verify forward and the drafting until it was measured that the rest is 20-30% of a round and made
+trees look cheaper than they are. It kept the median round with the drafts that round happened to accept,
+0 or 1 at one row, which moved each size's prediction by +-4% at random: against tree rounds timed in
+rollouts at one response, `bench/round_costs.py`, the 1-node tree came out 6-9% cheaper than it ran and the
+4-node trees up to 7% dearer, and the budget preferred the 1-node tree, measured 1.13-1.14x of AR, to 4-node
+trees of depth 1-3 at 1.15-1.27x; those timings brought to none put the 1-node tree within 1-3%.)
 
 The acceptance estimates only move in rounds that draft, so once a run of unlucky rounds pushes an
 estimate just below break-even the budget would stay autoregressive for good, however well the
@@ -57,7 +61,7 @@ from sparkrl.config import TreeShape
 from sparkrl.machine import measurement_path
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-ENGINE = 12  # part of the timing cache's key: bumped when a round's work or its timing changes (2: a tree
+ENGINE = 13  # part of the timing cache's key: bumped when a round's work or its timing changes (2: a tree
 # of n nodes drafts min(depth, n) levels; sizes timed in turn, 3 repeats, 7 row counts; 3: the
 # acceptance walk runs the LM head only for the rows still walking; 4: timed on the policy's own text,
 # not random tokens; the drafter's catch-up runs its head at one position per row; 5: weight-major products
@@ -67,7 +71,7 @@ ENGINE = 12  # part of the timing cache's key: bumped when a round's work or its
 # (nodes, depth): shallower trees too; 11: a commit moves every layer's kept tokens at once, the median of the
 # timed rounds, the drafter's catch-up after AR rounds untimed, tree rounds fitted: `smoothed`,
 # non-decreasing in rows, 3x the repeats up to 8 rows; 12: the walk's LM head covers the best-ranked nodes below
-# the asked one, not the first-child path)
+# the asked one, not the first-child path; 13: rounds brought to no accepted draft before the median, `at_zero`)
 GAIN = 0.9  # a tree is chosen when predicted at least 10% faster per committed token than an AR step: the
 # cost model's error (measured at 8 rows: 1-node trees predicted 1.08x ran at 0.96x) must not turn a
 # predicted gain into a loss
@@ -139,7 +143,8 @@ class CostModel:
     rows: tuple[int, ...]
     rounds: dict[Size, list[float]]  # size (nodes, depth; AR = (0, 0)) -> seconds of one whole engine round,
     # per row count: drafting, the drafter's catch-up, verification, acceptance walk, commit
-    accepted: dict[Size, list[float]]  # drafts accepted per row in those timed rounds
+    accepted: dict[Size, list[float]]  # drafts accepted per row that those seconds are for (0 from `measure`;
+    # caches and checkpoints before ENGINE 13: the median timed round's)
     level: list[float]  # seconds one more accepted level adds per round (the LM head, nucleus and sample on B rows)
 
     def seconds(self, B: int, size: Size, accepted: float | None = None) -> float:
@@ -162,8 +167,8 @@ class CostModel:
     @classmethod
     def measure(cls, policy, drafter, shape: TreeShape, time_rounds, repeats: int = 3) -> "CostModel":
         """Time whole engine rounds on this machine (cached per machine/model/threads/shape/kernels).
-        time_rounds(policy, drafter, shape, rows, sizes, context, repeats) -> {"rounds", "accepted",
-        "level"} is the engine's own timing (`speculative.time_rounds`), keyed by size."""
+        time_rounds(policy, drafter, shape, rows, sizes, context, repeats) -> {"rounds": {size: per row count,
+        [(seconds, accepted)]}, "level": per row count} is the engine's own timing (`speculative.time_rounds`)."""
         w = policy.lm_head.weight
         path = measurement_path("rounds", str(w.device), str(w.dtype), policy.args.__dict__, drafter.kind,
                                 int(drafter.vocab_ids.numel()), shape.__dict__, ROWS, CONTEXT,
@@ -179,12 +184,18 @@ class CostModel:
         few, many = [B for B in ROWS if B <= FEW_ROWS], [B for B in ROWS if B > FEW_ROWS]
         parts = [time_rounds(policy, drafter, shape, few, sizes, CONTEXT, FEW_REPEATS * repeats)] + \
             ([time_rounds(policy, drafter, shape, many, sizes, CONTEXT, repeats)] if many else [])
-        t = {k: ({s: sum((p[k][s] for p in parts), []) for s in sizes} if k != "level" else
-                 sum((p[k] for p in parts), [])) for k in ("rounds", "accepted", "level")}
-        cost = cls(ROWS, nondecreasing(smoothed(t["rounds"])), t["accepted"], t["level"])
+        level = sum((p["level"] for p in parts), [])
+        timed = {s: [at_zero(r, lv) for r, lv in zip(sum((p["rounds"][s] for p in parts), []), level)] for s in sizes}
+        cost = cls(ROWS, nondecreasing(smoothed(timed)), {s: [0.0] * len(ROWS) for s in sizes}, level)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**cost.to_dict(), "timed": {_key(s): v for s, v in t["rounds"].items()}}))
+        path.write_text(json.dumps({**cost.to_dict(), "timed": {_key(s): v for s, v in timed.items()}}))
         return cost
+
+
+def at_zero(rounds: list[tuple[float, float]], level: float) -> float:
+    """The median of timed rounds (seconds, drafts accepted per row), each brought to no accepted draft by
+    `level` seconds per draft: what a round of that size costs before its acceptance walk goes deeper."""
+    return sorted(t - level * a for t, a in rounds)[len(rounds) // 2]
 
 
 def nondecreasing(rounds: dict[Size, list[float]]) -> dict[Size, list[float]]:

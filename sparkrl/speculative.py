@@ -237,15 +237,15 @@ class Speculation:
 
 @torch.no_grad()
 def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, context: int, repeats: int) -> dict:
-    """Seconds of whole engine rounds for the budget's cost model (`budget.CostModel.measure`): for each
-    row count B in `rows`, B copies of a `context`-token text the policy sampled itself, then `repeats`
-    timed rounds (after one untimed) of every size (nodes, depth) in `sizes` (`budget.AR`: an
-    autoregressive round), sizes in turn, the median kept (with the drafts it accepted); after each
-    autoregressive round the drafter catches up untimed, as a run of them would once at its end (timed, the
-    tree round after it paid that too: a 1-node tree, always after AR, timed 1.04x a 4-node one at one
-    row); also the drafts those rounds accepted per row, and what one more accepted level costs (LM head +
-    the nucleus and a sample on B rows of the policy's hidden states in that text). Sampling at temperature
-    1, top-p 0.95; random numbers from fixed generators (the global RNG is left alone).
+    """Whole engine rounds timed for the budget's cost model (`budget.CostModel.measure`): for each row
+    count B in `rows`, B copies of a `context`-token text the policy sampled itself, then `repeats` timed
+    rounds (after one untimed) of every size (nodes, depth) in `sizes` (`budget.AR`: an autoregressive
+    round), sizes in turn, each as (seconds, drafts it accepted per row); after each autoregressive round the
+    drafter catches up untimed, as a run of them would once at its end (timed, the tree round after it paid
+    that too: a 1-node tree, always after AR, timed 1.04x a 4-node one at one row); also what one more
+    accepted level costs (LM head + the nucleus and a sample on B rows of the policy's hidden states in that
+    text). Sampling at temperature 1, top-p 0.95; random numbers from fixed generators (the global RNG is
+    left alone).
 
     The text is the policy's own, not random tokens: sampling's cost depends on how wide the nucleus
     is (top-p within 256 candidates, else 4096, else a full sort), and after random tokens the
@@ -257,7 +257,7 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
     hidden = policy(torch.tensor([text], device=dev)).hidden[0]  # (context, d) the policy's states in its text
     room = (repeats + 1) * len(sizes) * (shape.depth + 1) + 2  # every timed round commits at most depth + 1
     sampling = SamplingConfig(1.0, 0.95, room)
-    out = {"rounds": {size: [] for size in sizes}, "accepted": {size: [] for size in sizes}, "level": []}
+    out = {"rounds": {size: [] for size in sizes}, "level": []}  # rounds: per size, per B, [(seconds, accepted)]
     for B in rows:
         prompts = [text] * B
         gens = [torch.Generator().manual_seed(1000 + i) for i in range(B)]
@@ -276,9 +276,7 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
                 if n == 0:  # the drafter's catch-up on the AR token, untimed: a run of AR rounds pays it once at
                     eng.state = catch_up(eng.drafter, eng.dcache, *eng.backlog.pop())  # its end, not per tree round
         for size in sizes:
-            s, a = sorted(timed[size][1:])[repeats // 2]  # the median round; the first of each size warms up
-            out["rounds"][size].append(s)
-            out["accepted"][size].append(a)
+            out["rounds"][size].append(timed[size][1:])  # the first of each size warms up
         h = hidden[torch.arange(context - B, context) % context]  # (B, d) the text's last B positions
         level, u = [], torch.rand(B, generator=torch.Generator().manual_seed(B), dtype=torch.float64)
         for _ in range(repeats + 1):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from sparkrl.budget import AR, EXPLORE_EVERY, LONGEST_WAIT, PROBE_EVERY, Budget, CostModel, PRIOR_ROWS, kept_drafts, nondecreasing, smoothed, tree_sizes
+from sparkrl.budget import (AR, EXPLORE_EVERY, LONGEST_WAIT, PROBE_EVERY, Budget, CostModel, PRIOR_ROWS, at_zero, kept_drafts,
+                            nondecreasing, smoothed, tree_sizes)
 from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.tree import build_tree
@@ -119,6 +122,12 @@ def _ancestry(tree, b, j):
     return out[::-1]
 
 
+def test_at_zero_brings_each_round_to_no_accepted_draft_before_the_median():
+    """The median round at its own acceptance would be 0.6 s at 1 draft; each round at none: 0.5, 0.5, 0.4."""
+    assert at_zero([(0.5, 0.0), (0.9, 2.0), (0.6, 1.0)], 0.2) == pytest.approx(0.5)
+    assert at_zero([(0.3, 0.0)], 0.2) == 0.3
+
+
 def test_cost_model_times_whole_engine_rounds_once_and_caches_them(tiny_llama, tmp_path, monkeypatch):
     """Measured through the engine (a fake clock: a round's time is how often it reads the clock), so a
     drafted round costs its drafting, catch-up, verify, acceptance walk and commit, not a bare forward."""
@@ -128,11 +137,17 @@ def test_cost_model_times_whole_engine_rounds_once_and_caches_them(tiny_llama, t
     monkeypatch.setattr(engine, "time", FakeTime())
     d = Eagle3Drafter(tiny_llama.args).bind(tiny_llama)
     shape = TreeShape(2, 2, 3)
-    cm = CostModel.measure(tiny_llama, d, shape, time_rounds, repeats=1)
+    seen = []
+    cm = CostModel.measure(tiny_llama, d, shape, lambda *a: seen.append(time_rounds(*a)) or seen[-1], repeats=1)
     assert sorted(cm.rounds) == [AR, (1, 1), (2, 1), (2, 2), (3, 2)] and len(cm.level) == len(cm.rows)
-    # the engine reads the clock twice in an AR round and six times in a drafted one (tree rounds: a fit, `smoothed`)
-    assert all(r == 3.0 for r in cm.rounds[AR]) and all(r == pytest.approx(7.0) for s in tree_sizes(shape) for r in cm.rounds[s])
-    assert all(0 <= a <= shape.depth for v in cm.accepted.values() for a in v) and all(t == 1.0 for t in cm.level)
+    # the engine reads the clock twice in an AR round and six times in a drafted one, and twice per level timed
+    raw = {s: sum((t["rounds"][s] for t in seen), []) for s in cm.rounds}  # per row count, [(seconds, accepted)]
+    assert all(t == 3.0 and a == 0 for B in raw[AR] for t, a in B) and all(t == 1.0 for t in cm.level)
+    assert all(t == 7.0 and 0 <= a <= shape.depth for s in tree_sizes(shape) for B in raw[s] for t, a in B)
+    timed = json.loads(next((tmp_path / "costs").glob("rounds-*.json")).read_text())["timed"]
+    # each timed round brought to no accepted draft before the median; tree rounds then fitted (`smoothed`)
+    assert all(timed[f"{n},{dd}"] == [at_zero(B, 1.0) for B in raw[n, dd]] for n, dd in cm.rounds)
+    assert all(a == 0.0 for v in cm.accepted.values() for a in v)
     assert len(list((tmp_path / "costs").glob("rounds-*.json"))) == 1
     monkeypatch.setattr(engine, "time", None)  # cached: nothing is timed again
     assert CostModel.measure(tiny_llama, d, shape, time_rounds) == cm
