@@ -12,6 +12,7 @@ autoregressive engine of the same rows.
 
     .venv/bin/python bench/round_costs.py --rows 1,8 --out bench/results/round_costs
     .venv/bin/python bench/round_costs.py --rows 1 --sizes "0,0;1,1;4,1;c1;c2;c3" --out ...   # with sampled chains
+    .venv/bin/python bench/round_costs.py --rows 1 --cost-model --out ...   # against the budget's cost model
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from pathlib import Path
 
 import torch
 
+from sparkrl.budget import AR, CostModel
 from sparkrl.config import DraftConfig, SamplingConfig, TreeShape
 from sparkrl.rollout import response_generators
-from sparkrl.speculative import NoAdaptation, Speculation
+from sparkrl.speculative import NoAdaptation, Speculation, time_rounds
 
 from default_rollouts import default_rollouts
 
@@ -90,6 +92,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=48, help="timed rounds per engine and prompt")
     ap.add_argument("--warmup", type=int, default=4, help="untimed rounds per engine and prompt")
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("--cost-model", action="store_true",
+                    help="also the budget's cost model: each tree round against the AR round as it predicts them at "
+                         "the drafts accepted here (timed once per machine and cached, before the rounds here)")
     ap.add_argument("--out", default="bench/results/round_costs")
     args = ap.parse_args()
     sizes = parse_sizes(args.sizes)
@@ -98,10 +103,24 @@ def main():
     dcfg = DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, budget="fixed")
     lm, d, prompts = default_rollouts(dcfg, args.dtype, args.data, args.heldout, count=args.prompts,
                                          skip=args.skip)
+    cost = CostModel.measure(lm.model, d.rollout.model, dcfg.shape(), time_rounds) if args.cost_model else None
     result = {"meta": {**vars(args), "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": {}}
     for rows in map(int, args.rows.split(",")):
         res = measure(lm.model, d.rollout.model, dcfg.shape(), prompts, rows, sizes, args.rounds, args.warmup)
         result["rows"][rows] = res
+        if cost is not None:
+            ar = res["0,0"]["ms_per_round"]
+            for s in sizes:
+                if s[0] > 0 and s in cost.rounds:
+                    r = res[size_name(s)]
+                    r["round_vs_ar"] = r["ms_per_round"] / ar
+                    r["model_round_vs_ar"] = (cost.seconds(rows, s, r["tokens_per_round"] - 1) /
+                                              cost.seconds(rows, AR))
+            print(f"{rows} rows, round / AR round: size, measured, the cost model's at these acceptances, its error")
+            for k, r in res.items():
+                if "model_round_vs_ar" in r:
+                    print(f"  {k:6s} {r['round_vs_ar']:.3f} {r['model_round_vs_ar']:.3f} "
+                          f"{r['model_round_vs_ar'] / r['round_vs_ar'] - 1:+.1%}")
         print(f"{rows} rows: size, ms/round, tokens/round/response, ms/token, speed per token vs AR, "
               "draft/verify/accept ms")
         for k, r in res.items():
