@@ -34,9 +34,8 @@ from pathlib import Path
 
 import torch
 
-from sparkrl.budget import AR, Budget, _size, kept_drafts, tree_sizes
+from sparkrl.budget import AR, Budget, kept_drafts, tree_sizes
 from sparkrl.config import DraftConfig, SamplingConfig
-from sparkrl.data import build_prompts, held_out, load_problems
 from sparkrl.rollout import response_generators
 from sparkrl.speculative import NoAdaptation, Speculation
 from sparkrl.verify import Tree
@@ -122,17 +121,19 @@ def calibration(rounds: list[Recorded], sizes) -> dict:
     return out
 
 
-def needed(cost, sizes, rows=(1, 8), gains=(1.1, 1.3)) -> dict:
-    """Per row count and size: the round's cost at no accepted draft (in AR rounds) and the drafts a round
-    must accept for each gain per token over AR, by the cost model (round seconds are linear in drafts)."""
-    out = {}
+def needed(cost, rounds: list[Recorded], sizes, rows=(1, 8), gains=(1.1, 1.3)) -> list[dict]:
+    """Per row count and size: the round's cost at no accepted draft (in AR rounds), the drafts the recorded
+    rounds kept, and the drafts a round must accept for each gain per token over AR, by the cost model (round
+    seconds are linear in drafts)."""
+    out = []
     for B in rows:
         ar = cost.seconds(B, AR)
         for s in sizes:
             c0 = cost.seconds(B, s, 0.0) / ar
             c1 = cost.seconds(B, s, 1.0) / ar - c0  # one more accepted draft
-            out[f"{B} rows, {s[0]},{s[1]}"] = {"round_vs_ar": c0, **{f"for {g}x": (g * c0 - 1) / (1 - g * c1)
-                                                                     for g in gains}}
+            out.append({"rows": B, "size": f"{s[0]},{s[1]}", "depth": s[1], "round_vs_ar": c0,
+                        "kept": sum(r.kept[s] for r in rounds) / len(rounds),
+                        "for": {f"{g}x": (g * c0 - 1) / (1 - g * c1) for g in gains}})
     return out
 
 
@@ -151,9 +152,7 @@ def main():
     ap.add_argument("--out", default="bench/results/budget_replay")
     args = ap.parse_args()
     dcfg = DraftConfig(draft="eagle3", draft_checkpoint="default", budget="auto")
-    lm, d, _ = default_rollouts(dcfg, args.dtype, args.data, args.heldout, count=1)
-    problems = [p for p in load_problems(args.data).problems if held_out(p, args.heldout)]
-    prompts = build_prompts(lm.tokenizer, problems[args.first:args.first + args.prompts], 512, "skip").prompt_ids
+    lm, d, prompts = default_rollouts(dcfg, args.dtype, args.data, args.heldout, count=args.prompts, skip=args.first)
     shape, cost = dcfg.shape(), d.budget.cost
     saved = Path(args.rounds) if args.rounds else None
     if saved is not None and saved.exists():
@@ -170,14 +169,15 @@ def main():
         pickers[f"budget (momentum {m})"] = lambda m=m: by_budget(Budget(cost, shape, momentum=m))
     pickers["per round, by the drafter's probabilities"] = lambda: by_expectation(cost, sizes)
     quarters = [rounds[i * len(rounds) // 4:(i + 1) * len(rounds) // 4] for i in range(4)]
+    parts = [rounds] + quarters
+    ar_rates = [len(part) / replay(part, cost, lambda r: AR)["seconds"] for part in parts]  # tokens per model second
     systems = {}
     for name, make in pickers.items():  # over all rounds, and over each quarter from a fresh start
-        runs = [replay(part, cost, make()) for part in [rounds] + quarters]
-        rates = [r["tokens"] / r["seconds"] / (len(part) / replay(part, cost, lambda r: AR)["seconds"])
-                 for r, part in zip(runs, [rounds] + quarters)]
+        runs = [replay(part, cost, make()) for part in parts]
+        rates = [r["tokens"] / r["seconds"] / ar for r, ar in zip(runs, ar_rates)]
         systems[name] = {**runs[0], "vs_ar": rates[0], "quarters_vs_ar": rates[1:]}
     result = {"meta": {**vars(args), "rounds": len(rounds), "torch": torch.__version__}, "systems": systems,
-              "calibration": calibration(rounds, sizes), "needed": needed(cost, sizes)}
+              "calibration": calibration(rounds, sizes), "needed": needed(cost, rounds, sizes)}
     print(f"{len(rounds)} recorded rounds; per token against AR, by the cost model's round seconds:")
     for name, v in systems.items():
         top = sorted(v["picked"].items(), key=lambda kv: -kv[1])[:4]
@@ -187,10 +187,9 @@ def main():
     for s, qs in result["calibration"].items():
         print(f"  {s:5s} " + "  ".join(f"{q['expected']:.2f}->{q['kept']:.2f}" for q in qs))
     print("drafts a round must accept per row for a gain over AR (cost model) against what it kept here:")
-    for k, v in result["needed"].items():
-        s = _size(k.split(", ")[1])
-        print(f"  {k:13s} round {v['round_vs_ar']:.2f} AR; kept {sum(r.kept[s] for r in rounds) / len(rounds):.2f}; "
-              + "; ".join(f"{g} {a:.2f}" + (" (> depth)" if a > s[1] else "") for g, a in v.items() if g != "round_vs_ar"))
+    for v in result["needed"]:
+        print(f"  {v['rows']} rows, {v['size']:5s} round {v['round_vs_ar']:.2f} AR; kept {v['kept']:.2f}; "
+              + "; ".join(f"for {g} {a:.2f}" + (" (> depth)" if a > v["depth"] else "") for g, a in v["for"].items()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "budget_replay.json").write_text(json.dumps(result, indent=1))
