@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from sparkrl.budget import AR, Budget, kept_drafts, tree_sizes
+from sparkrl.budget import AR, Budget, kept_drafts, size_nodes, tree_sizes
 from sparkrl.config import DraftConfig, SamplingConfig
 from sparkrl.rollout import response_generators
 from sparkrl.speculative import NoAdaptation, Speculation
@@ -74,9 +74,7 @@ class Recorded:
         self.kept, self.expected = {}, {}
         for s in sizes:
             self.kept[s] = int(kept_drafts(self.tree, self.path, s))
-            inside = self.tree.valid[0] & (self.tree.depth[0] >= 1) & (self.tree.depth[0] <= s[1])
-            best = torch.where(inside, self.tree.rank[0], n + 1).argsort()[: s[0]]
-            self.expected[s] = float((prob[best] * inside[best]).sum())
+            self.expected[s] = float(prob[size_nodes(self.tree, s)[0]].sum())
 
 
 def replay(rounds: list[Recorded], cost, pick) -> dict:

@@ -111,14 +111,20 @@ def kept_drafts(tree, path: torch.Tensor, size: Size) -> torch.Tensor:
     holds the ones it verified, so the count is exact when the smaller tree is a subset of the verified
     one (any tree of n' <= n nodes at full depth) and otherwise a lower bound (a node the verified tree
     left out might have been accepted)."""
+    at = path.clamp(min=0)
+    level = torch.arange(path.shape[1], device=path.device)
+    ok = (path >= 0) & (level < size[1]) & size_nodes(tree, size).gather(1, at)
+    return ok.long().cumprod(-1).sum(-1)
+
+
+def size_nodes(tree, size: Size) -> torch.Tensor:
+    """(B, N) bool: the nodes of a recorded tree (with the builder's ranks) that a tree of `size` holds, its n
+    best-ranked nodes of depth 1..d."""
     n, d = size
     inside = tree.valid & (tree.depth >= 1) & (tree.depth <= d)  # (B, N)
     rank = torch.where(inside, tree.rank, tree.size + 1)  # (B, N)
     below = (rank[:, None, :] <= rank[:, :, None]).sum(-1)  # (B, N) rank among the inside nodes
-    at = path.clamp(min=0)
-    level = torch.arange(path.shape[1], device=path.device)
-    ok = (path >= 0) & (level < d) & inside.gather(1, at) & (below.gather(1, at) <= n)
-    return ok.long().cumprod(-1).sum(-1)
+    return inside & (below <= n)
 
 
 def _interp(xs, ys, x):
