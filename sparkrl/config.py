@@ -134,20 +134,17 @@ class ModelConfig(Checked):
     """Weights dtype (the master weights the optimizer steps): auto (float32 on CPU, bfloat16 on CUDA)."""
     rollout_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Dtype rollouts sample in (a copy of the policy, refreshed after every update): auto = bfloat16 on
-    CUDA, and on a CPU where a measurement of decode steps at 1, 8 and 64 rows, each dtype on its fastest
-    kernels (once, cached), finds it faster; else float32. A bfloat16 copy on a CPU attends in float32 (a
-    float32 KV cache) where a measurement finds that faster (bfloat16 attention was 4x slower here)."""
+    CUDA, and on a CPU where a measurement of decode steps at 1, 8 and 64 rows, each dtype on its --cpu-kernels
+    (once, cached), finds it faster; else float32."""
     rollout_head: Literal["rollout", "float32"] = "rollout"
     """LM head of a half-precision rollout copy: in the rollout dtype, or float32 (the master's head weights
     in float32 on the upcast hidden states: logits without half-precision rounding; costs time, BENCHMARKS.md)."""
     cpu_kernels: Literal["auto", "packed", "weight-major", "plain"] = "auto"
-    """Linear layers of the rollout model on a CPU: packed (oneDNN-prepacked weights: bfloat16 1.5-2.3x
-    faster per product; float32 products of 5+ rows, the decode step 1.0-1.26x faster at 8-64 rows),
-    weight-major (unpacked; decode-sized products with the weight streamed in its own row order, 1.07-2.1x
-    at 1-64 rows in float32 here; q/k/v and gate/up as one product each over a concatenated copy of their
-    weights), plain (F.linear and attention in the rollout dtype: the reference), auto = packed where a measurement (once, cached) finds it
-    faster, and weight-major products where a measurement of the decode step finds those faster (kept
-    for 1-4 rows packed in float32). Each fast path keeps another copy of the weights in memory."""
+    """Kernels of the rollout model's no-grad forwards on a CPU: auto = sparkrl's compiled kernels (products,
+    norms, RoPE, cached attention, sampling), whose rows do not depend on the batch, so speculative rollouts are
+    token-identical to AR ones with the same seed; packed (oneDNN-prepacked weights), weight-major (products
+    with the weight streamed in its own row order) and plain (torch's kernels, the reference) are exact in
+    distribution but give up that identity."""
     threads: int = at_least(0, 0)
     """CPU threads for torch (0: torch's default)."""
 

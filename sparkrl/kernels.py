@@ -1,44 +1,18 @@
-"""Linear layers with two inference fast paths on a CPU: prepacked oneDNN weights and weight-major
-products (decode-sized products whose weights come from memory).
+"""Linear layers with their inference kernels on a CPU: `Linear` is `nn.Linear` (same parameters and
+state-dict names) whose no-grad forwards run
 
-A bfloat16 `F.linear` on a CPU hands oneDNN a plain row-major weight, which it reorders into its
-blocked layout on every call; at decode sizes (a few rows) that reorder costs more than the product.
-Measured on this project's CPU (BENCHMARKS.md "Prepacked bfloat16 weights"): 1.5-2.3x per call for the
-default model's projections at 1-1088 rows, the same results up to a bfloat16 rounding of the
-accumulation. `Linear` is `nn.Linear` that, once `pack`ed, keeps a prepacked copy of its weight and
-uses it when no gradient is recorded; the copy is remade the first time the weight has changed
-since (its version counter), so a refreshed rollout copy or an optimizer step is never served
-stale. Training forwards (gradients on) always run the plain `F.linear`, which stays the reference.
-Whether packing pays is measured once per machine and dtype (`precision.packing_pays`, cached).
-A float32 weight needs no reorder per call, but oneDNN's float32 kernels on a prepacked weight ran the
-products of 8 to 512 rows faster than MKL's sgemm either way round on this project's AMD CPU: the
-default model's decode step 1.0-1.26x at 8-64 rows and a 17-token verify forward 1.18-1.33x over
-weight-major products (BENCHMARKS.md "Prepacked float32 weights"). A packed float32 layer leaves 1 to
-`PACKED_WEIGHT_MAJOR_ROWS` rows to weight-major products, faster there; whether float32 packing pays is
-measured on the policy's own forwards (`precision.float32_packing_pays`).
+* the compiled product of `sparkrl.native` where `native` is set (`precision.use_native`; --cpu-kernels auto):
+  each output's sum in one fixed order whatever the number of rows, which is what keeps speculative rollouts
+  token-identical to autoregressive ones;
+* or, as explicit alternatives that give that up: a prepacked oneDNN weight (`pack`; --cpu-kernels packed: a
+  bfloat16 `F.linear` would reorder its weight into oneDNN's blocked layout on every call), or a weight-major
+  product (`weight_major_linear`; --cpu-kernels weight-major: `F.linear(x, W)` as `(W @ x^T)^T`, the weight
+  streamed once in its own row order, split into one block per thread);
+* else `F.linear`, which training forwards (gradients on) always run: the reference.
 
-A weight-major product computes `F.linear(x, W)` as `(W @ x^T)^T`, copied back to row-major: the same
-sums, with the weight as the large left operand that the BLAS streams once in its own row order. At
-decode sizes a model's weights come from memory, not the caches, and on this project's AMD CPU MKL's
-sgemm reads them faster that way: the LM head (49152 x 576) 1.9-2.1x at 8 rows and 1.5-1.6x at 64,
-the default model's decode step 1.4-1.8x at 2-8 rows and 1.05-1.2x at 64 (BENCHMARKS.md "Weight-major
-products"). The weight is split into one block of output rows per thread and the blocks run as one
-batched product (`torch.bmm` hands each thread its blocks): MKL runs a one-row product (a matrix-vector
-product, a whole decode step at one response) on a single thread, which read the weights at 6.5-7.5
-GB/s here against 11-16 GB/s split in two (BENCHMARKS.md "Weight-major products split per thread").
-It serves 1 to `WEIGHT_MAJOR_ROWS` rows (decode steps, small verify forwards, the acceptance walk's LM
-head, the drafter). Layers that read the same input (q/k/v, gate/up) run as one such product over their
-weights concatenated (`linears`).
-The row-major copy matters: left as a transposed view, the attention and elementwise passes after it
-made a 64-row step 2.6x slower. Whether it pays is measured once per machine on the policy's own
-decode steps (`precision.weight_major_pays`).
-
-A layer with `native` set (`precision.use_native`, where a one-off measurement finds it faster:
-`precision.native_pays`) runs the products `native.serves` on the compiled kernel of `sparkrl.native`
-whatever its other kernels: in float32 those of `native.MIN_ROWS` to `native.MAX_ROWS` rows (also the
-5-32-row ones a packed layer would hand to its prepacked weight), in bfloat16 all of them (a CPU without
-bfloat16 dot products: the weight widened as it streams, the sums in float32). The same sums in another
-order, the weight streamed once, no packing or blocking.
+A prepacked, fused or repacked copy of a weight is remade the first time the weight has changed since (its
+version counter), so a refreshed rollout copy or an optimizer step is never served stale. Layers that read
+the same input (q/k/v, gate/up) run as one product over their weights concatenated (`linears`).
 """
 
 from __future__ import annotations
@@ -76,7 +50,7 @@ class Linear(nn.Linear):
 
     packed = False  # set per instance by `pack`
     weight_major = False  # set per instance by `precision.use_weight_major`
-    native = False  # set per instance by `precision.use_native`: the products `native.serves` on `sparkrl.native`
+    native = False  # set per instance by `precision.use_native`: no-grad products on `sparkrl.native`
     _pack = None  # (prepacked weight, the weight's (tensor id, version) it was made from)
     _fused = None  # `linears`' concatenation of this layer's weight with others' (on the first layer)
     _pairs = None  # (`native.pack_pairs` of the weight the compiled product last took, that weight, its version)

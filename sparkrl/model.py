@@ -121,7 +121,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if self.native and dtype == self.weight.dtype and native.serves_elementwise(x, x.numel() // x.size(-1)):
+        if self.native and dtype == self.weight.dtype and native.serves_elementwise(x):
             return native.rms_norm(x, self.weight, self.eps)  # one call for the ops below
         if dtype == torch.float32:  # fused kernel, same maths
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -262,7 +262,7 @@ class Attention(nn.Module):
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        compiled = self.native and cos.dtype == q.dtype and native.serves_elementwise(q, q.size(0) * q.size(2))
+        compiled = self.native and cos.dtype == q.dtype and native.serves_elementwise(q)
         rope = native.rope if compiled else apply_rope
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         was, dt = q.dtype, self.attn_dtype or q.dtype
@@ -483,7 +483,8 @@ class Transformer(nn.Module):
         """LM head, float32 logits: (..., d) -> (..., V). With `head32`, the product itself runs in float32
         (float32 weights on the upcast hidden states) instead of rounding the logits to the model's dtype."""
         if self.head32:
-            return F.linear(dense(hidden.float()), self.head32[0])
+            x = dense(hidden.float())
+            return native.linear(x, self.head32[0]) if self.lm_head.native else F.linear(x, self.head32[0])
         return self.lm_head(hidden).float()
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,

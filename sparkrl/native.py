@@ -1,47 +1,26 @@
-"""Compiled CPU kernels for inference forwards: a product for a few rows (`csrc/small_linear.cpp`): y =
-x W^T + b with the weight streamed from memory once and the partial sums in float32 AVX2 registers, x
-and W both float32 or both bfloat16; and a decode step's RMSNorm, RoPE and cached attention, each in one
-call (`csrc/decode_ops.cpp`).
+"""Compiled CPU kernels for no-grad forwards, made so that a row's result never depends on its batch.
 
-At the sizes of decode steps, tree verification and the acceptance walk (1 to 32 rows), a model's
-weights come from memory and the BLAS calls pay for packing and blocking made for large products:
-on this project's 2-core AMD CPU (AVX2, no AVX512) it made the default model's float32 decode step
-1.10x / 1.23x / 1.16x faster at 2 / 8 / 16 rows than prepacked oneDNN products (the float32 default
-before) and a one-row 17-token verify forward 1.12x (BENCHMARKS.md "A compiled float32 product for a
-few rows"). A whole decode step gained nothing at one row, so one-row float32 products stay on the BLAS
-kernels (`MIN_ROWS`); past 32 rows oneDNN's prepacked products are faster again.
+* `linear`: y = x W^T + b with each output's sum in one fixed order whatever the number of rows
+  (`csrc/small_linear.cpp`: float32, or bfloat16 widened to float32 as it streams; `csrc/bf16_pairs.cpp`:
+  bfloat16 on the CPU's bfloat16 dot products, AVX512-BF16, the weight repacked once into pairs).
+* `rms_norm`, `rope`: a norm and RoPE in one call each, rounding a bfloat16 intermediate wherever torch's
+  tensor ops do (`csrc/decode_ops.cpp`).
+* `attention`: cached attention that reads each key/value head once for all its query rows, with the softmax's
+  sums taken over the positions a row sees in cache order, so a tree's node and the decode step at the same
+  position give the same bits.
+* `nucleus`: the softmax, top-p nucleus, token and log-probability of a row of logits in one call.
 
-A bfloat16 weight is widened to float32 as it is loaded: half the bytes of a float32 weight from memory,
-float32 arithmetic. On a CPU without bfloat16 dot products that is what bfloat16 rollouts can gain
-(torch's own bfloat16 products there ran 5-9x slower than float32 ones from 32 rows up; BENCHMARKS.md
-"bfloat16 weights on a CPU without bfloat16 arithmetic"), so it takes every bfloat16 product: up to
-`HALF_ROWS` rows on the kernel, larger ones (prefills) as a float32 BLAS product of the widened operands.
-On a CPU with bfloat16 dot products (AVX512-BF16) bfloat16 products run on those instead
-(`csrc/bf16_pairs.cpp`, `bf16_dot`): the weight repacked once into pairs of inputs (`pack_pairs`, kept by
-the layer until the weight changes), one instruction yielding 16 outputs; there torch's products past
-`HALF_ROWS` rows. Against oneDNN's prepacked products on this project's AVX512-BF16 CPU it made the default
-model's bfloat16 AR sampler 1.42x faster at one response (BENCHMARKS.md "bfloat16 dot products on
-repacked weights").
+Why they exist: speculative rollouts of point-mass drafts commit exactly the tokens autoregressive sampling
+gives with the same seed only if the logits of a position are the same bits in a one-token decode step and in
+a many-token verification forward, whichever other rows share the batch. BLAS and oneDNN pick their blocking
+(and so the order of a dot product's adds) by the number of rows, and torch's attention by the span; these
+kernels fix one order per output. At decode sizes they are also fast: the weight streams from memory once, and
+a decode step's ~1,300 small tensor ops shrink to a few calls.
 
-At one row most of a decode step's time is not the weights but dispatching some 1,300 small tensor
-ops, and a norm (5-8 of them) and RoPE (7) are some 30 of a layer's 60: `rms_norm` and `rope` do each in
-one call, rounding a bfloat16 intermediate wherever the tensor ops do (BENCHMARKS.md "The compiled
-RMSNorm and RoPE"). `attention` reads the KV cache once per key/value head for all its query rows (SDPA's
-CPU kernel is made for long blocks, and torch's bfloat16 one was 4-9x slower for one new token); with fewer
-heads than keep the threads equally busy (one sequence: 3 heads on 2 threads) it splits their positions into
-parts merged after (1.1-1.3x per call at one sequence, 5 new tokens, 350-1,500 positions; BENCHMARKS.md).
-
-After the LM head, `nucleus` samples a row in one call: the softmax, the top-p nucleus, the token in id
-order and its log-probability. torch's ops find the nucleus with a top-256 preselection, then top-4096, then a
-full sort; this model's nucleus at T 1 is often wider than 256 tokens, and the kernel finds it from one pass
-(a histogram of the softmax's mass) and sorts only the tokens near its edge: 3.8x faster at one row, 4.2-4.7x
-at 8-64 (bench/decode_ops.py). It runs where the norms, RoPE and attention do (`Transformer.compiled_ops`).
-
-The kernels are compiled once per machine with torch's C++ extension loader (gcc, AVX2 and FMA; about
-15 s, cached under torch's extensions folder) the first time it is wanted; where the CPU lacks AVX2
-or FMA, or no compiler works, `available()` is False (with one line saying why) and the layers keep
-torch's. Whether they pay is measured per machine, model and dtype: the products (`precision.native_pays`)
-apart from the norms, RoPE and attention (`precision.compiled_ops_pay`).
+They are compiled once per machine with torch's C++ extension loader (gcc, AVX2 and FMA; about 20 s, cached
+under torch's extensions folder) the first time they are wanted; where the CPU lacks AVX2 or FMA, or no
+compiler works, `available()` is False (with one line saying why) and the layers keep torch's kernels
+(then speculative rollouts follow the policy's distribution exactly but are not token-identical to AR ones).
 """
 
 from __future__ import annotations
@@ -57,20 +36,7 @@ import torch
 import torch.nn.functional as F
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("small_linear.cpp", "decode_ops.cpp", "bf16_pairs.cpp")]
-MIN_ROWS, MAX_ROWS = 2, 32  # the float32 products it takes: a one-row one (a matrix-vector product) ran no faster
-# than the BLAS kernels' in a whole decode step here (0.95x, 1.00x), and past 32 rows oneDNN's prepacked ones were faster
-HALF_ROWS = 512  # bfloat16 products of up to this many rows run the kernel (verify forwards of 8-16 trees, most
-# prefills); larger ones widen both operands for a float32 BLAS product. Against that product, in scratch timings
-# here, the kernel took 0.45-1.2x its time at 128 rows and 0.8-1.25x at 512 (the LM head faster, the 1536 x 576
-# layers slower); one 8 x 17-row verify forward ran 0.74x of float32 with the product past 128 rows
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
-OPS_TOKENS = 256  # the most positions `rms_norm` and `rope` take (one thread, where torch's ops are threaded):
-# per call, against torch's ops here, 1.1-7x faster from 1 to 136 positions, about even at 256 (a bfloat16 norm
-# 1.07x, RoPE 0.89x), slower at 512 (RoPE 0.80x) (bench/decode_ops.py)
-ATTN_TOKENS = 17  # the most new tokens per sequence `attention` takes: decode steps and verify forwards of up to
-# 16-node trees. Per call against torch's SDPA here (one layer of the default model over 256 cached positions,
-# bench/decode_ops.py): float32 2.3-2.6x at 1 new token, 1.6x at 4, 1.26x at 8, 1.06x at 17; bfloat16 (torch's
-# bfloat16 SDPA) 11-18x at 1, 1.03x at 17
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # -fopenmp: torch's thread pool (at::parallel_for)
 
 
@@ -109,20 +75,14 @@ def digest() -> str:
 
 
 def serves(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `linear(x, w)` takes this product: CPU tensors of one dtype, w contiguous; float32 with
-    `MIN_ROWS` to `MAX_ROWS` rows, or bfloat16 with any."""
-    if x.device.type != "cpu" or x.dtype != w.dtype or not w.is_contiguous():
-        return False
-    rows = x.numel() // x.shape[-1]
-    if w.dtype == torch.float32:
-        return MIN_ROWS <= rows <= MAX_ROWS
-    return w.dtype == torch.bfloat16 and rows >= 1
+    """Whether `linear(x, w)` takes this product: CPU tensors of one dtype (float32 or bfloat16), w contiguous,
+    any number of rows."""
+    return x.device.type == "cpu" and x.dtype == w.dtype and w.dtype in DTYPES and w.is_contiguous()
 
 
-def serves_elementwise(x: torch.Tensor, tokens: int) -> bool:
-    """Whether `rms_norm` and `rope` take x, of `tokens` positions (rows x new tokens): a float32 or bfloat16
-    CPU tensor, no gradient recorded, at most `OPS_TOKENS` positions."""
-    return x.dtype in DTYPES and x.device.type == "cpu" and not torch.is_grad_enabled() and tokens <= OPS_TOKENS
+def serves_elementwise(x: torch.Tensor) -> bool:
+    """Whether `rms_norm` and `rope` take x: a float32 or bfloat16 CPU tensor, no gradient recorded."""
+    return x.dtype in DTYPES and x.device.type == "cpu" and not torch.is_grad_enabled()
 
 
 @functools.cache
@@ -143,15 +103,9 @@ def pack_pairs(w: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
            pairs: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` for a product `serves` takes: x (..., in), w (out, in) (`available()` must
-    be True); pairs: w as `pack_pairs` made it (bfloat16 on the CPU's dot products). bfloat16 past
-    `HALF_ROWS` rows: torch's own product where the CPU has bfloat16 dot products, else a float32
-    product of the widened operands, rounded back."""
+    be True); pairs: w as `pack_pairs` made it (bfloat16 on the CPU's dot products)."""
     out, inp = w.shape
     x2 = x.reshape(-1, inp)
-    if w.dtype != torch.float32 and x2.shape[0] > HALF_ROWS:
-        if pairs is not None:
-            return F.linear(x, w, bias)
-        return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
     if pairs is not None:
         y = torch.ops.sparkrl_native.pairs_linear(x2.contiguous(), pairs, out, bias)
     else:
@@ -167,9 +121,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def serves_attention(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether `attention` takes q (B, H, T, D) over the cache buffer k: float32 or bfloat16 CPU tensors of one
-    dtype, no gradient recorded, at most `ATTN_TOKENS` new tokens, D a multiple of 8."""
+    dtype, no gradient recorded, D a multiple of 8 (any number of new tokens)."""
     return (q.dtype in DTYPES and k.dtype == q.dtype and q.device.type == "cpu" and not torch.is_grad_enabled()
-            and q.shape[2] <= ATTN_TOKENS and q.shape[3] % 8 == 0)
+            and q.shape[3] % 8 == 0)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, span: int,

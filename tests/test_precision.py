@@ -66,27 +66,25 @@ def test_the_float32_attention_decision_is_measured_once_and_cached_and_applied(
 
 def test_the_rollout_dtype_compares_each_dtype_as_its_rollout_copy_runs(monkeypatch, tmp_path, tiny_llama):
     """`--rollout-dtype auto` times float32 and bfloat16 decode steps on the kernels and attention each copy
-    gets (not float32 on plain F.linear against bfloat16's fast paths), at 1, 8 and 64 rows, and picks
-    bfloat16 only where the geometric mean of its speedups passes 1.05x; measured once and cached."""
+    gets under --cpu-kernels auto, at 1, 8 and 64 rows, and picks bfloat16 only where the geometric mean of its
+    speedups passes 1.05x; measured once and cached."""
+    from sparkrl import native
+
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
-    monkeypatch.setattr(precision, "packing_pays", lambda dtype, device="cpu", policy=None: dtype == torch.bfloat16)
-    monkeypatch.setattr(precision, "weight_major_pays", lambda model: model.lm_head.weight.dtype == torch.float32)
     monkeypatch.setattr(precision, "float32_attention_pays", lambda dtype, args: True)
-    monkeypatch.setattr(precision, "native_pays", lambda model: False)  # their own timing (tests/test_kernels.py)
-    monkeypatch.setattr(precision, "compiled_ops_pay", lambda model: False)
     seen = set()
     speed = {torch.float32: {1: 2.0, 8: 4.0, 64: 8.0}, torch.bfloat16: {1: 1.0, 8: 4.0, 64: 16.0}}
 
     def fake_steps(model, rows=8, context=128, reps=5, tokens=1):
         w, attn = model.lm_head, model.model.layers[0].self_attn.attn_dtype
-        seen.add((rows, w.weight.dtype, w.packed, w.weight_major, attn))
+        seen.add((rows, w.weight.dtype, w.packed, w.native, attn))
         return [speed[w.weight.dtype][rows]] * reps
 
     monkeypatch.setattr(precision, "_step_seconds", fake_steps)
     assert precision.rollout_dtype("auto", tiny_llama) == torch.float32  # 2x, 1x, 0.5x: geometric mean 1
-    assert seen == {(r, torch.float32, False, True, None) for r in (1, 8, 64)} | \
-        {(r, torch.bfloat16, packable(torch.bfloat16, "cpu"), False, torch.float32) for r in (1, 8, 64)}  # packed
-    # where this torch/CPU can pack bfloat16 at all
+    on = native.available()  # the compiled kernels, and then their attention in bfloat16; else torch's, measured
+    assert seen == {(r, torch.float32, False, on, None) for r in (1, 8, 64)} | \
+        {(r, torch.bfloat16, False, on, None if on else torch.float32) for r in (1, 8, 64)}
     stored = json.loads(next((tmp_path / "costs").glob("dtype-*.json")).read_text())
     assert stored["by_rows"] == {"1": 2.0, "8": 1.0, "64": 0.5} and abs(stored["speedup"] - 1.0) < 1e-12
     speed[torch.bfloat16] = {1: 0.5, 8: 2.0, 64: 16.0}

@@ -277,7 +277,6 @@ def test_weight_major_cpu_kernels_are_used_unpacked_and_unmeasured(tiny_model_di
     import sparkrl.trainer as trainer_mod
     from sparkrl.kernels import Linear
 
-    monkeypatch.setattr(trainer_mod, "weight_major_pays", lambda model: pytest.fail("measured"))
     run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "x", steps=1, rollout_dtype="float32",
                                    cpu_kernels="weight-major"), grader=ParityGrader())
     run.grader.close()
@@ -337,7 +336,6 @@ def test_packed_bfloat16_rollouts_with_a_float32_head_follow_the_updates_and_res
     train(_cfg(tiny_model_dir, tmp_path / "a", steps=3, **kw), grader=ParityGrader())
     assert json.loads((tmp_path / "a" / "config.json").read_text())["resolved"]["packed_kernels"] is True
     train(_cfg(tiny_model_dir, tmp_path / "b", steps=1, **kw), grader=ParityGrader())
-    monkeypatch.setattr(trainer_mod, "use_packed", lambda *a: False)  # another machine's measurement
     train(_cfg(tiny_model_dir, tmp_path / "b", steps=3, resume=True, **kw),
           grader=ParityGrader())
     strip = lambda ms: [{k: v for k, v in x.items() if k not in TIMING and not k.endswith("_s")} for x in ms]
@@ -368,14 +366,16 @@ def test_resume_keeps_the_rollout_dtype_its_start_resolved(tiny_model_dir, tmp_p
 
 def test_bfloat16_rollouts_attend_in_float32_where_measured_and_resume_keeps_the_choice(tiny_model_dir, tmp_path,
                                                                                          monkeypatch):
-    """The rollout copy and its drafter attend in float32 where this machine's measurement says so (the master
-    weights and the trained drafter do not); the run records the choice and a resumed run keeps it."""
+    """Where torch's attention serves (here --cpu-kernels weight-major), the rollout copy and its drafter attend in
+    float32 where this machine's measurement says so (the master weights and the trained drafter do not); the
+    run records the choice and a resumed run keeps it."""
     import sparkrl.trainer as trainer_mod
     from sparkrl.model import Attention
 
     attn = lambda module: {m.attn_dtype for m in module.modules() if isinstance(m, Attention)}
     monkeypatch.setattr(trainer_mod, "float32_attention_wanted", lambda model: True)  # this machine's measurement
-    kw = dict(rollout_dtype="bfloat16", draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3, budget="fixed")
+    kw = dict(rollout_dtype="bfloat16", draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3, budget="fixed",
+              cpu_kernels="weight-major")
     train(_cfg(tiny_model_dir, tmp_path / "r", steps=1, **kw), grader=ParityGrader())
     assert json.loads((tmp_path / "r" / "config.json").read_text())["resolved"]["float32_attention"] is True
     monkeypatch.setattr(trainer_mod, "float32_attention_wanted", lambda model: False)  # another machine's
@@ -385,29 +385,22 @@ def test_bfloat16_rollouts_attend_in_float32_where_measured_and_resume_keeps_the
     assert attn(run.policy) == attn(run.drafter) == {None}
 
 
-def test_float32_rollouts_run_the_compiled_kernels_where_measured_and_resume_keeps_them(
-        tiny_model_dir, tmp_path, monkeypatch):
-    """A float32 run turns the compiled products and the compiled norms and RoPE on where this machine's
-    measurements say so, each on its own, records the choices, and a resumed run keeps them (whatever
-    another machine would measure)."""
+def test_auto_cpu_kernels_run_the_compiled_kernels_and_record_it(tiny_model_dir, tmp_path):
+    """Under --cpu-kernels auto every product, norm, RoPE and cached attention of the rollout copy runs the
+    compiled kernels (where they can be built), unmeasured, and the run config says so."""
     import sparkrl.trainer as trainer_mod
     from sparkrl import native
 
     if not native.available():
         pytest.skip("the compiled kernels are not available here")
-    monkeypatch.setattr(trainer_mod, "native_pays", lambda model: True)  # this machine's measurements
-    monkeypatch.setattr(trainer_mod, "compiled_ops_pay", lambda model: False)
-    kw = dict(rollout_dtype="float32", cpu_kernels="auto")
-    train(_cfg(tiny_model_dir, tmp_path / "r", steps=1, **kw), grader=ParityGrader())
-    resolved = json.loads((tmp_path / "r" / "config.json").read_text())["resolved"]
-    assert resolved["native_kernel"] is True and resolved["compiled_ops"] is False
-    monkeypatch.setattr(trainer_mod, "native_pays", lambda model: False)  # another machine's
-    monkeypatch.setattr(trainer_mod, "compiled_ops_pay", lambda model: True)
-    run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "r", steps=2, resume=True, **kw), grader=ParityGrader())
+    run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "r", steps=1, rollout_dtype="float32"),
+                              grader=ParityGrader())
     run.grader.close()
     model = run.rollout.model
-    assert model.lm_head.native and model.model.layers[0].mlp.up_proj.native
-    assert not model.model.norm.native and not model.model.layers[0].self_attn.native
+    assert model.lm_head.native and model.model.layers[0].mlp.up_proj.native and not model.lm_head.packed
+    assert model.model.norm.native and model.model.layers[0].self_attn.native
+    resolved = json.loads((tmp_path / "r" / "config.json").read_text())["resolved"]
+    assert resolved["compiled_kernels"] is True and resolved["packed_kernels"] is False
 
 
 def test_checkpoints_of_an_older_format_are_refused_not_ignored(tiny_model_dir, tmp_path):

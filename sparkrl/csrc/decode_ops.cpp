@@ -21,7 +21,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 namespace {
@@ -156,15 +155,13 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-inline float hsum(__m256 v) {  // the 8 lanes' sum
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {  // (sum a, sum b, sum c, sum d)
   const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d), abcd = _mm256_hadd_ps(ab, cd);
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+inline float hsum(__m256 v) {  // the 8 lanes' sum, added in `hsum4`'s order: a key's score is the same bits
+  return _mm_cvtss_f32(hsum4(v, v, v, v));  // whether it falls in a block of four keys or in the tail
 }
 
 // o[0, 8 * NC) = sum_s w[s] v[s * D + (0, 8 * NC)] (float32), the sums in NC registers; v read once
@@ -197,10 +194,12 @@ void weighted_values(const float* w, const TI* v, int64_t D, int64_t S, int64_t 
 // of query row r: m0 + (r % T) * mt): four keys' dot products side by side (one 64-term dot product alone waits on
 // its adds), the softmax's numerators (float32; a masked position weight 0, the row's visible maximum `top` taken
 // out), their sum, and the values weighted by them, not yet divided by that sum: o (R x D), top (R), sum (R).
-// A row that sees none of these positions gets zeros and top 0. p: scratch of R x S floats.
+// A row that sees none of these positions gets zeros and top 0. p: scratch of R x S floats. The rows are rows
+// r0.. of the head's G x T query rows (the mask row of row r is that of new token (r0 + r) % T).
 template <typename TI>
-inline __attribute__((always_inline)) void attend_span(const float* __restrict__ qs, int64_t R, int64_t D, int64_t T,
-                                                       const TI* kh, const TI* vh, const bool* m0, int64_t mt, int64_t S,
+inline __attribute__((always_inline)) void attend_span(const float* __restrict__ qs, int64_t R, int64_t r0, int64_t D,
+                                                       int64_t T, const TI* kh, const TI* vh, const bool* m0, int64_t mt,
+                                                       int64_t S,
                                                        float* __restrict__ p, float* __restrict__ o, float* top_out,
                                                        float* sum_out) {
   const float neg = -std::numeric_limits<float>::infinity();
@@ -245,7 +244,7 @@ inline __attribute__((always_inline)) void attend_span(const float* __restrict__
     }
   for (int64_t r = 0; r < R; ++r) {  // the softmax's numerators of the visible scores
     float* pr = p + r * S;
-    const bool* mr = m0 + (r % T) * mt;
+    const bool* mr = m0 + ((r0 + r) % T) * mt;
     float top = neg;
     for (int64_t s = 0; s < S; ++s) top = std::max(top, mr[s] ? pr[s] : neg);
     if (top == neg) top = 0.0f;  // nothing to attend to here: zeros below, not NaN
@@ -259,12 +258,16 @@ inline __attribute__((always_inline)) void attend_span(const float* __restrict__
     }
     for (; s8 < S; ++s8)
       pr[s8] = mr[s8] ? _mm256_cvtss_f32(exp8(_mm256_set1_ps(std::max(pr[s8] - top, -87.0f)))) : 0.0f;
+    // the sum in eight running parts, the j-th visible position into part j % 8, so the order of the adds
+    // depends only on the positions the row sees, in cache order, not on the span or on where a tree put
+    // them: blocks of eight visible positions (the committed prefix) as such, then one at a time
     float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t s = 0;
-    for (; s + 8 <= S; s += 8)
+    for (; s + 8 <= S && std::all_of(mr + s, mr + s + 8, [](bool m) { return m; }); s += 8)
       for (int j = 0; j < 8; ++j) part[j] += pr[s + j];
-    float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-    for (; s < S; ++s) sum += pr[s];
+    for (int64_t j = s; s < S; ++s)
+      if (mr[s]) part[j++ & 7] += pr[s];
+    const float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
     top_out[r] = top;
     sum_out[r] = sum;
     for (int64_t d0 = 0; d0 < D; d0 += 64)  // the weighted values, 64 of them at a time in registers
@@ -272,16 +275,16 @@ inline __attribute__((always_inline)) void attend_span(const float* __restrict__
   }
 }
 
-constexpr int64_t MIN_SPAN = 64;  // the fewest positions a part of a split head attends to
-
 // softmax(q k^T / sqrt(D), masked) v for every query row of a key/value head (its grouped query heads x the new
 // tokens), one (sequence, key/value head) at a time: each cached key and value row is read from memory once for
 // all of them (at a decode step attention streams the cache: a float32 cache of 8 sequences x 300 positions is
-// 3.7 MB a layer). With fewer heads than keep every thread equally busy (one sequence of the default model: 3
-// on 2 threads, one of which did two), each head's positions are split into parts (flash-decoding): each part's
-// numerators, sum and weighted values with its own maximum, merged per row after. q (B, H, T, D) any strides with
-// unit stride along D, D a multiple of 8; k, v the cache buffers (B, Hk, capacity, D), positions [0, S) read;
+// 3.7 MB a layer). A row's result depends only on its query and the positions it sees, in cache order: not on
+// the span, the other rows, the number of new tokens or the thread count (a head is never split across threads),
+// so a verify forward's row equals the decode step's at the same position bit for bit. q (B, H, T, D) any strides
+// with unit stride along D, D a multiple of 8; k, v the cache buffers (B, Hk, capacity, D), positions [0, S) read;
 // mask (B, 1, T, S) with unit stride along S.
+constexpr int64_t ROW_BLOCK = 48;  // query rows per call of attend_span (a multiple of its 3-row tile)
+
 template <typename TI, typename TO>
 void attend_heads(const at::Tensor& q, const TI* kb, const TI* vb, const at::Tensor& mask, TO* out, int64_t Hk,
                   int64_t S, int64_t cap) {
@@ -290,55 +293,29 @@ void attend_heads(const at::Tensor& q, const TI* kb, const TI* vb, const at::Ten
   const TI* qp = q.data_ptr<TI>();
   const bool* mp = mask.data_ptr<bool>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const int64_t tasks = B * Hk, threads = at::get_num_threads();
-  int64_t parts = 1;
-  if (tasks % threads != 0 && tasks < 8 * threads)  // parts such that every thread gets as many
-    parts = std::min(threads / std::gcd(tasks, threads), std::max<int64_t>(1, S / MIN_SPAN));
-  std::vector<float> part_o(parts > 1 ? tasks * parts * R * D : 0), part_top(parts > 1 ? tasks * parts * R : 0),
-      part_sum(part_top.size());
-  auto write = [&](int64_t task, int64_t r, const float* o, float sum) {  // row r of a task: o / sum, as TO
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    TO* y = out + ((task / Hk * T + r % T) * H + task % Hk * G + r / T) * D;
-    for (int64_t d = 0; d < D; ++d) y[d] = narrow<TO>(o[d] * inv);
-  };
-  at::parallel_for(0, tasks * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(R * D), p(R * ((S + parts - 1) / parts)), o(R * D), top(R), sum(R);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t task = item / parts, c = item % parts, b = task / Hk, hk = task % Hk;
-      const int64_t s0 = S * c / parts, s1 = S * (c + 1) / parts;
+  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
+    const int64_t RB = std::min<int64_t>(R, ROW_BLOCK);
+    std::vector<float> qs(R * D), p(RB * S), o(RB * D), top(RB), sum(RB);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hk, hk = task % Hk;
       for (int64_t r = 0; r < R; ++r) {  // row r: query head hk * G + r / T, new token r % T; scaled once
         const TI* qr = qp + b * qb + (hk * G + r / T) * qh + (r % T) * qt;
         for (int64_t d = 0; d < D; ++d) qs[r * D + d] = widen(qr[d]) * scale;
       }
-      const int64_t at = ((b * Hk + hk) * cap + s0) * D;
-      float* po = parts > 1 ? part_o.data() + item * R * D : o.data();
-      float* pt = parts > 1 ? part_top.data() + item * R : top.data();
-      float* ps = parts > 1 ? part_sum.data() + item * R : sum.data();
-      attend_span(qs.data(), R, D, T, kb + at, vb + at, mp + b * mb + s0, mt, s1 - s0, p.data(), po, pt, ps);
-      if (parts == 1)
-        for (int64_t r = 0; r < R; ++r) write(task, r, po + r * D, ps[r]);
+      const int64_t at = (b * Hk + hk) * cap * D;
+      for (int64_t r0 = 0; r0 < R; r0 += RB) {  // rows in blocks: the scratch stays small for a long prefill
+        const int64_t n = std::min(RB, R - r0);
+        attend_span(qs.data() + r0 * D, n, r0, D, T, kb + at, vb + at, mp + b * mb, mt, S, p.data(), o.data(),
+                    top.data(), sum.data());
+        for (int64_t i = 0; i < n; ++i) {  // row r0 + i: o / sum, as TO
+          const int64_t r = r0 + i;
+          const float inv = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
+          TO* y = out + ((b * T + r % T) * H + hk * G + r / T) * D;
+          for (int64_t d = 0; d < D; ++d) y[d] = narrow<TO>(o[i * D + d] * inv);
+        }
+      }
     }
   });
-  if (parts == 1) return;
-  const float neg = -std::numeric_limits<float>::infinity();
-  std::vector<float> acc(D);
-  for (int64_t task = 0; task < tasks; ++task)  // the parts of each row, rescaled to the row's maximum
-    for (int64_t r = 0; r < R; ++r) {
-      float top = neg;
-      for (int64_t c = 0; c < parts; ++c) {
-        const int64_t i = (task * parts + c) * R + r;
-        if (part_sum[i] > 0.0f) top = std::max(top, part_top[i]);
-      }
-      float sum = 0.0f;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t c = 0; c < parts; ++c) {
-        const int64_t i = (task * parts + c) * R + r;
-        const float f = part_sum[i] > 0.0f ? std::exp(part_top[i] - top) : 0.0f;
-        sum += f * part_sum[i];
-        for (int64_t d = 0; d < D; ++d) acc[d] += f * part_o[i * D + d];
-      }
-      write(task, r, acc.data(), sum);
-    }
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,

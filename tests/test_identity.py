@@ -1,0 +1,51 @@
+"""Same seed, same tokens (the README's pairing promise) on the default model, in float32 and bfloat16 under
+`--cpu-kernels auto`: greedy speculative rollouts (EAGLE3-style trees, DFlash-style blocks, each with and
+without SPARK) equal greedy autoregressive ones, and at temperature 1 the point-mass drafts commit the tokens AR
+sampling gives with the same generators. The shipped drafters accept often, so many verification forwards of
+many tokens are compared with one-token decode steps, in batches whose rows finish at different rounds: a
+kernel whose sums depend on the number of rows, new tokens, span or tree layout breaks it (the kernel-level
+checks of that are in tests/test_kernels.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparkrl.build import make_drafting
+from sparkrl.config import DraftConfig, SamplingConfig, SparkConfig
+from sparkrl.data import chat_prompt_ids
+from sparkrl.precision import rollout_copy
+from sparkrl.rollout import generate, response_generators
+from sparkrl.speculative import generate_speculative
+from sparkrl.weights import load_model
+
+pytestmark = pytest.mark.slow
+KERNELS = "auto"  # the default; "packed" or "plain" (torch's kernels) fail here
+
+PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
+           "clips did Natalia sell altogether in April and May?",
+           "Write a short poem about the sea."]
+
+
+@pytest.fixture(scope="module")
+def default_lm():
+    return load_model("default")
+
+
+@pytest.mark.parametrize("dtype,temperature,top_p,n", [(torch.bfloat16, 0.0, 1.0, 1), (torch.bfloat16, 1.0, 0.95, 2),
+                                                        (torch.float32, 0.0, 1.0, 1)])
+def test_speculative_rollouts_are_the_autoregressive_tokens_on_the_default_model(default_lm, dtype, temperature,
+                                                                                 top_p, n):
+    """Both drafters with SPARK on (its corrected proposals take the drafter's code path and more)."""
+    policy = rollout_copy(default_lm.model, dtype, KERNELS, separate=True).model
+    prompts = [chat_prompt_ids(default_lm.tokenizer, p) for p in PROMPTS]
+    sc = SamplingConfig(temperature, top_p, 40)
+    gens = lambda: response_generators(0, len(prompts), n)
+    ar = generate(policy, prompts, sc, default_lm.eos_ids, gens(), group_size=n).tokens
+    for draft in ("eagle3", "dflash"):
+        cfg = DraftConfig(draft=draft, budget="fixed", spark_config=SparkConfig(spark=True))
+        d = make_drafting(cfg, default_lm.model, policy, temperature)
+        r = generate_speculative(policy, d.rollout.model, prompts, sc, default_lm.eos_ids, gens(), cfg.shape(),
+                                 group_size=n, spark=d.spark)
+        assert r.stats.aal > 1.2, (draft, r.stats.aal)  # drafts were accepted: many verification forwards
+        assert r.tokens == ar, draft
