@@ -57,7 +57,8 @@ def _add_flags(parser: argparse.ArgumentParser, cls) -> None:
             group.add_argument(flag, choices=choices(owner)[f.name], **kw)
         else:
             typ = {"int": int, "float": float, "str": str}[f.type]
-            group.add_argument(flag, type=typ, metavar=f.name.upper(), **kw)
+            trl = f.metadata.get("trl") if cls is RunConfig else None  # TRL GRPOConfig's name, beside ours
+            group.add_argument(flag, *([f"--{trl}"] if trl else []), type=typ, metavar=f.name.upper(), **kw)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -30,7 +30,8 @@ def _check(ok: bool, msg: str) -> None:
 
 
 def option(default, **meta):
-    """A field with CLI metadata: required=True (its flag must be given), train_only=True (not a
+    """A field with CLI metadata: required=True (its flag must be given), trl=NAME (`train` also takes TRL
+    GRPOConfig's name for it, --NAME), train_only=True (not a
     flag of `generate`), positional=True (an argument, not a flag)."""
     return field(default=default, metadata=meta)
 
@@ -168,7 +169,7 @@ class SamplingConfig(Checked):
     """Sampling temperature; 0 means greedy."""
     top_p: float = 0.95
     """Nucleus sampling mass, in (0, 1]; 1 disables it."""
-    max_new_tokens: int = at_least(1, 256)
+    max_new_tokens: int = at_least(1, 256, trl="max_completion_length")
     """Longest response, in tokens."""
 
     def validate(self):
@@ -179,7 +180,7 @@ class SamplingConfig(Checked):
 class DataConfig(Checked):
     data: str = "default"
     """Dataset: 'default' (generated arithmetic word problems), gsm8k, math, dapo, simplelr (hub ids), or a local .jsonl/.parquet file."""
-    max_prompt_tokens: int = at_least(8, 512)
+    max_prompt_tokens: int = at_least(8, 512, trl="max_prompt_length")
     """Longest prompt after the chat template, in tokens."""
     prompt_overflow: Literal["skip", "truncate"] = "skip"
     """What to do with longer prompts: skip them, or truncate the problem text to fit."""
@@ -189,15 +190,16 @@ class DataConfig(Checked):
 
 @dataclass(frozen=True)
 class GRPOConfig(Checked):
-    group_size: int = at_least(2, 8, "advantages are relative to the group")
+    group_size: int = at_least(2, 8, "advantages are relative to the group", trl="num_generations")
     """Responses per prompt (G)."""
     prompts_per_step: int = at_least(1, 2)
     """Prompts per GRPO step (P); a step samples P x G responses."""
-    clip_eps: float = above(0, 0.1)
-    """PPO-style clipping of the importance ratio."""
-    kl_beta: float = at_least(0, 0.04)
-    """Weight of the k3 KL estimate to the frozen reference policy (0 disables the reference)."""
-    lr: float = above(0, 1e-6)
+    clip_eps: float = above(0, 0.1, trl="epsilon")
+    """PPO-style clipping of the importance ratio (the paper's 0.1; TRL's default is 0.2)."""
+    kl_beta: float = at_least(0, 0.04, trl="beta")
+    """Weight of the k3 KL estimate to the frozen reference policy (0 disables the reference; the paper's 0.04,
+    TRL's default is 0)."""
+    lr: float = above(0, 1e-6, trl="learning_rate")
     """Policy AdamW learning rate."""
     weight_decay: float = 0.0
     """Policy AdamW weight decay."""

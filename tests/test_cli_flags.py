@@ -43,3 +43,23 @@ def test_every_commands_help_renders():
     sub = next(a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for name, parser in sub.choices.items():
         assert f"sparkrl {name}" in parser.format_help()
+
+
+def test_train_takes_trl_grpo_config_names_as_aliases_and_resolves_them_to_ours(tmp_path):
+    """TRL's GRPOConfig names (`--num_generations` ...) set sparkrl's fields, so the run's config.json records
+    sparkrl's names; `generate` keeps sparkrl's names only."""
+    import pytest
+
+    from sparkrl.cli import parse
+    from sparkrl.errors import UserError
+
+    cmd, cfg = parse(["train", "--out", str(tmp_path / "r"), "--num_generations", "4", "--beta", "0.0",
+                      "--epsilon", "0.2", "--learning_rate", "1e-5", "--max_completion_length", "64",
+                      "--max_prompt_length", "256"])
+    assert cmd == "train"
+    assert (cfg.grpo.group_size, cfg.grpo.kl_beta, cfg.grpo.clip_eps, cfg.grpo.lr) == (4, 0.0, 0.2, 1e-5)
+    assert (cfg.sampling.max_new_tokens, cfg.data.max_prompt_tokens) == (64, 256)
+    _, ours = parse(["train", "--out", str(tmp_path / "r"), "--group-size", "4", "--kl-beta", "0.0"])
+    assert (ours.grpo.group_size, ours.grpo.kl_beta) == (4, 0.0)
+    with pytest.raises(UserError, match="max_completion_length"):
+        parse(["generate", "--prompt", "hi", "--max_completion_length", "64"])
