@@ -118,12 +118,14 @@ def native_choice(choice: str) -> bool:
 
 
 def use_native(module: torch.nn.Module, on: bool = True, ops: bool | None = None) -> torch.nn.Module:
-    """Run `module`'s no-grad CPU forwards on the compiled kernels (where they are available) or on torch's:
+    """Run `module`'s no-grad CPU forwards on the compiled kernels (where they are available; never off a CPU,
+    where they are not even built) or on torch's:
     every `Linear`'s products (on; their `native` flag), and every `RMSNorm` and `Attention`'s RoPE and cached
     attention (ops, the same as on unless given; their `native` flags), and with those a `Transformer`'s
     sampling (`Transformer.compiled_ops`)."""
-    on = bool(on) and native.available()
-    ops = (on if ops is None else bool(ops)) and native.available()
+    cpu = next(module.parameters()).device.type == "cpu"  # elsewhere nothing is built: torch's kernels serve
+    on = bool(on) and cpu and native.available()
+    ops = (on if ops is None else bool(ops)) and cpu and native.available()
     for m in module.modules():
         if isinstance(m, Linear):
             m.native = on
@@ -190,11 +192,11 @@ def float32_attention_wanted(model: torch.nn.Module) -> bool:
             and float32_attention_pays(w.dtype, model.args))
 
 
-def float32_attention_choice(choice: str) -> bool | None:
+def float32_attention_choice(choice: str, device: torch.device | str = "cpu") -> bool | None:
     """`RolloutCopy`'s attention32 for --cpu-kernels `choice`: measured (None) where torch's attention serves
     (packed, weight-major, or auto without the compiled kernels); off under plain, the reference, and where the
     compiled attention serves (it reads a half-precision cache as it streams, at half the bytes)."""
-    if choice == "plain" or (choice == "auto" and native.available()):
+    if choice == "plain" or torch.device(device).type != "cpu" or (choice == "auto" and native.available()):
         return False
     return None
 
@@ -238,7 +240,8 @@ def rollout_copy(module: torch.nn.Module, dtype: torch.dtype, cpu_kernels: str =
     attention measured except under plain."""
     return RolloutCopy(module, dtype, separate=separate, packed=use_packed(cpu_kernels, dtype, module),
                        head_float32=head_float32, weight_major=weight_major_choice(cpu_kernels),
-                       attention32=float32_attention_choice(cpu_kernels), native=native_choice(cpu_kernels),
+                       attention32=float32_attention_choice(cpu_kernels, next(module.parameters()).device),
+                       native=native_choice(cpu_kernels),
                        ops=native_choice(cpu_kernels))
 
 

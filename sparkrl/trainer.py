@@ -268,7 +268,7 @@ class GRPORun:
         if self.ref is not None and not shards.sharded and self.ref.lm_head.weight.dtype == getattr(torch, dt):
             pack(self.ref, packed)  # no-grad forwards, as the rollout's; weights fixed: packed once
         model = self.rollout.model
-        choice = float32_attention_choice(k)
+        choice = float32_attention_choice(k, model.lm_head.weight.device)
         attention = settled(world, resolved, {
             "float32_attention": lambda: float32_attention_wanted(model) if choice is None else choice})
         use_float32_attention(model, attention["float32_attention"])

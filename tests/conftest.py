@@ -77,6 +77,10 @@ def tiny_llama():
 
 
 def default_tokenizer_dir() -> Path:
+    """The default model's folder (its tokenizer), or $SPARKRL_TOKENIZER where that package is not installed (a GPU
+    machine: scripts/device_check.sh)."""
+    if os.environ.get("SPARKRL_TOKENIZER"):
+        return Path(os.environ["SPARKRL_TOKENIZER"])
     from sparkrl.weights import resolve_model_path
 
     return resolve_model_path("default")
