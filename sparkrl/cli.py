@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from sparkrl.build import make_drafting
 from sparkrl.config import (AnalyzeConfig, BenchConfig, ExportConfig, GenerateConfig, PretrainConfig, RunConfig, build,
                             choices, field_docs, leaf_fields)
 from sparkrl.data import chat_prompt_ids, read_prompts_file
-from sparkrl.errors import UserError
+from sparkrl.errors import UserError, output_error
 from sparkrl.machine import set_threads
 from sparkrl.precision import rollout_copy, rollout_dtype
 from sparkrl.pretrain import pretrain
@@ -129,6 +130,8 @@ def plural(n: int, word: str) -> str:
 
 def run_train(cfg: RunConfig) -> None:
     s = train(cfg)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: the summary once, from rank 0
+        return
     lines = [f"sparkrl: trained {plural(s['steps_run'], 'step')} -> {s['out']}",
              f"  generation {s['gen_s']:.1f}s ({plural(s['gen_tokens'], 'token')}), policy updates {s['train_s']:.1f}s"
              + (f", drafter training {s['draft_train_s']:.1f}s" if s["rounds"] else "")]
@@ -191,6 +194,15 @@ def main(argv: list[str] | None = None) -> int:
          "bench": run_bench, "export": run_export}[cmd](cfg)
     except UserError as e:
         print(f"sparkrl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # a run in its loop writes a checkpoint first (trainer, pretrain)
+        print("sparkrl: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        line = output_error(e)
+        if line is None:
+            raise
+        print(f"sparkrl: error: {line}", file=sys.stderr)
         return 2
     return 0
 

@@ -34,7 +34,7 @@ from sparkrl.config import RunConfig, to_dict
 from sparkrl.data import build_prompts, load_problems
 from sparkrl.distributed import SINGLE, World
 from sparkrl.draft_train import DraftTrainer, row_generators
-from sparkrl.errors import UserError
+from sparkrl.errors import UserError, enough_space, writable_dir
 from sparkrl.export import export_model
 from sparkrl.grpo import grpo_loss, group_advantages, mismatch
 from sparkrl.kernels import pack
@@ -63,7 +63,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def prepare_out_dir(cfg: RunConfig) -> dict:
     """Refuse to mix runs: an out dir with checkpoints needs --resume and the same settings. Returns
     what the resumed run resolved at its start ({} for a new run): e.g. the measured rollout dtype."""
-    out = Path(cfg.out)
+    out = writable_dir(cfg.out)
     for p in remove_stale(out):
         print(f"sparkrl: removed {p}, left by an interrupted checkpoint write", file=sys.stderr)
     if any((out / "checkpoints").glob("step-*.pt")):
@@ -255,6 +255,8 @@ class GRPORun:
         if world.is_main:
             print(f"sparkrl: {problems.summary()}{note}", file=sys.stderr)
         self.policy = policy = lm.model
+        if world.is_main:  # before any rollout: a checkpoint (weights and AdamW's two moments) and the final export
+            enough_space(cfg.out, 4 * 4 * sum(p.numel() for p in policy.parameters()), "a checkpoint and the exported model")
         self.ref = None if cfg.grpo.kl_beta == 0 else shards.wrap(copy.deepcopy(policy).requires_grad_(False),
                                                                   frozen=True)
         # what samples, on which kernels: measured once by rank 0 (a resumed run keeps what its start chose)
@@ -523,6 +525,9 @@ def merge_rollouts(parts: list[Rollout]) -> Rollout:
 def export_run(run_dir: str, out: str) -> tuple[int, Path]:
     """Export a run's latest checkpoint (or the checkpoints/step-N folder given) as a Hugging Face folder;
     returns (its step, the folder)."""
+    if Path(out).exists() and not Path(out).is_dir():
+        raise UserError(f"--out {out} is a file, not a folder; pass a folder (new or existing)")
+    writable_dir(Path(out).absolute().parent, "the folder of --out")  # the export is written beside it, then renamed
     steps = checkpoints_at(run_dir)
     if not steps:
         raise UserError(f"{run_dir} holds no checkpoint: pass a `sparkrl train --out` folder or one of its "

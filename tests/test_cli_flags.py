@@ -63,3 +63,43 @@ def test_train_takes_trl_grpo_config_names_as_aliases_and_resolves_them_to_ours(
     assert (ours.grpo.group_size, ours.grpo.kl_beta) == (4, 0.0)
     with pytest.raises(UserError, match="max_completion_length"):
         parse(["generate", "--prompt", "hi", "--max_completion_length", "64"])
+
+
+def test_bad_output_locations_and_interrupts_give_one_line(tmp_path, capsys, monkeypatch):
+    """--out as an existing file, a read-only folder, a disk filling up while writing, Ctrl-C during start-up:
+    one line on stderr and a non-zero exit, never a traceback."""
+    import errno
+    import os
+
+    import sparkrl.cli as cli
+    from sparkrl.errors import output_error
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert cli.main(["train", "--out", str(afile)]) == 2
+    assert capsys.readouterr().err.strip() == f"sparkrl: error: --out {afile} is a file, not a folder; pass a folder (new or existing)"
+    assert cli.main(["export", str(tmp_path / "run"), "--out", str(afile)]) == 2
+    assert "is a file" in capsys.readouterr().err
+    if os.geteuid() != 0:  # root writes anywhere: the read-only case is checked on the error's mapping below
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        assert cli.main(["train", "--out", str(ro / "run")]) == 2
+        assert "cannot be written" in capsys.readouterr().err
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
+    assert output_error(full) == f"could not write ({tmp_path / 'x'}): No space left on device; free some space or " \
+                                 "choose a writable --out"
+    assert output_error(OSError(errno.EROFS, "Read-only file system")).startswith("could not write: Read-only")
+    assert output_error(ValueError("other")) is None
+
+    def raising(e):
+        def run(cfg):
+            raise e
+        return run
+
+    monkeypatch.setattr(cli, "run_train", raising(full))
+    assert cli.main(["train", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err
+    monkeypatch.setattr(cli, "run_train", raising(KeyboardInterrupt()))
+    assert cli.main(["train", "--out", str(tmp_path / "r")]) == 130
+    assert capsys.readouterr().err == "sparkrl: interrupted\n"
