@@ -19,9 +19,10 @@ verified one contains, a lower bound for the others). Running averages of those 
 
 The cost model times whole rounds of the engine itself (`speculative.time_rounds`: drafting, the
 drafter's catch-up, the verify forward, the acceptance walk, commit; an autoregressive round with its
-drafter bookkeeping) for every size on a grid of row counts at start-up, once per machine, model,
-thread count, tree shape and kernels (cached under the user cache dir), fits the tree rounds' seconds
-linearly in nodes and depth per row count (`smoothed`: one size's timing is as noisy as sizes differ), keeps
+drafter bookkeeping) for AR and four tree sizes (`timed_sizes`) at 1, 8 and 64 rows at start-up, once per
+machine, model, thread count, tree shape and kernels (cached under the user cache dir; about half a minute for
+the default model here, with a progress bar), fits the tree rounds' seconds linearly in nodes and depth per
+row count and evaluates the fit at every size (`smoothed`: one size's timing is as noisy as sizes differ), keeps
 every size non-decreasing in rows (`nondecreasing`), and interpolates. The timed
 rounds run on a text the policy sampled itself (sampling's cost depends on the nucleus's width, and
 random tokens make it thousands of tokens wide). Each accepted draft walks one more level (the LM head
@@ -54,24 +55,17 @@ import bisect
 import json
 import sys
 from dataclasses import dataclass
+
 import torch
+from tqdm import tqdm
 
 from sparkrl import native
 from sparkrl.config import TreeShape
 from sparkrl.machine import measurement_path
 
-ROWS = (1, 2, 4, 8, 16, 32, 64)
-ENGINE = 13  # part of the timing cache's key: bumped when a round's work or its timing changes (2: a tree
-# of n nodes drafts min(depth, n) levels; sizes timed in turn, 3 repeats, 7 row counts; 3: the
-# acceptance walk runs the LM head only for the rows still walking; 4: timed on the policy's own text,
-# not random tokens; the drafter's catch-up runs its head at one position per row; 5: weight-major products
-# split per thread, from one row; 6: q/k/v and gate/up as one weight-major product each; 7: packed float32
-# layers leave 1-4 rows to weight-major products; 8: the acceptance walk's LM head also covers first-child
-# paths, `verify.PathLogits`; 9: sampling on the compiled nucleus with the compiled ops; 10: sizes are
-# (nodes, depth): shallower trees too; 11: a commit moves every layer's kept tokens at once, the median of the
-# timed rounds, the drafter's catch-up after AR rounds untimed, tree rounds fitted: `smoothed`,
-# non-decreasing in rows, 3x the repeats up to 8 rows; 12: the walk's LM head covers the best-ranked nodes below
-# the asked one, not the first-child path; 13: rounds brought to no accepted draft before the median, `at_zero`)
+ROWS = (1, 8, 64)  # row counts the cost model times; rounds over other counts are interpolated (a round's cost is
+# close to linear in its rows between them)
+ENGINE = 14  # part of the timing cache's key: bumped whenever a round's work or its timing changes
 GAIN = 0.9  # a tree is chosen when predicted at least 10% faster per committed token than an AR step: the
 # cost model's error (measured at 8 rows: 1-node trees predicted 1.08x ran at 0.96x) must not turn a
 # predicted gain into a loss
@@ -172,9 +166,10 @@ class CostModel:
 
     @classmethod
     def measure(cls, policy, drafter, shape: TreeShape, time_rounds, repeats: int = 3) -> "CostModel":
-        """Time whole engine rounds on this machine (cached per machine/model/threads/shape/kernels).
-        time_rounds(policy, drafter, shape, rows, sizes, context, repeats) -> {"rounds": {size: per row count,
-        [(seconds, accepted)]}, "level": per row count} is the engine's own timing (`speculative.time_rounds`)."""
+        """Time whole engine rounds on this machine (cached per machine/model/threads/shape/kernels): AR and a few
+        tree sizes (`timed_sizes`) at `ROWS`, every other size fitted (`smoothed`), with a progress bar.
+        time_rounds(policy, drafter, shape, rows, sizes, context, repeats, progress) -> {"rounds": {size: per row
+        count, [(seconds, accepted)]}, "level": per row count} is the engine's own timing (`speculative.time_rounds`)."""
         w = policy.lm_head.weight
         path = measurement_path("rounds", str(w.device), str(w.dtype), policy.args.__dict__, drafter.kind,
                                 int(drafter.vocab_ids.numel()), shape.__dict__, ROWS, CONTEXT,
@@ -184,18 +179,36 @@ class CostModel:
                                  **({"ops": native.digest()} if policy.model.norm.native else {})})
         if path.exists():
             return cls.from_dict(json.loads(path.read_text()))
-        print(f"sparkrl: timing the policy and the drafter on this machine for the speculation budget (once; "
-              f"cached in {path.parent})", file=sys.stderr, flush=True)
-        sizes = [AR] + tree_sizes(shape)
+        sizes = [AR] + timed_sizes(shape)
         few, many = [B for B in ROWS if B <= FEW_ROWS], [B for B in ROWS if B > FEW_ROWS]
-        parts = [time_rounds(policy, drafter, shape, few, sizes, CONTEXT, FEW_REPEATS * repeats)] + \
-            ([time_rounds(policy, drafter, shape, many, sizes, CONTEXT, repeats)] if many else [])
+        plan = [(few, FEW_REPEATS * repeats), (many, repeats)]
+        total = sum(len(rows) * (reps + 1) * (len(sizes) + 1) for rows, reps in plan if rows)
+        print(f"sparkrl: timing the policy and the drafter for the speculation budget ({len(sizes)} round sizes at "
+              f"{', '.join(map(str, ROWS))} rows; once, cached in {path.parent}; --budget fixed skips it)",
+              file=sys.stderr, flush=True)
+        with tqdm(total=total, desc="budget timing", unit="round", file=sys.stderr, leave=False) as bar:
+            parts = [time_rounds(policy, drafter, shape, rows, sizes, CONTEXT, reps, bar.update)
+                     for rows, reps in plan if rows]
         level = sum((p["level"] for p in parts), [])
         timed = {s: [at_zero(r, lv) for r, lv in zip(sum((p["rounds"][s] for p in parts), []), level)] for s in sizes}
-        cost = cls(ROWS, nondecreasing(smoothed(timed)), {s: [0.0] * len(ROWS) for s in sizes}, level)
+        cost = cls(ROWS, nondecreasing(smoothed(timed, tree_sizes(shape))), {s: [0.0] * len(ROWS)
+                                                                           for s in [AR] + tree_sizes(shape)}, level)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({**cost.to_dict(), "timed": {_key(s): v for s, v in timed.items()}}))
         return cost
+
+
+def timed_sizes(shape: TreeShape) -> list[Size]:
+    """The tree sizes the cost model times: the smallest tree, the widest one level deep, one in the middle and
+    the full one (enough to fit seconds = a + b * nodes + c * (depth - 1), `smoothed`); a one-path proposal's
+    one size."""
+    sizes = tree_sizes(shape)
+    if len(sizes) <= 4:
+        return sizes
+    full = sizes[-1]
+    widest = max(s for s in sizes if s[1] == 1)
+    middle = min(sizes, key=lambda s: (abs(s[0] - full[0] / 2) + abs(s[1] - (1 + full[1]) / 2), s))
+    return sorted({sizes[0], widest, middle, full})
 
 
 def at_zero(rounds: list[tuple[float, float]], level: float) -> float:
@@ -220,21 +233,22 @@ def nondecreasing(rounds: dict[Size, list[float]]) -> dict[Size, list[float]]:
     return out
 
 
-def smoothed(rounds: dict[Size, list[float]]) -> dict[Size, list[float]]:
+def smoothed(rounds: dict[Size, list[float]], sizes: list[Size] | None = None) -> dict[Size, list[float]]:
     """Timed tree rounds replaced by a least-squares fit, per row count, of seconds = a + b * nodes +
-    c * (depth - 1) over all the timed trees (AR rounds as timed). One size's timing spread by 10-20%
-    between rounds here, as much as sizes differ from each other, so a per-size table let noise pick the
-    tree (a 4-node tree 3 deep, timed low, drafted in 432 of 569 rounds of a rollout that ran at 0.97x of
-    AR). Verifying n nodes costs about linearly in n and each level below the first one drafter forward, so
-    the fit pools every size's timing into three numbers per row count. Fewer than three distinct sizes (a
-    chain, a block): as timed."""
+    c * (depth - 1) over all the timed trees, evaluated at every size in `sizes` (default: the timed ones; AR
+    rounds as timed). One size's timing spreads by 10-20% between rounds here, as much as sizes differ from each
+    other, so a per-size table lets noise pick the tree; verifying n nodes costs about linearly in n and each
+    level below the first one drafter forward, so the fit pools every size's timing into three numbers per row
+    count. Fewer than three distinct sizes (a chain, a block): as timed."""
     trees = [s for s in rounds if s != AR]
-    if len({(n, d) for n, d in trees}) < 3:
+    if len(set(trees)) < 3:
         return dict(rounds)
+    want = [s for s in (sizes or trees) if s != AR]
     X = torch.tensor([[1.0, n, d - 1] for n, d in trees], dtype=torch.float64)
     Y = torch.tensor([rounds[s] for s in trees], dtype=torch.float64)  # (sizes, row counts)
-    fit = X @ torch.linalg.lstsq(X, Y, driver="gelsd").solution  # projection: defined when X is rank-deficient
-    return {AR: list(rounds[AR]), **{s: fit[i].tolist() for i, s in enumerate(trees)}}
+    coef = torch.linalg.lstsq(X, Y, driver="gelsd").solution  # defined when X is rank-deficient
+    fit = torch.tensor([[1.0, n, d - 1] for n, d in want], dtype=torch.float64) @ coef
+    return {AR: list(rounds[AR]), **{s: fit[i].tolist() for i, s in enumerate(want)}}
 
 
 class Budget:

@@ -236,7 +236,8 @@ class Speculation:
 
 
 @torch.no_grad()
-def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, context: int, repeats: int) -> dict:
+def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, context: int, repeats: int,
+                progress=lambda n: None) -> dict:
     """Whole engine rounds timed for the budget's cost model (`budget.CostModel.measure`): for each row
     count B in `rows`, B copies of a `context`-token text the policy sampled itself, then `repeats` timed
     rounds (after one untimed) of every size (nodes, depth) in `sizes` (`budget.AR`: an autoregressive
@@ -245,7 +246,7 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
     that too: a 1-node tree, always after AR, timed 1.04x a 4-node one at one row); also what one more
     accepted level costs (LM head + the nucleus and a sample on B rows of the policy's hidden states in that
     text). Sampling at temperature 1, top-p 0.95; random numbers from fixed generators (the global RNG is
-    left alone).
+    left alone). progress(1) after every timed round and level (a progress bar's update).
 
     The text is the policy's own, not random tokens: sampling's cost depends on how wide the nucleus
     is (top-p within 256 candidates, else 4096, else a full sort), and after random tokens the
@@ -273,6 +274,7 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
                 else:
                     a = eng.speculative_round(n, d)[2].n_accepted.double().mean().item()  # host sync
                 timed[n, d].append((time.perf_counter() - t, a))
+                progress(1)
                 if n == 0:  # the drafter's catch-up on the AR token, untimed: a run of AR rounds pays it once at
                     eng.state = catch_up(eng.drafter, eng.dcache, *eng.backlog.pop())  # its end, not per tree round
         for size in sizes:
@@ -283,6 +285,7 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
             t = time.perf_counter()
             sample_nucleus(policy.logits(h), sampling.temperature, sampling.top_p, u, policy.compiled_ops)
             level.append(time.perf_counter() - t)
+            progress(1)
         out["level"].append(min(level[1:]))
     return out
 

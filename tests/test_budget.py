@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparkrl.budget import (AR, EXPLORE_EVERY, LONGEST_WAIT, PROBE_EVERY, Budget, CostModel, PRIOR_ROWS, at_zero, kept_drafts,
-                            nondecreasing, smoothed, tree_sizes)
+                            nondecreasing, smoothed, timed_sizes, tree_sizes)
 from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.tree import build_tree
@@ -151,6 +151,20 @@ def test_cost_model_times_whole_engine_rounds_once_and_caches_them(tiny_llama, t
     assert len(list((tmp_path / "costs").glob("rounds-*.json"))) == 1
     monkeypatch.setattr(engine, "time", None)  # cached: nothing is timed again
     assert CostModel.measure(tiny_llama, d, shape, time_rounds) == cm
+
+
+def test_a_few_sizes_are_timed_and_the_fit_gives_every_other_one():
+    """Four tree sizes span the fit (the smallest, the widest one level deep, a middle one, the full one); the
+    fit of exactly linear timings gives every other size exactly; a one-path proposal times its one size."""
+    shape = TreeShape(5, 4, 16)
+    assert timed_sizes(shape) == [(1, 1), (4, 1), (8, 3), (16, 5)]
+    line = lambda n, d: [0.5 + 0.1 * n + 0.3 * (d - 1), 1.0 + 0.2 * n + 0.5 * (d - 1)]  # two row counts
+    timed = {AR: [1.0, 2.0], **{s: line(*s) for s in timed_sizes(shape)}}
+    fit = smoothed(timed, tree_sizes(shape))
+    assert sorted(fit) == sorted([AR] + tree_sizes(shape)) and fit[AR] == [1.0, 2.0]
+    assert all(torch.allclose(torch.tensor(fit[s], dtype=torch.float64), torch.tensor(line(*s), dtype=torch.float64))
+               for s in tree_sizes(shape))
+    assert timed_sizes(TreeShape.chain(3)) == [(3, 3)] and timed_sizes(TreeShape(2, 2, 3)) == tree_sizes(TreeShape(2, 2, 3))
 
 
 def test_smoothed_fits_tree_rounds_linearly_in_nodes_and_depth():
