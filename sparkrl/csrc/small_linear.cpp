@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace {
@@ -88,15 +89,24 @@ void rows(const float* x, int64_t M, int64_t K, const bf16* w, const bf16* b, Y*
   rows<C>(x, M, K, block.data(), b ? bias : nullptr, y, N);
 }
 
+constexpr int64_t MB = 48;  // rows of x per pass over a thread's outputs: 48 x K floats stay in L2 (110 KB at K = 576)
+
+// Each thread takes blocks of NR outputs and, for every MB rows of x, walks them; a row's outputs are the same
+// sums in the same order whatever the number of rows (tiles and blocks only decide what is computed together).
 template <typename W, typename Y>
 void product(const float* x, int64_t M, int64_t K, const W* w, const W* b, Y* y, int64_t N) {
   at::parallel_for(0, (N + NR - 1) / NR, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n = blk * NR;
-      if (n + NR <= N) {
-        rows<NR>(x, M, K, w + n * K, b ? b + n : nullptr, y + n, N);
-      } else {
-        for (int64_t j = n; j < N; ++j) rows<1>(x, M, K, w + j * K, b ? b + j : nullptr, y + j, N);
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      const int64_t mb = std::min(MB, M - m0);
+      const float* xm = x + m0 * K;
+      Y* ym = y + m0 * N;
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t n = blk * NR;
+        if (n + NR <= N) {
+          rows<NR>(xm, mb, K, w + n * K, b ? b + n : nullptr, ym + n, N);
+        } else {
+          for (int64_t j = n; j < N; ++j) rows<1>(xm, mb, K, w + j * K, b ? b + j : nullptr, ym + j, N);
+        }
       }
     }
   });
