@@ -218,7 +218,7 @@ def test_torchrun_starts_data_parallel_training(shard, model_dir, tmp_path):
                         "--shard-policy", shard],
                        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stderr.count("trained 1 step ->") == 2  # every rank finishes; rank 0 alone wrote the files
+    assert r.stderr.count("trained 1 step ->") == 1  # every rank finished (exit 0); rank 0 alone prints the summary
     assert len(_metrics(out)) == 1 and _metrics(out)[0]["gen_tokens"] > 0
     assert (out / "checkpoints" / "step-000001" / "policy.safetensors").exists() and (out / "model").is_dir()
 
