@@ -35,7 +35,7 @@ from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.model import ModelArgs, Transformer
 from sparkrl.spark import Spark, init_projection
-from sparkrl.speculative import time_rounds
+from sparkrl.speculative import own_text, time_rounds
 
 SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab (the Hugging Face configs of these models)
     "tiny": (64, 128, 2, 4, 2, 512),
@@ -107,10 +107,11 @@ def measure(name: str, batches: list[int], context: int, device, dtype, reps: in
     policy = make(name, device, dtype)
     drafters = {"eagle3": Eagle3Drafter(policy.args), "dflash": DFlashDrafter(policy.args, block_size=16)}
     rows = {B: {"model": name, "rows": B, "context": context, "seconds": {}} for B in batches}
+    text = own_text(policy, context)  # one text for every method's rounds
     for method, (kind, shape) in METHODS.items():
         drafter = drafters[kind].to(device=device, dtype=dtype).requires_grad_(False)
         size = (shape.nodes, shape.depth)
-        got = time_rounds(policy, drafter, shape, batches, [(0, 0), size], context, reps)["rounds"]
+        got = time_rounds(policy, drafter, shape, batches, [(0, 0), size], context, reps, text=text)["rounds"]
         for i, B in enumerate(batches):
             s = rows[B]["seconds"]
             s.setdefault("ar_step", []).extend(t for t, _ in got[(0, 0)][i])

@@ -168,7 +168,7 @@ class CostModel:
     def measure(cls, policy, drafter, shape: TreeShape, time_rounds, repeats: int = 3) -> "CostModel":
         """Time whole engine rounds on this machine (cached per machine/model/threads/shape/kernels): AR and a few
         tree sizes (`timed_sizes`) at `ROWS`, every other size fitted (`smoothed`), with a progress bar.
-        time_rounds(policy, drafter, shape, rows, sizes, context, repeats, progress) -> {"rounds": {size: per row
+        time_rounds(policy, drafter, shape, rows, sizes, context, repeats per row, progress) -> {"rounds": {size: per row
         count, [(seconds, accepted)]}, "level": per row count} is the engine's own timing (`speculative.time_rounds`)."""
         w = policy.lm_head.weight
         path = measurement_path("rounds", str(w.device), str(w.dtype), policy.args.__dict__, drafter.kind,
@@ -180,19 +180,16 @@ class CostModel:
         if path.exists():
             return cls.from_dict(json.loads(path.read_text()))
         sizes = [AR] + timed_sizes(shape)
-        few, many = [B for B in ROWS if B <= FEW_ROWS], [B for B in ROWS if B > FEW_ROWS]
-        plan = [(few, FEW_REPEATS * repeats), (many, repeats)]
-        total = sum(len(rows) * (reps + 1) * (len(sizes) + 1) for rows, reps in plan if rows)
+        reps = {B: FEW_REPEATS * repeats if B <= FEW_ROWS else repeats for B in ROWS}
+        total = sum((n + 1) * (len(sizes) + 1) for n in reps.values())  # timed rounds and levels, warm-ups included
         print(f"sparkrl: timing the policy and the drafter for the speculation budget ({len(sizes)} round sizes at "
               f"{', '.join(map(str, ROWS))} rows; once, cached in {path.parent}; --budget fixed skips it)",
               file=sys.stderr, flush=True)
         with tqdm(total=total, desc="budget timing", unit="round", file=sys.stderr, leave=False) as bar:
-            parts = [time_rounds(policy, drafter, shape, rows, sizes, CONTEXT, reps, bar.update)
-                     for rows, reps in plan if rows]
-        level = sum((p["level"] for p in parts), [])
-        timed = {s: [at_zero(r, lv) for r, lv in zip(sum((p["rounds"][s] for p in parts), []), level)] for s in sizes}
+            got = time_rounds(policy, drafter, shape, ROWS, sizes, CONTEXT, reps, bar.update)
+        timed = {s: [at_zero(r, lv) for r, lv in zip(got["rounds"][s], got["level"])] for s in sizes}
         cost = cls(ROWS, nondecreasing(smoothed(timed, tree_sizes(shape))), {s: [0.0] * len(ROWS)
-                                                                           for s in [AR] + tree_sizes(shape)}, level)
+                                                                           for s in [AR] + tree_sizes(shape)}, got["level"])
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({**cost.to_dict(), "timed": {_key(s): v for s, v in timed.items()}}))
         return cost

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -130,7 +129,7 @@ def plural(n: int, word: str) -> str:
 
 def run_train(cfg: RunConfig) -> None:
     s = train(cfg)
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: the summary once, from rank 0
+    if not s["main"]:  # under torchrun: the summary once, from rank 0
         return
     lines = [f"sparkrl: trained {plural(s['steps_run'], 'step')} -> {s['out']}",
              f"  generation {s['gen_s']:.1f}s ({plural(s['gen_tokens'], 'token')}), policy updates {s['train_s']:.1f}s"

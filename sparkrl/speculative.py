@@ -236,11 +236,18 @@ class Speculation:
 
 
 @torch.no_grad()
-def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, context: int, repeats: int,
-                progress=lambda n: None) -> dict:
+def own_text(policy: Transformer, context: int) -> list[int]:
+    """`context` tokens the policy samples itself from token 0 (T 1, top-p 0.95, a fixed generator)."""
+    own = generate(policy, [[0]], SamplingConfig(1.0, 0.95, context - 1), (), [torch.Generator().manual_seed(0)])
+    return [0] + own.tokens[0]
+
+
+@torch.no_grad()
+def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, context: int, repeats: int | dict,
+                progress=lambda n: None, text: list[int] | None = None) -> dict:
     """Whole engine rounds timed for the budget's cost model (`budget.CostModel.measure`): for each row
-    count B in `rows`, B copies of a `context`-token text the policy sampled itself, then `repeats` timed
-    rounds (after one untimed) of every size (nodes, depth) in `sizes` (`budget.AR`: an autoregressive
+    count B in `rows`, B copies of a `context`-token text the policy sampled itself (`own_text`, or `text`), then
+    `repeats` (or `repeats[B]`) timed rounds (after one untimed) of every size (nodes, depth) in `sizes` (`budget.AR`: an autoregressive
     round), sizes in turn, each as (seconds, drafts it accepted per row); after each autoregressive round the
     drafter catches up untimed, as a run of them would once at its end (timed, the tree round after it paid
     that too: a 1-node tree, always after AR, timed 1.04x a 4-node one at one row); also what one more
@@ -253,10 +260,10 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
     default model's nucleus was 9,000-20,000 tokens wide (full sorts: 1.6x the AR round measured in
     rollouts at 8 rows) against a median of 38 in its own text (20-115 in GSM8K rollouts)."""
     dev = policy.lm_head.weight.device
-    own = generate(policy, [[0]], SamplingConfig(1.0, 0.95, context - 1), (), [torch.Generator().manual_seed(0)])
-    text = [0] + own.tokens[0]
+    reps = {B: repeats[B] if isinstance(repeats, dict) else repeats for B in rows}
+    text = text or own_text(policy, context)
     hidden = policy(torch.tensor([text], device=dev)).hidden[0]  # (context, d) the policy's states in its text
-    room = (repeats + 1) * len(sizes) * (shape.depth + 1) + 2  # every timed round commits at most depth + 1
+    room = (max(reps.values()) + 1) * len(sizes) * (shape.depth + 1) + 2  # a timed round commits at most depth + 1
     sampling = SamplingConfig(1.0, 0.95, room)
     out = {"rounds": {size: [] for size in sizes}, "level": []}  # rounds: per size, per B, [(seconds, accepted)]
     for B in rows:
@@ -265,7 +272,7 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
         eng = Speculation(policy, drafter.bind(policy), sampling, shape, gens, NoAdaptation())
         eng.start(prompts, 1, ())
         timed = {size: [] for size in sizes}
-        for _ in range(repeats + 1):  # sizes interleaved, so a machine that changes speed skews no size
+        for _ in range(reps[B] + 1):  # sizes interleaved, so a machine that changes speed skews no size
             for n, d in sizes:
                 t = time.perf_counter()
                 if n == 0:
@@ -281,7 +288,7 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
             out["rounds"][size].append(timed[size][1:])  # the first of each size warms up
         h = hidden[torch.arange(context - B, context) % context]  # (B, d) the text's last B positions
         level, u = [], torch.rand(B, generator=torch.Generator().manual_seed(B), dtype=torch.float64)
-        for _ in range(repeats + 1):
+        for _ in range(reps[B] + 1):
             t = time.perf_counter()
             sample_nucleus(policy.logits(h), sampling.temperature, sampling.top_p, u, policy.compiled_ops)
             level.append(time.perf_counter() - t)

@@ -473,7 +473,7 @@ def _train(run: GRPORun) -> dict:
         export_run(cfg.out, str(Path(cfg.out) / "model"))
     elif main:
         export_model(run.policy, run.lm.path, Path(cfg.out) / "model")
-    return _summary(cfg, totals, first, last)
+    return _summary(cfg, totals, first, last, main)
 
 
 SUMMED = ("gen_s", "train_s", "draft_train_s", "gen_tokens", "rounds", "tree_rounds", "committed",
@@ -557,8 +557,8 @@ def _truncate_steps(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def _summary(cfg: RunConfig, totals: dict, first: dict | None, last: dict | None) -> dict:
-    s = {"out": cfg.out, "steps_run": int(totals["steps"]), **{k: totals[k] for k in SUMMED}}
+def _summary(cfg: RunConfig, totals: dict, first: dict | None, last: dict | None, main: bool) -> dict:
+    s = {"out": cfg.out, "main": main, "steps_run": int(totals["steps"]), **{k: totals[k] for k in SUMMED}}
     s["gen_tokens"] = int(s["gen_tokens"])
     if first:
         s.update(reward_first=first["reward_mean"], reward_last=last["reward_mean"],

@@ -193,14 +193,13 @@ void weighted_values(const float* w, const TI* v, int64_t D, int64_t S, int64_t 
 // Rows [0, R) of scaled queries qs (R x D) against positions [0, S) of one key/value head (kh, vh, S x D; mask row
 // of query row r: m0 + (r % T) * mt): four keys' dot products side by side (one 64-term dot product alone waits on
 // its adds), the softmax's numerators (float32; a masked position weight 0, the row's visible maximum `top` taken
-// out), their sum, and the values weighted by them, not yet divided by that sum: o (R x D), top (R), sum (R).
-// A row that sees none of these positions gets zeros and top 0. p: scratch of R x S floats. The rows are rows
+// out), their sum, and the values weighted by them, not yet divided by that sum: o (R x D), sum (R).
+// A row that sees none of these positions gets zeros. p: scratch of R x S floats. The rows are rows
 // r0.. of the head's G x T query rows (the mask row of row r is that of new token (r0 + r) % T).
 template <typename TI>
 inline __attribute__((always_inline)) void attend_span(const float* __restrict__ qs, int64_t R, int64_t r0, int64_t D,
                                                        int64_t T, const TI* kh, const TI* vh, const bool* m0, int64_t mt,
-                                                       int64_t S,
-                                                       float* __restrict__ p, float* __restrict__ o, float* top_out,
+                                                       int64_t S, float* __restrict__ p, float* __restrict__ o,
                                                        float* sum_out) {
   const float neg = -std::numeric_limits<float>::infinity();
   int64_t s0 = 0;
@@ -268,7 +267,6 @@ inline __attribute__((always_inline)) void attend_span(const float* __restrict__
     for (int64_t j = s; s < S; ++s)
       if (mr[s]) part[j++ & 7] += pr[s];
     const float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-    top_out[r] = top;
     sum_out[r] = sum;
     for (int64_t d0 = 0; d0 < D; d0 += 64)  // the weighted values, 64 of them at a time in registers
       weighted_values(pr, vh + d0, D, S, std::min<int64_t>(64, D - d0) / 8, o + r * D + d0);
@@ -295,7 +293,7 @@ void attend_heads(const at::Tensor& q, const TI* kb, const TI* vb, const at::Ten
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
     const int64_t RB = std::min<int64_t>(R, ROW_BLOCK);
-    std::vector<float> qs(R * D), p(RB * S), o(RB * D), top(RB), sum(RB);
+    std::vector<float> qs(R * D), p(RB * S), o(RB * D), sum(RB);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hk, hk = task % Hk;
       for (int64_t r = 0; r < R; ++r) {  // row r: query head hk * G + r / T, new token r % T; scaled once
@@ -306,7 +304,7 @@ void attend_heads(const at::Tensor& q, const TI* kb, const TI* vb, const at::Ten
       for (int64_t r0 = 0; r0 < R; r0 += RB) {  // rows in blocks: the scratch stays small for a long prefill
         const int64_t n = std::min(RB, R - r0);
         attend_span(qs.data() + r0 * D, n, r0, D, T, kb + at, vb + at, mp + b * mb, mt, S, p.data(), o.data(),
-                    top.data(), sum.data());
+                    sum.data());
         for (int64_t i = 0; i < n; ++i) {  // row r0 + i: o / sum, as TO
           const int64_t r = r0 + i;
           const float inv = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
