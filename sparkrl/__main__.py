@@ -2,6 +2,6 @@
 
 import sys
 
-from sparkrl.cli import main
+from sparkrl.commands.cli import main
 
 sys.exit(main())

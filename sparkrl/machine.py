@@ -20,10 +20,14 @@ from pathlib import Path
 
 import torch
 
-from sparkrl.weights import cache_dir
 
 ADVICE = ("pass --threads 1 (or start with OMP_WAIT_POLICY=PASSIVE) while other work shares this CPU: torch's "
           "spinning threads then make each step several times slower")
+
+
+def cache_dir() -> Path:
+    """Where sparkrl keeps what it makes once per machine: converted models and timings ($SPARKRL_CACHE)."""
+    return Path(os.environ.get("SPARKRL_CACHE", Path.home() / ".cache" / "sparkrl"))
 
 
 @functools.cache

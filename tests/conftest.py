@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparkrl.model import ModelArgs, Transformer
+from sparkrl.model.transformer import ModelArgs, Transformer
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -34,7 +34,7 @@ def private_cost_cache(tmp_path_factory):
     are shared, but the one-off timings of this machine (`machine.measurement_path`: packing, dtype,
     weight-major, the budget's rounds) are measured afresh and thrown away. Timed on a CPU busy with
     the tests (or under one thread), they must not become the decisions the user's own runs read."""
-    from sparkrl.weights import cache_dir
+    from sparkrl.machine import cache_dir
 
     models = cache_dir() / "models"
     models.mkdir(parents=True, exist_ok=True)
@@ -81,7 +81,7 @@ def default_tokenizer_dir() -> Path:
     machine: scripts/device_check.sh)."""
     if os.environ.get("SPARKRL_TOKENIZER"):
         return Path(os.environ["SPARKRL_TOKENIZER"])
-    from sparkrl.weights import resolve_model_path
+    from sparkrl.model.weights import resolve_model_path
 
     return resolve_model_path("default")
 

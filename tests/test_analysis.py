@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sparkrl.analysis import analyze, stages
+from sparkrl.commands.analysis import analyze, stages
 from sparkrl.errors import UserError
-from sparkrl.rollout import HIT, MISS, UNDRAFTED
+from sparkrl.engine.records import HIT, MISS, UNDRAFTED
 
 
 def test_statistics_by_hand():

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from sparkrl import bench as bench_mod
-from sparkrl.cli import main
+from sparkrl.commands import bench as bench_mod
+from sparkrl.commands.cli import main
 from sparkrl.config import BenchConfig, build
 from test_trainer import ParityGrader
 

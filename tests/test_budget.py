@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from sparkrl.budget import (AR, EXPLORE_EVERY, LONGEST_WAIT, PROBE_EVERY, Budget, CostModel, PRIOR_ROWS, at_zero, kept_drafts,
+from sparkrl.engine.budget import (AR, EXPLORE_EVERY, LONGEST_WAIT, PROBE_EVERY, Budget, CostModel, PRIOR_ROWS, at_zero, kept_drafts,
                             nondecreasing, smoothed, timed_sizes, tree_sizes)
 from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.tree import build_tree
-from sparkrl.verify import Tree
-from sparkrl.rollout import generate, response_generators
-from sparkrl.speculative import generate_speculative, time_rounds
+from sparkrl.engine.records import Tree
+from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.engine.speculative import generate_speculative, time_rounds
 
 ROWS = (1, 2, 4, 8)
 
@@ -131,7 +131,7 @@ def test_at_zero_brings_each_round_to_no_accepted_draft_before_the_median():
 def test_cost_model_times_whole_engine_rounds_once_and_caches_them(tiny_llama, tmp_path, monkeypatch):
     """Measured through the engine (a fake clock: a round's time is how often it reads the clock), so a
     drafted round costs its drafting, catch-up, verify, acceptance walk and commit, not a bare forward."""
-    import sparkrl.speculative as engine
+    import sparkrl.engine.speculative as engine
 
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
     monkeypatch.setattr(engine, "time", FakeTime())
@@ -337,7 +337,7 @@ class FakeTime:
 
 
 def test_adaptive_budget_through_the_engine_with_a_fake_clock(tiny_llama, monkeypatch):
-    import sparkrl.speculative as engine
+    import sparkrl.engine.speculative as engine
 
     monkeypatch.setattr(engine, "time", FakeTime())
     shape = TreeShape.chain(3)  # one proposal size, so the budget has one cost to learn

@@ -11,7 +11,7 @@ import difflib
 import os
 from pathlib import Path
 
-from sparkrl.cli import make_parser
+from sparkrl.commands.cli import make_parser
 
 SNAPSHOT = Path(__file__).with_name("cli_flags.txt")
 
@@ -50,7 +50,7 @@ def test_train_takes_trl_grpo_config_names_as_aliases_and_resolves_them_to_ours(
     sparkrl's names; `generate` keeps sparkrl's names only."""
     import pytest
 
-    from sparkrl.cli import parse
+    from sparkrl.commands.cli import parse
     from sparkrl.errors import UserError
 
     cmd, cfg = parse(["train", "--out", str(tmp_path / "r"), "--num_generations", "4", "--beta", "0.0",
@@ -71,7 +71,7 @@ def test_bad_output_locations_and_interrupts_give_one_line(tmp_path, capsys, mon
     import errno
     import os
 
-    import sparkrl.cli as cli
+    import sparkrl.commands.cli as cli
     from sparkrl.errors import output_error
 
     afile = tmp_path / "afile"

@@ -53,9 +53,9 @@ def test_every_kind_of_round_samples_the_policy_exactly(mode, spark):
     from sparkrl.config import SamplingConfig, TreeShape
     from sparkrl.drafters.dflash import DFlashDrafter
     from sparkrl.drafters.eagle3 import Eagle3Drafter
-    from sparkrl.rollout import generate, response_generators
-    from sparkrl.spark import Spark, init_projection
-    from sparkrl.speculative import generate_speculative
+    from sparkrl.engine.rollout import generate, response_generators
+    from sparkrl.engine.spark import Spark, init_projection
+    from sparkrl.engine.speculative import generate_speculative
 
     torch.manual_seed(0)
     cpu = small_policy()
@@ -83,7 +83,7 @@ def test_every_kind_of_round_samples_the_policy_exactly(mode, spark):
 def test_the_spark_update_equals_its_float64_reference(k, T):
     from test_spark import random_round, reference
 
-    from sparkrl.spark import Spark, init_projection
+    from sparkrl.engine.spark import Spark, init_projection
 
     g = torch.Generator().manual_seed(k)
     P, G = 3, 2
@@ -121,7 +121,7 @@ def test_a_grpo_step_with_eagle3_drafting_and_spark(tiny_dir, tmp_path):
 
     from test_trainer import ParityGrader, _cfg
 
-    from sparkrl.trainer import train
+    from sparkrl.train.trainer import train
 
     cfg = _cfg(tiny_dir, tmp_path / "r", steps=1, device=str(DEVICE), draft="eagle3", spark=True,
                budget="fixed", tree_depth=2, tree_branch=2, tree_nodes=3)

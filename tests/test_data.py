@@ -8,7 +8,7 @@ import re
 import pytest
 
 from conftest import shared_file
-from sparkrl.data import build_prompts, generate_default, load_problems, parse_row
+from sparkrl.train.data import build_prompts, generate_default, load_problems, parse_row
 from sparkrl.errors import UserError
 
 

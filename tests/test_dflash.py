@@ -15,8 +15,8 @@ from sparkrl.drafters.dflash import DFlashDrafter, block_logits, block_loss, bui
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.config import TreeShape
 from sparkrl.errors import UserError
-from sparkrl.rollout import generate, response_generators
-from sparkrl.speculative import generate_speculative
+from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.engine.speculative import generate_speculative
 
 
 def test_training_blocks_equal_inference_blocks(tiny_llama):
@@ -150,7 +150,7 @@ def test_checkpoints_and_block_size_errors(tmp_path, tiny_llama):
     (["pretrain-draft", "--out", "X", "--draft", "dflash", "--block-size", "0"], "--block-size must be >= 2"),
 ])
 def test_bad_block_size_is_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):
-    from sparkrl.cli import main
+    from sparkrl.commands.cli import main
 
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
@@ -158,9 +158,9 @@ def test_bad_block_size_is_one_clear_line(argv, msg, capsys, tmp_path, monkeypat
 
 
 def test_pretrain_and_train_with_dflash_and_spark(tiny_model_dir, tmp_path):
-    from sparkrl.cli import main
+    from sparkrl.commands.cli import main
     from sparkrl.config import RunConfig, build
-    from sparkrl.trainer import train
+    from sparkrl.train.trainer import train
     from test_trainer import ParityGrader
 
     assert main(["pretrain-draft", "--model", str(tiny_model_dir), "--out", str(tmp_path / "pre"), "--draft", "dflash",

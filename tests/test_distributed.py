@@ -20,13 +20,13 @@ from torch.distributed.tensor import DTensor
 
 from safetensors.torch import load_file, save_file
 
-from sparkrl.checkpoint import load_latest
-from sparkrl.cli import main
+from sparkrl.train.checkpoint import load_latest
+from sparkrl.commands.cli import main
 from sparkrl.config import RunConfig, build
-from sparkrl.rewards import Score
-import sparkrl.trainer as trainer_mod
-from sparkrl.trainer import train
-from sparkrl.weights import load_model
+from sparkrl.train.rewards import Score
+import sparkrl.train.trainer as trainer_mod
+from sparkrl.train.trainer import train
+from sparkrl.model.weights import load_model
 
 # Figures that differ with the number of ranks by design: times, and engine rounds (each rank runs its own).
 PER_RANK = {"rounds", "tree_rounds", "tree_sizes", "policy_forwards", "gen_tok_per_s"}

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from conftest import hf_model, ours_from_hf
-from sparkrl.budget import CostModel
-from sparkrl.build import make_drafter
-from sparkrl.checkpoint import list_checkpoints, load_latest
+from sparkrl.engine.budget import CostModel
+from sparkrl.train.assemble import make_drafter
+from sparkrl.train.checkpoint import list_checkpoints, load_latest
 from sparkrl.config import DraftConfig, RunConfig, build
 from sparkrl.drafters.eagle3 import draft_loss
 from sparkrl.drafters import load_drafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.errors import UserError
-from sparkrl.trainer import train
-from sparkrl.weights import load_model
+from sparkrl.train.trainer import train
+from sparkrl.model.weights import load_model
 from test_trainer import ParityGrader
 
 
@@ -197,7 +197,7 @@ def test_train_with_drafter_writes_draft_metrics_and_resumes_exactly(tiny_model_
 def test_draft_vocabulary_keeps_eos_and_the_most_frequent():
     from collections import Counter
 
-    from sparkrl.pretrain import draft_vocabulary
+    from sparkrl.train.pretrain import draft_vocabulary
 
     counts = Counter({5: 10, 6: 9, 7: 8, 8: 1})
     assert draft_vocabulary(counts, 3, 20, (2,)).tolist() == [2, 5, 6]  # EOS kept though rare

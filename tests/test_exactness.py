@@ -11,13 +11,14 @@ import torch
 
 from test_budget import Alternating, synthetic
 from test_speculative import EOS, V, chi2_ok, exact_sequences, small_policy
-from sparkrl.budget import AR
+from sparkrl.engine.budget import AR
 from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.selfdraft import SelfDrafter
-from sparkrl.rollout import HIT, generate, response_generators
-from sparkrl.sampling import target_probs
-from sparkrl.speculative import generate_speculative
+from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.engine.records import HIT
+from sparkrl.engine.sampling import target_probs
+from sparkrl.engine.speculative import generate_speculative
 
 PROMPTS = [[1, 2, 3, 4], [2, 0]]  # ragged prefixes; EOS ends responses at different rounds
 DRAFT_VOCAB = (0, 1, EOS)  # the target often samples 2, 3 and 4, which such a drafter never proposes

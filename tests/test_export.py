@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 
 from conftest import FAMILIES, hf_model, ours_from_hf
 from sparkrl.errors import UserError
-from sparkrl.export import MARKER, export_model
-from sparkrl.weights import load_model
+from sparkrl.model.export import MARKER, export_model
+from sparkrl.model.weights import load_model
 
 
 def _rel_err(a, b):

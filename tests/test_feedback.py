@@ -20,9 +20,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from sparkrl import spark as spark_mod
-from sparkrl.drafters.tree import Contexts
-from sparkrl.verify import Acceptance, Tree, accept_chain, accept_tree
+from sparkrl.engine import spark as spark_mod
+from sparkrl.engine.records import Contexts
+from sparkrl.engine.verify import accept_chain, accept_tree
+from sparkrl.engine.records import Acceptance, Tree
 
 D_FEAT, VD = 3, 6  # feature size and draft vocabulary of the hand-built contexts
 

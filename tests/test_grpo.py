@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from sparkrl.grpo import ADV_EPS, group_advantages, grpo_loss, token_logprobs
+from sparkrl.train.grpo import ADV_EPS, group_advantages, grpo_loss, token_logprobs
 
 
 def test_group_advantages_by_hand():
@@ -107,7 +107,7 @@ def test_truncated_importance_sampling_by_hand_and_its_gradient():
 
 
 def test_mismatch_by_hand():
-    from sparkrl.grpo import mismatch
+    from sparkrl.train.grpo import mismatch
 
     lp = torch.tensor([[-1.0, -2.0, -0.5]])
     roll = torch.tensor([[-1.1, -1.5, -9.0]])

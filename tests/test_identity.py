@@ -11,13 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparkrl.build import make_drafting
+from sparkrl.train.assemble import make_drafting
 from sparkrl.config import DraftConfig, SamplingConfig, SparkConfig
-from sparkrl.data import chat_prompt_ids
-from sparkrl.precision import rollout_copy
-from sparkrl.rollout import generate, response_generators
-from sparkrl.speculative import generate_speculative
-from sparkrl.weights import load_model
+from sparkrl.train.data import chat_prompt_ids
+from sparkrl.train.precision import rollout_copy
+from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.model.weights import load_model
 
 pytestmark = pytest.mark.slow
 KERNELS = "auto"  # the default; "packed" or "plain" (torch's kernels) fail here
@@ -37,15 +36,15 @@ def default_lm():
 def test_speculative_rollouts_are_the_autoregressive_tokens_on_the_default_model(default_lm, dtype, temperature,
                                                                                  top_p, n):
     """Both drafters with SPARK on (its corrected proposals take the drafter's code path and more)."""
-    policy = rollout_copy(default_lm.model, dtype, KERNELS, separate=True).model
+    rollout = rollout_copy(default_lm.model, dtype, KERNELS, separate=True)
+    policy = rollout.model
     prompts = [chat_prompt_ids(default_lm.tokenizer, p) for p in PROMPTS]
     sc = SamplingConfig(temperature, top_p, 40)
     gens = lambda: response_generators(0, len(prompts), n)
-    ar = generate(policy, prompts, sc, default_lm.eos_ids, gens(), group_size=n).tokens
+    ar = generate(policy, prompts, sc, default_lm.eos_ids, gens(), group_size=n, sampler=rollout.sampler).tokens
     for draft in ("eagle3", "dflash"):
         cfg = DraftConfig(draft=draft, budget="fixed", spark_config=SparkConfig(spark=True))
-        d = make_drafting(cfg, default_lm.model, policy, temperature)
-        r = generate_speculative(policy, d.rollout.model, prompts, sc, default_lm.eos_ids, gens(), cfg.shape(),
-                                 group_size=n, spark=d.spark)
+        d = make_drafting(cfg, default_lm.model, rollout, temperature)
+        r = d.engine.generate(policy, prompts, sc, default_lm.eos_ids, gens(), n, sampler=rollout.sampler)
         assert r.stats.aal > 1.2, (draft, r.stats.aal)  # drafts were accepted: many verification forwards
         assert r.tokens == ar, draft

@@ -11,11 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparkrl import native, precision
-from sparkrl.kernels import (PACKED_WEIGHT_MAJOR_ROWS, WEIGHT_MAJOR_ROWS, Linear, is_packed, linears, pack, packable,
+from sparkrl.cpu import native
+
+from sparkrl.cpu import accelerate as cpu_layer
+from sparkrl.cpu.accelerate import CpuAttention, CpuRMSNorm, accelerate
+from sparkrl.cpu.kernels import (PACKED_WEIGHT_MAJOR_ROWS, WEIGHT_MAJOR_ROWS, CpuLinear as Linear, is_packed, linears, pack, packable,
                              weight_major_linear)
-from sparkrl.model import Attention, RMSNorm, apply_rope
-from sparkrl.precision import RolloutCopy, use_packed
+from sparkrl.model.transformer import apply_rope
+from sparkrl.train.precision import rollout_copy
 
 BF16, F32 = torch.bfloat16, torch.float32
 needs_packing = pytest.mark.skipif(not packable(BF16, "cpu"), reason="this torch/CPU cannot prepack bfloat16 weights")
@@ -76,7 +79,7 @@ def test_a_changed_weight_is_repacked_never_served_stale(dtype):
 @needs_packing
 def test_a_refreshed_rollout_copy_samples_from_the_new_master_weights():
     master = Linear(48, 40, bias=False)
-    copy_ = RolloutCopy(master, BF16, packed=True)
+    copy_ = rollout_copy(master, BF16, "packed")
     x = torch.randn(2, 48).to(BF16)
     layer = copy_.model
     assert layer.packed and layer is not master
@@ -122,7 +125,7 @@ def test_a_packed_float32_layer_leaves_the_fewest_rows_to_weight_major_products(
     """Up to `PACKED_WEIGHT_MAJOR_ROWS` rows a weight-major product (and no packed copy made), from there
     the prepacked one; both within float32 rounding of float64; a packed bfloat16 layer never runs
     weight-major."""
-    lin = precision.use_weight_major(pack(_layer(96, 160, True, dtype=F32)))
+    lin = cpu_layer.use_weight_major(pack(_layer(96, 160, True, dtype=F32)))
     x = torch.randn(rows, 96)
     with torch.no_grad():
         y = lin(x)
@@ -130,7 +133,7 @@ def test_a_packed_float32_layer_leaves_the_fewest_rows_to_weight_major_products(
         assert lin.serves_weight_major(x) == (rows <= PACKED_WEIGHT_MAJOR_ROWS) == (lin._pack is None)
         if rows <= PACKED_WEIGHT_MAJOR_ROWS:
             assert torch.equal(y, weight_major_linear(x, lin.weight, lin.bias))
-        half = precision.use_weight_major(_layer(96, 160, True, dtype=BF16))
+        half = cpu_layer.use_weight_major(_layer(96, 160, True, dtype=BF16))
         half.packed = True  # as `pack` sets it where bfloat16 packs
         assert half.weight_major and not half.serves_weight_major(x.to(BF16))
 
@@ -140,14 +143,14 @@ def test_packed_model_and_drafter_follow_the_plain_ones(tiny_llama, dtype):
     from sparkrl.drafters.eagle3 import Eagle3Drafter
 
     plain = tiny_llama.to(dtype)
-    packed = pack(copy.deepcopy(plain))
+    packed = pack(accelerate(copy.deepcopy(plain), "plain").model)
     toks = torch.tensor([[1, 2, 3, 4, 5, 6]])
     with torch.no_grad():
         a, b = plain.logits(plain(toks).hidden), packed.logits(packed(toks).hidden)
     assert is_packed(packed) and packed.lm_head.packed and not is_packed(plain)
     assert (a - b).abs().max() < 0.05 * a.abs().max()
     d = Eagle3Drafter(plain.args).to(dtype)
-    assert d.bind(packed)._head[0].packed and not d.bind(plain)._head[0].packed  # the head follows the policy
+    assert d.bind(packed)._head[0].packed and not is_packed(d.bind(plain)._head[0])  # the head follows the policy
 
 
 @pytest.mark.parametrize("grad", [False, True])
@@ -215,7 +218,7 @@ def test_fused_linears_match_a_float64_reference_and_are_never_served_stale(rows
     products runs each layer on its own."""
     torch.manual_seed(0)
     layers = [Linear(40, n, bias=bias).requires_grad_(False) for n in (48, 16, 16)]
-    precision.use_weight_major(nn.Sequential(*layers))
+    cpu_layer.use_weight_major(nn.Sequential(*layers))
     x = torch.randn(rows, 40)
 
     def check():
@@ -242,7 +245,7 @@ def test_fused_linears_match_a_float64_reference_and_are_never_served_stale(rows
         x.requires_grad_(True)
         assert all(torch.equal(y, F.linear(x, lin.weight, lin.bias)) for y, lin in zip(linears(x, *layers), layers))
         x.requires_grad_(False)
-    precision.use_weight_major(nn.Sequential(*layers), False)  # off: F.linear each, the fused copy freed
+    cpu_layer.use_weight_major(nn.Sequential(*layers), False)  # off: F.linear each, the fused copy freed
     assert layers[0]._fused is None
     with torch.no_grad():
         assert all(torch.equal(y, F.linear(x, lin.weight, lin.bias)) for y, lin in zip(linears(x, *layers), layers))
@@ -253,7 +256,7 @@ def test_a_model_with_fused_weight_major_products_follows_the_plain_one(tiny_lla
     """The whole decode step (q/k/v and gate/up fused) against the plain model, after a weight update."""
     torch.manual_seed(0)
     plain = tiny_llama.requires_grad_(False)
-    fast = precision.use_weight_major(copy.deepcopy(plain))
+    fast = cpu_layer.use_weight_major(accelerate(copy.deepcopy(plain), "plain").model)
     tokens = torch.randint(0, plain.args.vocab_size, (3, 5))
     for step in range(2):
         outs = []
@@ -312,7 +315,7 @@ def test_the_compiled_few_row_product_matches_a_float64_reference(rows, n_out, n
 @pytest.mark.parametrize("weight_major", [True, False])
 @pytest.mark.parametrize("packed", [pytest.param(True, marks=needs_f32_packing), False])
 def test_layers_run_the_compiled_product_where_it_serves_when_it_is_on(packed, weight_major, dtype):
-    """On (`precision.use_native`): every no-grad product runs the compiled kernel whatever the layer's other
+    """On (`cpu_layer.use_native`): every no-grad product runs the compiled kernel whatever the layer's other
     kernels, a gradient-recording forward does not; q/k/v-style `linears` run it once over the weights
     concatenated; off: as before."""
     if dtype == BF16 and packed:
@@ -320,7 +323,7 @@ def test_layers_run_the_compiled_product_where_it_serves_when_it_is_on(packed, w
     lin = pack(_layer(96, 160, True, dtype=dtype), packed)
     lin.weight_major = weight_major
     for on in (True, False):
-        assert precision.use_native(lin, on) is lin and lin.native is on
+        assert cpu_layer.use_native(lin, on) is lin and lin.native is on
         for rows in (1, 2, 5, 32, 33):
             x = torch.randn(rows, 96).to(dtype)
             with torch.no_grad():
@@ -331,10 +334,10 @@ def test_layers_run_the_compiled_product_where_it_serves_when_it_is_on(packed, w
                 assert torch.equal(y, lin._compiled(x, lin.weight, lin.bias))
             elif dtype == F32:  # another kernel: other float32 sums (bfloat16 ones may round alike)
                 assert not torch.equal(y, native.linear(x, lin.weight, lin.bias)), (on, rows)
-    precision.use_native(lin, True)
+    cpu_layer.use_native(lin, True)
     x = torch.randn(3, 96, requires_grad=True).to(dtype)
     assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))  # gradients on: plain F.linear
-    other = precision.use_native(pack(_layer(96, 48, True, seed=1, dtype=dtype), packed), True)
+    other = cpu_layer.use_native(pack(_layer(96, 48, True, seed=1, dtype=dtype), packed), True)
     other.weight_major = weight_major
     x = torch.randn(1, 4, 96).to(dtype)
     with torch.no_grad():
@@ -496,15 +499,15 @@ def test_a_row_of_the_compiled_attention_depends_only_on_the_positions_it_sees(t
 
 @needs_native
 def test_norms_and_rope_run_compiled_only_when_on_and_never_while_training(tiny_llama, monkeypatch):
-    """`precision.use_native` turns the kernels on in every norm and attention; a no-grad forward then matches
+    """`cpu_layer.use_native` turns the kernels on in every norm and attention; a no-grad forward then matches
     torch's ops within float32 rounding (cached forwards with the compiled attention too), and a gradient-recording
     one is torch's own (differentiable)."""
     model = copy.deepcopy(tiny_llama)
     tokens = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
         ref = model(tokens).hidden
-        precision.use_native(model, True)
-        assert all(m.native for m in model.modules() if isinstance(m, (RMSNorm, Attention)))
+        cpu_layer.use_native(accelerate(model, "plain").model, True)
+        assert all(m.native for m in model.modules() if isinstance(m, (CpuRMSNorm, CpuAttention)))
         y = model(tokens).hidden
     assert torch.allclose(y, ref, atol=1e-5, rtol=1e-5)
     calls = []
@@ -517,7 +520,7 @@ def test_norms_and_rope_run_compiled_only_when_on_and_never_while_training(tiny_
         assert set(calls) == {"rms_norm", "rope"}  # no cache: torch's attention
         cached = []
         for on in (True, False):  # cached chunks: compiled attention against torch's
-            precision.use_native(model, on)
+            cpu_layer.use_native(model, on)
             calls.clear()
             cache = model.new_cache(1, 16)
             cached.append(torch.cat([model(tokens[:, :3], cache).hidden, model(tokens[:, 3:], cache).hidden], 1))

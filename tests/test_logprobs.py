@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparkrl.grpo import token_logprobs
-from sparkrl.logprobs import head_logprobs
-from sparkrl.precision import RolloutCopy
+from sparkrl.train.grpo import token_logprobs
+from sparkrl.model.logprobs import head_logprobs
+from sparkrl.train.precision import rollout_copy
 
 
 def plain(hidden, weight, targets, temperature):
@@ -65,7 +65,7 @@ def test_only_what_needs_a_gradient_gets_one(tiny_llama):
 
 
 def test_a_float32_head_copy_scores_with_its_float32_weights(tiny_llama):
-    copy = RolloutCopy(tiny_llama, torch.bfloat16, head_float32=True).model
+    copy = rollout_copy(tiny_llama, torch.bfloat16, "plain", head_float32=True).model
     h = torch.randn(2, 3, tiny_llama.args.hidden_size).bfloat16()
     t = torch.randint(0, tiny_llama.args.vocab_size, (2, 3))
     torch.testing.assert_close(copy.token_logprobs(h, t)[0], token_logprobs(copy.logits(h), t), rtol=0, atol=1e-5)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import FAMILIES, hf_model, ours_from_hf
-from sparkrl import model as model_mod
+from sparkrl.model import transformer as model_mod
 from sparkrl.errors import UserError
-from sparkrl.model import Attention, ModelArgs, Transformer
-from sparkrl.precision import use_float32_attention
+from sparkrl.model.transformer import Attention, ModelArgs, Transformer
+from sparkrl.cpu.accelerate import CpuAttention, accelerate
 
 
 def _rel_err(a, b):
@@ -19,8 +19,10 @@ def _rel_err(a, b):
 
 
 def _attending_in(m: Transformer, dtype: torch.dtype | None) -> Transformer:
+    """m on torch's kernels, attending in `dtype` (the CPU layer's `CpuAttention.attn_dtype`)."""
+    accelerate(m, "plain")
     for a in m.modules():
-        if isinstance(a, Attention):
+        if isinstance(a, CpuAttention):
             a.attn_dtype = dtype
     return m
 
@@ -121,7 +123,7 @@ def test_tree_forward_and_commit_equal_recompute(family, attn):
 
 
 def test_float32_attention_of_a_bfloat16_model_matches_a_float64_reference(tiny_llama, monkeypatch):
-    """A bfloat16 model attending in float32 (`precision.use_float32_attention`) through a prefill, decode
+    """A bfloat16 model attending in float32 (`cpu.accelerate`, float32_attention) through a prefill, decode
     steps and a tree forward: every attention reads exactly the bfloat16 keys and values the layers made (its
     float32 cache adds no rounding) and is within float32 rounding of float64 attention on the same inputs,
     where bfloat16 attention is not."""
@@ -139,7 +141,7 @@ def test_float32_attention_of_a_bfloat16_model_matches_a_float64_reference(tiny_
     errs = {}
     for on in (True, False):
         seen.clear()
-        m = use_float32_attention(tiny_llama.to(torch.bfloat16), on)
+        m = accelerate(tiny_llama.to(torch.bfloat16), "plain", float32_attention=on).model
         with torch.no_grad():
             cache = m.new_cache(2, 32)
             for a, b in [(0, 6), (6, 7), (7, 9)]:
@@ -228,7 +230,7 @@ def test_unsupported_architecture_lists_supported():
 
 
 def test_weights_loader_errors(tmp_path, tiny_model_dir):
-    from sparkrl.weights import load_model
+    from sparkrl.model.weights import load_model
 
     with pytest.raises(UserError, match="does not exist"):
         load_model(str(tmp_path / "nope"))
@@ -245,7 +247,7 @@ def test_weights_loader_errors(tmp_path, tiny_model_dir):
 def test_default_model_matches_transformers():
     from transformers import AutoModelForCausalLM
 
-    from sparkrl.weights import load_model
+    from sparkrl.model.weights import load_model
 
     lm = load_model("default", with_tokenizer=False)
     hf = AutoModelForCausalLM.from_pretrained(str(lm.path), dtype=torch.float32).eval()

@@ -7,17 +7,17 @@ import json
 
 import torch
 
-from sparkrl import precision
+from sparkrl.cpu import tuning
+from sparkrl.cpu.accelerate import CpuAttention
 from sparkrl.drafters import Eagle3Drafter
-from sparkrl.kernels import packable
-from sparkrl.model import Attention
-from sparkrl.precision import RolloutCopy, float32_attention_choice
+from sparkrl.model.transformer import Linear
+from sparkrl.train.precision import RolloutCopy, rollout_copy, rollout_dtype
 
 
 def test_float32_head_matches_a_float64_reference_where_a_bf16_head_rounds(tiny_llama):
     master = tiny_llama  # float32 master weights
-    fp32_head = RolloutCopy(master, torch.bfloat16, head_float32=True).model
-    bf16_head = RolloutCopy(master, torch.bfloat16).model
+    fp32_head = rollout_copy(master, torch.bfloat16, "plain", head_float32=True).model
+    bf16_head = rollout_copy(master, torch.bfloat16, "plain").model
     assert fp32_head.head32 and fp32_head.head32[0].dtype == torch.float32 and not bf16_head.head32
     h = (4 * torch.randn(5, master.args.hidden_size, generator=torch.Generator().manual_seed(0))).to(torch.bfloat16)
     ref = h.double() @ master.lm_head.weight.double().T  # the master's head on the rollout's hidden states
@@ -28,50 +28,52 @@ def test_float32_head_matches_a_float64_reference_where_a_bf16_head_rounds(tiny_
 
 
 def test_float32_head_follows_the_master_after_refresh_and_only_for_half_copies(tiny_llama):
-    copy = RolloutCopy(tiny_llama, torch.bfloat16, head_float32=True)
+    copy = rollout_copy(tiny_llama, torch.bfloat16, "plain", head_float32=True)
     with torch.no_grad():
         tiny_llama.lm_head.weight.mul_(1.5)  # an optimizer step, in place
     assert not torch.equal(copy.model.head32[0], tiny_llama.lm_head.weight)
     copy.refresh()
     assert torch.equal(copy.model.head32[0], tiny_llama.lm_head.weight)
     assert copy.model.head32[0] is not tiny_llama.lm_head.weight  # a copy the rollout owns
-    assert RolloutCopy(tiny_llama, torch.float32, head_float32=True).model.head32 == ()  # float32: nothing to do
+    assert rollout_copy(tiny_llama, torch.float32, "plain", head_float32=True).model.head32 == ()  # float32: nothing to do
 
 
 def test_the_float32_attention_decision_is_measured_once_and_cached_and_applied(monkeypatch, tmp_path, tiny_llama):
-    """A bfloat16 copy on a CPU attends in float32 (and keeps a float32 cache) where a measurement finds that
-    faster; a float32 copy, a drafter (it follows its policy) and --cpu-kernels plain are not measured."""
+    """A bfloat16 copy on a CPU whose attention is torch's (here --cpu-kernels packed) attends in float32 (and
+    keeps a float32 cache) where a measurement finds that faster; a float32 copy, a drafter (it follows its
+    policy) and --cpu-kernels plain are not measured."""
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
     calls = []
-    monkeypatch.setattr(precision, "_attention_seconds", lambda q, k, v, mask: calls.append(k.dtype) or
+    monkeypatch.setattr(tuning, "_attention_seconds", lambda q, k, v, mask: calls.append(k.dtype) or
                         (2.0 if k.dtype == torch.bfloat16 else 1.0))
-    copy = RolloutCopy(tiny_llama, torch.bfloat16).model
+    attn = lambda model: {m.attn_dtype for m in model.modules() if isinstance(m, CpuAttention)}
+    copy = rollout_copy(tiny_llama, torch.bfloat16, "packed").model
     assert set(calls) == {torch.bfloat16, torch.float32}
-    assert {m.attn_dtype for m in copy.modules() if isinstance(m, Attention)} == {torch.float32}
+    assert attn(copy) == {torch.float32}
     cache = copy.new_cache(2, 8)
     assert cache.k[0].dtype == cache.v[-1].dtype == torch.float32
     n = len(calls)
-    assert precision.float32_attention_pays(torch.bfloat16, tiny_llama.args) and len(calls) == n  # cached
+    assert tuning.float32_attention_pays(torch.bfloat16, tiny_llama.args) and len(calls) == n  # cached
     stored = json.loads(next((tmp_path / "costs").glob("attention-*.json")).read_text())
     assert stored["pays"] and stored["speedup"] == 2.0
-    for model in (RolloutCopy(tiny_llama, torch.float32).model, RolloutCopy(Eagle3Drafter(tiny_llama.args),
-                                                                            torch.bfloat16).model,
-                  RolloutCopy(tiny_llama, torch.bfloat16, attention32=float32_attention_choice("plain")).model):
-        assert {m.attn_dtype for m in model.modules() if isinstance(m, Attention)} == {None}
+    for model in (rollout_copy(tiny_llama, torch.float32, "packed").model,
+                  rollout_copy(Eagle3Drafter(tiny_llama.args), torch.bfloat16, "packed").model,
+                  rollout_copy(tiny_llama, torch.bfloat16, "plain").model):
+        assert attn(model) == {None}
     assert len(calls) == n
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "other"))
-    monkeypatch.setattr(precision, "_attention_seconds", lambda q, k, v, mask: 1.0)
-    assert not precision.float32_attention_pays(torch.bfloat16, tiny_llama.args)  # a tie
+    monkeypatch.setattr(tuning, "_attention_seconds", lambda q, k, v, mask: 1.0)
+    assert not tuning.float32_attention_pays(torch.bfloat16, tiny_llama.args)  # a tie
 
 
 def test_the_rollout_dtype_compares_each_dtype_as_its_rollout_copy_runs(monkeypatch, tmp_path, tiny_llama):
     """`--rollout-dtype auto` times float32 and bfloat16 decode steps on the kernels and attention each copy
     gets under --cpu-kernels auto, at 1, 8 and 64 rows, and picks bfloat16 only where the geometric mean of its
     speedups passes 1.05x; measured once and cached."""
-    from sparkrl import native
+    from sparkrl.cpu import native
 
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
-    monkeypatch.setattr(precision, "float32_attention_pays", lambda dtype, args: True)
+    monkeypatch.setattr(tuning, "float32_attention_pays", lambda dtype, args: True)
     seen = set()
     speed = {torch.float32: {1: 2.0, 8: 4.0, 64: 8.0}, torch.bfloat16: {1: 1.0, 8: 4.0, 64: 16.0}}
 
@@ -80,13 +82,13 @@ def test_the_rollout_dtype_compares_each_dtype_as_its_rollout_copy_runs(monkeypa
         seen.add((rows, w.weight.dtype, w.packed, w.native, attn))
         return [speed[w.weight.dtype][rows]] * reps
 
-    monkeypatch.setattr(precision, "_step_seconds", fake_steps)
-    assert precision.rollout_dtype("auto", tiny_llama) == torch.float32  # 2x, 1x, 0.5x: geometric mean 1
+    monkeypatch.setattr(tuning, "_step_seconds", fake_steps)
+    assert rollout_dtype("auto", tiny_llama) == torch.float32  # 2x, 1x, 0.5x: geometric mean 1
     on = native.available()  # the compiled kernels, and then their attention in bfloat16; else torch's, measured
     assert seen == {(r, torch.float32, False, on, None) for r in (1, 8, 64)} | \
         {(r, torch.bfloat16, False, on, None if on else torch.float32) for r in (1, 8, 64)}
     stored = json.loads(next((tmp_path / "costs").glob("dtype-*.json")).read_text())
     assert stored["by_rows"] == {"1": 2.0, "8": 1.0, "64": 0.5} and abs(stored["speedup"] - 1.0) < 1e-12
     speed[torch.bfloat16] = {1: 0.5, 8: 2.0, 64: 16.0}
-    assert precision.rollout_dtype("auto", tiny_llama) == torch.float32  # cached
-    assert not tiny_llama.lm_head.packed and tiny_llama.lm_head.weight.dtype == torch.float32  # the policy untouched
+    assert rollout_dtype("auto", tiny_llama) == torch.float32  # cached
+    assert type(tiny_llama.lm_head) is Linear and tiny_llama.lm_head.weight.dtype == torch.float32  # the policy untouched

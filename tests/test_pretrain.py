@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from sparkrl.config import PretrainConfig, build
-from sparkrl.data import Problem, held_out, load_problems, parse_row
+from sparkrl.train.data import Problem, held_out, load_problems, parse_row
+from sparkrl.train.precision import RolloutCopy
 from sparkrl.drafters.base import expected_length, read_checkpoint, save_safetensors, target_probs
 from sparkrl.errors import UserError
-from sparkrl.features import policy_pass
-from sparkrl.pretrain import batch_plan, build_corpus, load_corpus_problems, lr_at, pretrain
+from sparkrl.train.features import policy_pass
+from sparkrl.train.pretrain import batch_plan, build_corpus, load_corpus_problems, lr_at, pretrain
 
 GSM_ROW = {"question": "Tom has {n} apples and buys 3 more. How many apples does he have?",
            "answer": "He buys 3 so he has {n}+3=<<{n}+3={m}>>{m} apples.\n#### {m}"}
@@ -82,12 +83,12 @@ def _cfg(tmp_path, tiny_model_dir, data, **kw):
 
 
 def test_held_out_problems_never_enter_the_corpus(tiny_model_dir, tmp_path):
-    from sparkrl.weights import load_model
+    from sparkrl.model.weights import load_model
 
     data = gsm8k_file(tmp_path)
     cfg = _cfg(tmp_path, tiny_model_dir, data, prompts=8)
     lm = load_model(str(tiny_model_dir))
-    train, test, sources = build_corpus(cfg, lm.model, lm.tokenizer, lm.eos_ids, load_corpus_problems(cfg))
+    train, test, sources = build_corpus(cfg, RolloutCopy(lm.model, torch.float32), lm.tokenizer, lm.eos_ids, load_corpus_problems(cfg))
     problems = load_problems(str(data)).problems
     held = [p for p in problems if held_out(p, 0.2)]
     assert held and sources["solutions"] > 0 and sources["policy responses"] > 0
@@ -110,9 +111,9 @@ def test_feature_store_batch_equals_the_policy_pass_and_is_read_back(tiny_model_
     """A batch assembled from stored per-sequence features equals the plain policy pass at every real
     position (padding is zero); a second read runs no policy; other feature layers or another tag are
     other files."""
-    from sparkrl.features import FeatureStore
-    from sparkrl.pretrain import Seq
-    from sparkrl.weights import load_model
+    from sparkrl.train.features import FeatureStore
+    from sparkrl.train.pretrain import Seq
+    from sparkrl.model.weights import load_model
 
     policy = load_model(str(tiny_model_dir), with_tokenizer=False).model
     seqs = [Seq(list(range(5, 5 + n)), 3) for n in (9, 30, 17)]
@@ -142,7 +143,7 @@ def test_epochs_read_stored_features_and_train_the_same_drafter(tiny_model_dir, 
     """--epochs 2: the second pass and every held-out score after the first read the stored features (one
     policy pass per training and held-out sequence in the whole run) and train exactly the drafter that
     recomputing them every time trains."""
-    from sparkrl.model import Transformer
+    from sparkrl.model.transformer import Transformer
 
     data = gsm8k_file(tmp_path)
     real = Transformer.forward
@@ -170,7 +171,7 @@ def test_epochs_read_stored_features_and_train_the_same_drafter(tiny_model_dir, 
 
 
 def test_pretrain_two_kinds_scores_held_out_and_resumes_exactly_after_a_crash(tiny_model_dir, tmp_path, monkeypatch):
-    from sparkrl.draft_train import DraftTrainer
+    from sparkrl.train.draft_train import DraftTrainer
 
     data = gsm8k_file(tmp_path)
     full = pretrain(_cfg(tmp_path / "a", tiny_model_dir, data))
@@ -216,7 +217,7 @@ def test_pretrain_two_kinds_scores_held_out_and_resumes_exactly_after_a_crash(ti
 
 def test_pretrain_continues_from_a_drafter_with_its_vocabulary(tiny_model_dir, tmp_path):
     from sparkrl.drafters import load_drafter
-    from sparkrl.weights import load_model
+    from sparkrl.model.weights import load_model
 
     """--init FILE: training starts from that drafter (the step-0 snapshot is it) and keeps its draft
     vocabulary whatever --draft-vocab says; --feature-loss reaches the EAGLE3-style loss, and without it
@@ -251,7 +252,7 @@ def test_dflash_anchors_are_a_saved_setting(tiny_model_dir, tmp_path):
     """--anchors sets the DFlash-style drafter's training blocks per sequence; the drafter keeps it (online
     training and --init go on with it); a file from before the setting trains with 8."""
     from sparkrl.drafters import load_drafter
-    from sparkrl.weights import load_model
+    from sparkrl.model.weights import load_model
 
     args = load_model(str(tiny_model_dir)).model.args
     data = gsm8k_file(tmp_path)
@@ -271,7 +272,7 @@ def test_draft_layers_are_a_saved_setting(tiny_model_dir, tmp_path):
     """--draft-layers sets a fresh drafter's decoder layers (both kinds); the file keeps it; an EAGLE3-style
     file from before the setting has one; with --init (which keeps the drafter's own) it is refused."""
     from sparkrl.drafters import load_drafter
-    from sparkrl.weights import load_model
+    from sparkrl.model.weights import load_model
 
     args = load_model(str(tiny_model_dir)).model.args
     data = gsm8k_file(tmp_path)
@@ -306,7 +307,7 @@ def test_pretrain_init_errors(tiny_model_dir, tmp_path):
 def test_safetensors_drafter_round_trip_and_checks(tiny_model_dir, tmp_path):
     from sparkrl.drafters import load_drafter
     from sparkrl.drafters.eagle3 import Eagle3Drafter
-    from sparkrl.weights import load_model
+    from sparkrl.model.weights import load_model
 
     policy = load_model(str(tiny_model_dir), with_tokenizer=False).model
     torch.manual_seed(0)
@@ -325,10 +326,10 @@ def test_safetensors_drafter_round_trip_and_checks(tiny_model_dir, tmp_path):
 
 
 def test_draft_checkpoint_choices(tiny_model_dir, tmp_path):
-    from sparkrl.build import make_drafter
+    from sparkrl.train.assemble import make_drafter
     from sparkrl.config import DraftConfig
     from sparkrl.drafters import find_checkpoint
-    from sparkrl.weights import load_model
+    from sparkrl.model.weights import load_model
 
     policy = load_model(str(tiny_model_dir), with_tokenizer=False).model
     assert find_checkpoint("", "eagle3", policy) is None  # no drafter is shipped for this policy: fresh
@@ -343,10 +344,10 @@ def test_draft_checkpoint_choices(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 def test_shipped_drafters_serve_the_default_model(kind):
-    from sparkrl.build import make_drafter
+    from sparkrl.train.assemble import make_drafter
     from sparkrl.config import DraftConfig
     from sparkrl.drafters import find_checkpoint, shipped_path
-    from sparkrl.weights import load_model
+    from sparkrl.model.weights import load_model
 
     path = shipped_path(kind)
     assert path.is_file() and path.stat().st_size < 40e6, path
@@ -361,7 +362,7 @@ def test_shipped_drafters_serve_the_default_model(kind):
 
 @pytest.mark.slow
 def test_train_with_draft_eagle3_alone_uses_the_shipped_drafter(tmp_path, capsys):
-    from sparkrl.cli import main
+    from sparkrl.commands.cli import main
 
     assert main(["train", "--model", "default", "--data", "default", "--out", str(tmp_path / "run"), "--steps", "1",
                  "--prompts-per-step", "1", "--group-size", "2", "--max-new-tokens", "24", "--draft", "eagle3",

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from sparkrl.rewards import FORMAT_WEIGHT, Grader, as_fraction, format_ok, last_boxed
+from sparkrl.train.rewards import FORMAT_WEIGHT, Grader, as_fraction, format_ok, last_boxed
 
 REASONING = "First we add the two numbers, then we check the result carefully. "
 

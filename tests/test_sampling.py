@@ -6,10 +6,11 @@ import pytest
 import torch
 from scipy.stats import chisquare, kstest
 
-from sparkrl import native
+from sparkrl.cpu import native
+from sparkrl.cpu.accelerate import COMPILED_SAMPLER
 from sparkrl.config import SamplingConfig
-from sparkrl.rollout import generate, response_generators
-from sparkrl.sampling import logprob_of, nucleus, position_uniforms, sample, sample_from, sample_nucleus, target_probs
+from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.engine.sampling import logprob_of, nucleus, position_uniforms, sample, sample_from, sample_nucleus, target_probs
 
 
 def reference_p(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -156,14 +157,14 @@ def test_the_compiled_nucleus_keeps_ties_lower_ids_first_and_skips_impossible_to
 @needs_native
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 0.95), (0.6, 0.8)])
 def test_sample_nucleus_compiled_or_not_gives_the_same_tokens(temperature, top_p):
-    """Both ways of `sample_nucleus` give the same p up to float32 rounding and sample the same token at each
+    """`sample_nucleus` and the compiled sampler's nucleus give the same p up to float32 rounding and sample the same token at each
     uniform, but where the uniform falls within that rounding of a token's edge in the CDF (a nucleus of some
     20,000 tokens may end one token apart); where the kernel does not serve (greedy, top-p 1) it takes the
     tensor ops."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 49152, generator=g) * torch.linspace(0.5, 6, 64)[:, None]
     u = torch.rand(64, generator=g, dtype=torch.float64)
-    a, b = sample_nucleus(logits, temperature, top_p, u, True), sample_nucleus(logits, temperature, top_p, u, False)
+    a, b = COMPILED_SAMPLER.nucleus(logits, temperature, top_p, u), sample_nucleus(logits, temperature, top_p, u)
     pa, pb = dense(*a[:2], 49152), dense(*b[:2], 49152)
     edge = ((pa > 0) != (pb > 0)).sum(-1)  # rows whose nuclei end one token apart: renormalised a little apart
     assert edge.max() <= 1 and torch.allclose(pa[edge == 0], pb[edge == 0], rtol=1e-5, atol=1e-9)
@@ -176,7 +177,7 @@ def test_sample_nucleus_compiled_or_not_gives_the_same_tokens(temperature, top_p
     assert torch.allclose(a[3][same], b[3][same], atol=1e-5)
     assert torch.equal(b[3], logprob_of(logits, b[2], temperature))
     for t, p in ((0.0, 0.9), (1.0, 1.0)):
-        assert torch.equal(sample_nucleus(logits, t, p, u, True)[2], sample(logits, t, p, u))
+        assert torch.equal(COMPILED_SAMPLER.nucleus(logits, t, p, u)[2], sample(logits, t, p, u))
 
 
 def test_greedy_is_argmax_whatever_the_uniform():
@@ -188,13 +189,13 @@ def test_greedy_is_argmax_whatever_the_uniform():
 @pytest.mark.parametrize("top_p", [0.9, 1.0])
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_native)])
 def test_samples_follow_p_chi_square(top_p, compiled):
-    """`sample`, and `sample_nucleus` on the compiled kernel where it serves (top-p < 1), against p."""
+    """`sample`, and the compiled sampler's nucleus where it serves (top-p < 1), against p."""
     torch.manual_seed(1)
     logits = torch.randn(1, 12) * 1.5
     p = target_probs(logits, 0.8, top_p)[0].double()
     n = 20000  # the uniforms of one response's first n positions
     u = position_uniforms(torch.tensor([7]), torch.arange(n)[None])[0]
-    draws = sample_nucleus(logits.expand(n, -1).contiguous(), 0.8, top_p, u, True)[2] if compiled else \
+    draws = COMPILED_SAMPLER.nucleus(logits.expand(n, -1).contiguous(), 0.8, top_p, u)[2] if compiled else \
         sample(logits.expand(n, -1), 0.8, top_p, u)
     counts = torch.bincount(draws, minlength=12).double()
     assert counts[p == 0].sum() == 0  # never outside the top-p support

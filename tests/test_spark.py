@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparkrl.checkpoint import list_checkpoints, load_latest
+from sparkrl.train.checkpoint import list_checkpoints, load_latest
 from sparkrl.config import SamplingConfig
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.config import TreeShape
 from sparkrl.drafters.tree import build_chain, build_tree
 from sparkrl.errors import UserError
-from sparkrl.rollout import generate, response_generators
-from sparkrl.speculative import generate_speculative
-from sparkrl.spark import Projection, SparseRows, Spark, init_projection, sparse_delta
-from sparkrl.weights import load_model
+from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.engine.speculative import generate_speculative
+from sparkrl.engine.spark import Projection, SparseRows, Spark, init_projection, sparse_delta
+from sparkrl.model.weights import load_model
 
 V, D, R = 40, 12, 3
 
@@ -284,7 +284,7 @@ def _train_cfg(model_dir, out, **kw):
 
 
 def test_carried_corrections_survive_a_resume(tiny_model_dir, tmp_path):
-    from sparkrl.trainer import train
+    from sparkrl.train.trainer import train
     from test_trainer import ParityGrader
 
     train(_train_cfg(tiny_model_dir, tmp_path / "a", steps=3, spark_carry=True), grader=ParityGrader())
@@ -301,8 +301,8 @@ def test_carried_corrections_survive_a_resume(tiny_model_dir, tmp_path):
 def test_train_with_spark_learns_A_resumes_exactly_and_logs_rounds(tiny_model_dir, tmp_path):
     import json
 
-    from sparkrl.cli import main
-    from sparkrl.trainer import train
+    from sparkrl.commands.cli import main
+    from sparkrl.train.trainer import train
     from test_trainer import ParityGrader
 
     log = tmp_path / "rounds.jsonl"
@@ -351,7 +351,7 @@ def test_train_with_spark_learns_A_resumes_exactly_and_logs_rounds(tiny_model_di
     (["--draft", "eagle3", "--spark", "--spark-scope", "world"], "invalid choice"),
 ])
 def test_spark_bad_input_is_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):
-    from sparkrl.cli import main
+    from sparkrl.commands.cli import main
 
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--out", "X"] + argv) == 2
@@ -360,7 +360,7 @@ def test_spark_bad_input_is_one_clear_line(argv, msg, capsys, tmp_path, monkeypa
 
 
 def test_spark_rank_above_hidden_size_and_bad_round_log(tiny_model_dir, tmp_path, capsys):
-    from sparkrl.cli import main
+    from sparkrl.commands.cli import main
 
     assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--draft", "eagle3", "--spark",
                  "--spark-rank", "100000"]) == 2

@@ -14,15 +14,17 @@ from sparkrl.config import SamplingConfig
 from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.selfdraft import SelfDrafter
-from sparkrl import native
-from sparkrl.budget import AR
-from sparkrl.kernels import is_packed, pack, packable
-from sparkrl.precision import RolloutCopy, use_float32_attention, use_native, use_weight_major
+from sparkrl.cpu import native
+from sparkrl.engine.budget import AR
+from sparkrl.cpu.accelerate import COMPILED_SAMPLER, accelerate, use_float32_attention, use_native, use_weight_major
+from sparkrl.cpu.kernels import is_packed, pack, packable
+from sparkrl.engine.sampling import SAMPLER
+from sparkrl.train.precision import rollout_copy
 from sparkrl.config import TreeShape
-from sparkrl.rollout import generate, response_generators
-from sparkrl.speculative import Backlog, catch_up, generate_speculative
-from sparkrl.sampling import target_probs
-from sparkrl.spark import Spark, init_projection
+from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.engine.speculative import Backlog, catch_up, generate_speculative
+from sparkrl.engine.sampling import target_probs
+from sparkrl.engine.spark import Spark, init_projection
 
 V, EOS = 6, 5
 
@@ -186,7 +188,7 @@ def test_tree_shape_errors():
 @pytest.mark.parametrize("mode", ["ar", "tree", "chain", "block"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
 def test_rollouts_record_the_rollout_models_logprob_of_every_token(tiny_llama, mode, temperature):
-    from sparkrl.grpo import token_logprobs
+    from sparkrl.train.grpo import token_logprobs
 
     prompts, G = [[1, 2, 3, 4, 5], [6, 7]], 3
     sc = SamplingConfig(temperature, 0.9, 10)
@@ -203,6 +205,14 @@ def test_rollouts_record_the_rollout_models_logprob_of_every_token(tiny_llama, m
             logits = tiny_llama.logits(tiny_llama(seq).hidden)[:, len(r.prompt_of(i)) - 1:-1]
         want = token_logprobs(logits, torch.tensor([toks]), temperature)[0]
         assert torch.allclose(torch.tensor(r.logp[i]), want, atol=1e-4), (i, r.logp[i], want.tolist())
+
+
+def on_kernels(module, packed=False, weight_major=False, native=False, attn32=False):
+    """`module` in the CPU layer's classes with these kernels on, in any combination (`cpu.accelerate` sets them
+    per --cpu-kernels choice)."""
+    accelerate(module, "plain")
+    use_native(use_weight_major(pack(use_float32_attention(module, attn32), packed), weight_major), native)
+    return module
 
 
 @pytest.mark.parametrize("dtype,packed,head32,attn32,fast", [
@@ -225,17 +235,17 @@ def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32, a
         pytest.skip("the compiled kernels are not available here")
     torch.manual_seed(0)
     master = small_policy()
-    policy = pack(RolloutCopy(master, dtype, head_float32=head32, weight_major=dtype == torch.float32,
-                              attention32=attn32, native=fast, ops=fast).model, packed)
+    policy = on_kernels(rollout_copy(master, dtype, "plain", head_float32=head32).model, packed,
+                        dtype == torch.float32, fast, attn32)
     assert policy.lm_head.native == policy.model.norm.native == fast
     drafter = (DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args))
-    drafter = use_native(use_weight_major(pack(use_float32_attention(drafter.to(dtype), attn32), packed),
-                                          dtype == torch.float32), fast).bind(policy)
+    drafter = on_kernels(drafter.to(dtype), packed, dtype == torch.float32, fast, attn32).bind(policy)
     assert is_packed(policy) == packed == is_packed(drafter)
     prompts, G, L = [[1, 2, 3, 4], [2, 0]], 3000, 3
     sc = SamplingConfig(0.8, 0.7, L)
     shape = {"tree": TreeShape(2, 2, 4), "chain": TreeShape.chain(2), "block": TreeShape.block(2)}[mode]
-    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G), shape, group_size=G)
+    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G), shape, group_size=G,
+                             sampler=COMPILED_SAMPLER if fast else SAMPLER)
     assert r.stats.aal > 1.0
     for i, prompt in enumerate(prompts):
         samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]
@@ -267,7 +277,7 @@ def test_a_weight_major_head_samples_what_the_plain_head_does(mode):
     probabilities."""
     torch.manual_seed(0)
     plain = small_policy()
-    policy = copy.deepcopy(plain)
+    policy = accelerate(copy.deepcopy(plain), "plain").model
     policy.lm_head.weight_major = True
     drafter = (DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args)).bind(policy)
     assert drafter._head[0].weight_major  # the drafter's head follows the policy's
@@ -291,18 +301,19 @@ def test_a_weight_major_head_samples_what_the_plain_head_does(mode):
 @pytest.mark.parametrize("attn32", [False, True])
 def test_bfloat16_greedy_speculative_equals_bfloat16_greedy(tiny_llama, attn32):
     """On the compiled kernels (--cpu-kernels auto), whose rows do not depend on the batch or the forward."""
-    policy = use_float32_attention(use_native(tiny_llama.to(torch.bfloat16), True), attn32)
+    policy = on_kernels(tiny_llama.to(torch.bfloat16), native=True, attn32=attn32)
     prompts = [[1, 2, 3, 4, 5], [6, 7]]
     sc = SamplingConfig(0.0, 1.0, 12)
-    ar = generate(policy, prompts, sc, (5,), response_generators(0, 2, 3), group_size=3)
+    ar = generate(policy, prompts, sc, (5,), response_generators(0, 2, 3), group_size=3, sampler=COMPILED_SAMPLER)
     for shape in (TreeShape(4, 3, 8), TreeShape.chain(3)):
-        d = use_float32_attention(use_native(Eagle3Drafter(policy.args).to(torch.bfloat16), True), attn32)
-        sp = generate_speculative(policy, d, prompts, sc, (5,), response_generators(0, 2, 3), shape, group_size=3)
+        d = on_kernels(Eagle3Drafter(policy.args).to(torch.bfloat16), native=True, attn32=attn32)
+        sp = generate_speculative(policy, d, prompts, sc, (5,), response_generators(0, 2, 3), shape, group_size=3,
+                                  sampler=COMPILED_SAMPLER)
         assert sp.tokens == ar.tokens
 
 
 def test_round_stats_merge_sums_counts_and_sums_or_maxes_times():
-    from sparkrl.rollout import Round, RoundStats
+    from sparkrl.engine.records import Round, RoundStats
 
     a, b = RoundStats(depth=2), RoundStats(depth=2)
     a.add(Round([3, 1], True, draft_s=1.0, verify_s=2.0, accept_s=0.5))

@@ -19,19 +19,23 @@ def lazy_ok(module: str) -> bool:
     """A listed package or one of its submodules."""
     return any(module == m or module.startswith(m + ".") for m in LAZY_OK)
 
-# Layers, bottom to top: a module may import only from its own layer or below.
+# Layers, bottom to top, by package: a module may import from its own package and from the layers below. Two
+# packages in one layer do not import each other: the CPU layer is an add-on beside the drafters, and nothing
+# below `train` (where `precision.rollout_copy` composes it) imports it.
 LAYERS = [
-    {"errors", "config", "native", "kernels", "logprobs", "model", "sampling", "weights", "rewards", "grpo", "checkpoint", "export", "machine", "precision",
-     "distributed", "sharding", "__init__"},
-    {"verify", "data", "features"},
-    {"drafters.base", "drafters.tree", "drafters.eagle3", "drafters.dflash", "drafters.selfdraft", "drafters.__init__",
-     "spark", "draft_train"},
-    {"rollout", "budget"},
-    {"speculative", "analysis"},
-    {"build", "pretrain", "trainer"},
-    {"bench", "trl_rollout"},
-    {"cli", "__main__"},
+    {"errors", "config", "machine", "__init__"},  # what every layer reads
+    {"model"},  # the Transformer, weights, export, log-probabilities: the reference semantics
+    {"engine"},  # sampling, verification, AR and speculative rounds, budget, SPARK, records
+    {"drafters", "cpu"},  # what proposes tokens; the CPU speed layer
+    {"train"},  # GRPO, data, trainer, draft training, checkpoints, ranks, assembly of a rollout
+    {"commands"},  # the command line, bench, analysis, TRL adapter
+    {"__main__"},  # python -m sparkrl
 ]
+
+
+def package_of(name: str) -> str:
+    """'model.transformer' -> 'model'; a top-level module is its own package."""
+    return name.split(".")[0]
 
 
 def modules() -> dict[str, ast.Module]:
@@ -43,13 +47,18 @@ def modules() -> dict[str, ast.Module]:
 
 
 def internal_imports(tree: ast.Module, top_level_only: bool) -> set[str]:
-    """sparkrl modules imported (drafters/__init__ as 'drafters.__init__')."""
+    """sparkrl modules imported, dotted below sparkrl ('cpu.native'; a package's own file as 'drafters.__init__')."""
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     out = set()
     for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sparkrl"):
-            mod = node.module[len("sparkrl."):] if node.module != "sparkrl" else "__init__"
-            out.add(mod + ".__init__" if mod == "drafters" else mod)
+            mod = node.module[len("sparkrl."):] if node.module != "sparkrl" else ""
+            folder = ROOT.joinpath(*mod.split(".")) if mod else ROOT
+            if folder.is_dir():  # `from sparkrl.cpu import native`: a module of the package, or its __init__'s names
+                out |= {f"{mod}.{a.name}".lstrip(".") if (folder / f"{a.name}.py").exists()
+                        else f"{mod}.__init__".lstrip(".") for a in node.names}
+            else:
+                out.add(mod)
         elif isinstance(node, ast.Import):
             out |= {a.name[len("sparkrl."):] for a in node.names if a.name.startswith("sparkrl.")}
     return out
@@ -57,9 +66,10 @@ def internal_imports(tree: ast.Module, top_level_only: bool) -> set[str]:
 
 def layer_of(name: str) -> int:
     for i, layer in enumerate(LAYERS):
-        if name in layer:
+        if package_of(name) in layer:
             return i
-    raise AssertionError(f"sparkrl/{name}.py is in no layer of tests/test_structure.py: place it in LAYERS")
+    raise AssertionError(f"sparkrl/{name.replace('.', '/')}.py is in no layer of tests/test_structure.py: place its "
+                         "package in LAYERS")
 
 
 def test_no_function_level_imports_but_optional_heavy_ones():
@@ -86,8 +96,17 @@ def test_imports_run_one_way_down_the_layers():
     for name, tree in mods.items():
         for dep in internal_imports(tree, top_level_only=False):
             assert dep in mods, f"sparkrl/{name}.py imports unknown module sparkrl.{dep}"
-            assert layer_of(dep) <= layer_of(name), f"sparkrl/{name}.py (layer {layer_of(name)}) imports " \
-                                                    f"sparkrl.{dep} from the layer above it ({layer_of(dep)})"
+            same = package_of(dep) == package_of(name) or layer_of(dep) == layer_of(name) == 0  # base modules
+            assert same or layer_of(dep) < layer_of(name), \
+                f"sparkrl.{name} (layer {layer_of(name)}) imports sparkrl.{dep} (layer {layer_of(dep)}): not below it"
+
+
+def test_the_model_and_the_engine_never_import_the_cpu_layer():
+    """The eager model is the reference; the CPU layer is composed in from above (`cpu.accelerate`)."""
+    for name, tree in modules().items():
+        if package_of(name) in ("model", "engine"):
+            bad = {d for d in internal_imports(tree, top_level_only=False) if package_of(d) == "cpu"}
+            assert not bad, f"sparkrl.{name} imports {sorted(bad)}"
 
 
 def test_import_graph_has_no_cycle():
@@ -106,3 +125,22 @@ def test_import_graph_has_no_cycle():
 
     for n in graph:
         visit(n, [])
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 60
+
+
+def test_modules_and_functions_stay_readable():
+    """No module over 500 lines; no function over 60 unless its docstring says why it is one piece ("One piece:")."""
+    bad = []
+    for name, tree in modules().items():
+        lines = len((ROOT / (name.replace(".", "/") + ".py")).read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            bad.append(f"sparkrl/{name.replace('.', '/')}.py has {lines} lines (at most {MAX_MODULE_LINES})")
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = fn.end_lineno - fn.lineno + 1
+                if n > MAX_FUNCTION_LINES and "One piece:" not in (ast.get_docstring(fn) or ""):
+                    bad.append(f"sparkrl/{name.replace('.', '/')}.py: {fn.name} has {n} lines (at most "
+                               f"{MAX_FUNCTION_LINES}, or say why in its docstring: 'One piece: ...')")
+    assert not bad, "\n".join(bad)

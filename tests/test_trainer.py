@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparkrl.checkpoint import list_checkpoints, load_checkpoint, load_latest
-from sparkrl.kernels import is_packed, packable
-from sparkrl.cli import main
+from sparkrl.train.checkpoint import list_checkpoints, load_checkpoint, load_latest
+from sparkrl.cpu.kernels import is_packed, packable
+from sparkrl.commands.cli import main
 from sparkrl.config import build, RunConfig
 from sparkrl.errors import UserError
-from sparkrl.rewards import Score
-from sparkrl.trainer import DataOrder, train
+from sparkrl.train.rewards import Score
+from sparkrl.train.trainer import DataOrder, train
 
 TIMING = {"gen_s", "train_s", "draft_train_s", "gen_tok_per_s"}
 
@@ -72,7 +72,7 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path):
     assert a["step"] == b["step"] == 3
     for k in a["policy"]:
         assert torch.equal(a["policy"][k], b["policy"][k]), k
-    from sparkrl.weights import load_model
+    from sparkrl.model.weights import load_model
 
     initial = load_model(str(tiny_model_dir), with_tokenizer=False).model.state_dict()
     assert any(not torch.equal(a["policy"][k], initial[k]) for k in initial)  # training moved the weights
@@ -130,7 +130,7 @@ def test_bad_input_is_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):
 
 def test_ctrl_c_writes_checkpoint_and_resumes(tiny_model_dir, tmp_path):
     out = tmp_path / "int"
-    cmd = [sys.executable, "-m", "sparkrl.cli", "train", "--model", str(tiny_model_dir), "--out", str(out),
+    cmd = [sys.executable, "-m", "sparkrl.commands.cli", "train", "--model", str(tiny_model_dir), "--out", str(out),
            "--steps", "500", "--group-size", "2", "--prompts-per-step", "1", "--max-new-tokens", "4",
            "--default-size", "20", "--checkpoint-every", "1000"]
     # a shell's background job inherits SIGINT ignored, and Python then installs no Ctrl-C handler:
@@ -155,13 +155,13 @@ def test_ctrl_c_writes_checkpoint_and_resumes(tiny_model_dir, tmp_path):
 def test_cli_train_and_generate_on_default_model(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    r = subprocess.run([sys.executable, "-m", "sparkrl.cli", "train", "--model", "default", "--data", "default",
+    r = subprocess.run([sys.executable, "-m", "sparkrl.commands.cli", "train", "--model", "default", "--data", "default",
                         "--out", str(out), "--steps", "1", "--group-size", "2", "--prompts-per-step", "1",
                         "--max-new-tokens", "24"], capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr
     assert "trained 1 step ->" in r.stderr and (out / "model" / "model.safetensors").exists()
     assert len(_metrics(out)) == 1 and (out / "checkpoints" / "step-000001" / "policy.safetensors").exists()
-    r = subprocess.run([sys.executable, "-m", "sparkrl.cli", "generate", "--model", "default", "--prompt",
+    r = subprocess.run([sys.executable, "-m", "sparkrl.commands.cli", "generate", "--model", "default", "--prompt",
                         "What is 2+3?", "--temperature", "0", "--json", "--max-new-tokens", "20", "--n", "2"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -170,7 +170,7 @@ def test_cli_train_and_generate_on_default_model(tmp_path):
     for key in ("prompt_index", "prompt_token_ids", "text", "token_ids", "finish_reason"):
         assert key in rows[0]
     # any drafter, even an untrained one, gives exactly the greedy tokens
-    r = subprocess.run([sys.executable, "-m", "sparkrl.cli", "generate", "--model", "default", "--prompt",
+    r = subprocess.run([sys.executable, "-m", "sparkrl.commands.cli", "generate", "--model", "default", "--prompt",
                         "What is 2+3?", "--temperature", "0", "--json", "--max-new-tokens", "20", "--draft", "eagle3",
                         "--draft-checkpoint", "fresh", "--budget", "fixed", "--tree-nodes", "6", "--tree-depth", "3"],
                        capture_output=True, text=True, env=env, timeout=600)
@@ -182,7 +182,7 @@ def test_cli_train_and_generate_on_default_model(tmp_path):
 def test_cli_train_shows_drafting_resumes_aloud_and_exports(tiny_model_dir, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from sparkrl.weights import load_model
+    from sparkrl.model.weights import load_model
 
     out = tmp_path / "run"
     argv = ["train", "--model", str(tiny_model_dir), "--out", str(out), "--group-size", "2", "--prompts-per-step", "1",
@@ -252,7 +252,7 @@ def test_round_log_of_autoregressive_rollouts_is_analysable(tiny_model_dir, tmp_
 def test_bfloat16_rollouts_of_float32_weights(tiny_model_dir, tmp_path):
     """The rollout copy follows the master weights after every update, the gap between the two is
     measured, and a resumed run continues exactly."""
-    from sparkrl.trainer import GRPORun
+    from sparkrl.train.trainer import GRPORun
 
     kw = dict(rollout_dtype="bfloat16", draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3, budget="fixed")
     run = GRPORun(_cfg(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
@@ -274,8 +274,8 @@ def test_bfloat16_rollouts_of_float32_weights(tiny_model_dir, tmp_path):
 
 
 def test_weight_major_cpu_kernels_are_used_unpacked_and_unmeasured(tiny_model_dir, tmp_path, monkeypatch):
-    import sparkrl.trainer as trainer_mod
-    from sparkrl.kernels import Linear
+    import sparkrl.train.trainer as trainer_mod
+    from sparkrl.cpu.kernels import CpuLinear as Linear
 
     run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "x", steps=1, rollout_dtype="float32",
                                    cpu_kernels="weight-major"), grader=ParityGrader())
@@ -293,8 +293,8 @@ def test_packed_float32_rollouts_sample_from_the_updated_policy_and_the_referenc
     remade after the update (logits as plain F.linear's of the new weights), the reference's are made once."""
     import copy
 
-    import sparkrl.trainer as trainer_mod
-    from sparkrl.kernels import pack
+    import sparkrl.train.trainer as trainer_mod
+    from sparkrl.cpu.kernels import pack
 
     kw = dict(rollout_dtype="float32", cpu_kernels="packed", draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3,
               budget="fixed")
@@ -321,7 +321,7 @@ def test_packed_float32_rollouts_sample_from_the_updated_policy_and_the_referenc
 @pytest.mark.skipif(not packable(torch.bfloat16, "cpu"), reason="this torch/CPU cannot prepack bfloat16 weights")
 def test_packed_bfloat16_rollouts_with_a_float32_head_follow_the_updates_and_resume_exactly(tiny_model_dir, tmp_path,
                                                                                          monkeypatch):
-    import sparkrl.trainer as trainer_mod
+    import sparkrl.train.trainer as trainer_mod
 
     kw = dict(rollout_dtype="bfloat16", cpu_kernels="packed", rollout_head="float32", draft="eagle3", tree_depth=2,
               tree_branch=2, tree_nodes=3, budget="fixed")
@@ -354,7 +354,7 @@ def test_bfloat16_autocast_update_trains(tiny_model_dir, tmp_path):
 
 
 def test_resume_keeps_the_rollout_dtype_its_start_resolved(tiny_model_dir, tmp_path, monkeypatch):
-    import sparkrl.trainer as trainer_mod
+    import sparkrl.train.trainer as trainer_mod
 
     train(_cfg(tiny_model_dir, tmp_path / "r", steps=1), grader=ParityGrader())
     first = json.loads((tmp_path / "r" / "config.json").read_text())["resolved"]["rollout_dtype"]
@@ -369,16 +369,16 @@ def test_bfloat16_rollouts_attend_in_float32_where_measured_and_resume_keeps_the
     """Where torch's attention serves (here --cpu-kernels weight-major), the rollout copy and its drafter attend in
     float32 where this machine's measurement says so (the master weights and the trained drafter do not); the
     run records the choice and a resumed run keeps it."""
-    import sparkrl.trainer as trainer_mod
-    from sparkrl.model import Attention
+    import sparkrl.train.trainer as trainer_mod
+    from sparkrl.model.transformer import Attention
 
-    attn = lambda module: {m.attn_dtype for m in module.modules() if isinstance(m, Attention)}
-    monkeypatch.setattr(trainer_mod, "float32_attention_wanted", lambda model: True)  # this machine's measurement
+    attn = lambda module: {getattr(m, "attn_dtype", None) for m in module.modules() if isinstance(m, Attention)}
+    monkeypatch.setattr(trainer_mod, "float32_attention", lambda *a: True)  # this machine's measurement
     kw = dict(rollout_dtype="bfloat16", draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3, budget="fixed",
               cpu_kernels="weight-major")
     train(_cfg(tiny_model_dir, tmp_path / "r", steps=1, **kw), grader=ParityGrader())
     assert json.loads((tmp_path / "r" / "config.json").read_text())["resolved"]["float32_attention"] is True
-    monkeypatch.setattr(trainer_mod, "float32_attention_wanted", lambda model: False)  # another machine's
+    monkeypatch.setattr(trainer_mod, "float32_attention", lambda *a: False)  # another machine's
     run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "r", steps=2, resume=True, **kw), grader=ParityGrader())
     run.grader.close()
     assert attn(run.rollout.model) == attn(run.draft_rollout.model) == {torch.float32}
@@ -388,8 +388,8 @@ def test_bfloat16_rollouts_attend_in_float32_where_measured_and_resume_keeps_the
 def test_auto_cpu_kernels_run_the_compiled_kernels_and_record_it(tiny_model_dir, tmp_path):
     """Under --cpu-kernels auto every product, norm, RoPE and cached attention of the rollout copy runs the
     compiled kernels (where they can be built), unmeasured, and the run config says so."""
-    import sparkrl.trainer as trainer_mod
-    from sparkrl import native
+    import sparkrl.train.trainer as trainer_mod
+    from sparkrl.cpu import native
 
     if not native.available():
         pytest.skip("the compiled kernels are not available here")
@@ -411,7 +411,7 @@ def test_checkpoints_of_an_older_format_are_refused_not_ignored(tiny_model_dir, 
 
 
 def test_a_step_written_twice_replaces_the_first(tmp_path):
-    from sparkrl.checkpoint import save_checkpoint
+    from sparkrl.train.checkpoint import save_checkpoint
 
     for v in (1.0, 2.0):
         save_checkpoint(tmp_path, 3, {"policy": {"w": torch.full((2,), v)}, "x": v}, keep=2)

@@ -1,4 +1,4 @@
-"""sparkrl's rollouts as a TRL GRPOTrainer rollout function (sparkrl.trl_rollout), on a tiny random Llama."""
+"""sparkrl's rollouts as a TRL GRPOTrainer rollout function (sparkrl.commands.trl_rollout), on a tiny random Llama."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 
 from sparkrl.config import DraftConfig, SparkConfig, TRLConfig  # noqa: E402
 from sparkrl.errors import UserError  # noqa: E402
-from sparkrl.data import build_prompts, load_problems  # noqa: E402
-from sparkrl.rewards import Grader  # noqa: E402
-from sparkrl.trl_rollout import SparkRollout, consecutive_groups, math_reward, problem_dataset, tokenize  # noqa: E402
+from sparkrl.train.data import build_prompts, load_problems  # noqa: E402
+from sparkrl.train.rewards import Grader  # noqa: E402
+from sparkrl.commands.trl_rollout import SparkRollout, consecutive_groups, math_reward, problem_dataset, tokenize  # noqa: E402
 from conftest import default_tokenizer_dir, hf_model  # noqa: E402
 
 PROMPTS = ["What is 2+2?", "Name a colour.", "Count to three.", "Say hi.", "Add 5 and 7.", "Spell cat."]

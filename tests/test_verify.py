@@ -14,8 +14,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from sparkrl.sampling import target_probs
-from sparkrl.verify import PathLogits, Tree, accept_chain, accept_tree
+from sparkrl.engine.sampling import target_probs
+from sparkrl.engine.verify import PathLogits, accept_chain, accept_tree
+from sparkrl.engine.records import Tree
 
 V, L = 4, 3  # vocabulary, committed tokens per sequence
 

@@ -14,7 +14,7 @@ from sparkrl.drafters.base import policy_fingerprint, read_checkpoint, read_desc
 from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.errors import UserError
-from sparkrl.model import ModelArgs
+from sparkrl.model.transformer import ModelArgs
 
 KINDS = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter}  # kind -> drafter class
 SHIPPED = Path(__file__).parent / "shipped"  # default drafters for the default model (shipped/README.md)

@@ -15,7 +15,6 @@ the root, computed by the catch-up at the last position only), `new_cache(batch,
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,38 +23,15 @@ from safetensors.torch import save_file
 import torch.nn.functional as F
 from torch import nn
 
-from sparkrl.checkpoint import STATE, checkpoints_at
 from sparkrl.errors import UserError
-from sparkrl.kernels import Linear, dense, pack
-from sparkrl.model import KVCache, ModelArgs
+from sparkrl.model.kvcache import KVCache
+from sparkrl.model.transformer import Linear, ModelArgs, dense
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
     """Low, middle, high policy layers (EAGLE-3 uses 2, L/2, L-3)."""
     top = num_layers - 1
     return (min(2, top), num_layers // 2, max(num_layers - 3, 0))
-
-
-@dataclass
-class DraftStep:
-    h: torch.Tensor  # (B, T, d) normed feature entering the head
-    a: torch.Tensor  # (B, T, d) pre-norm output (EAGLE: the feature of children of these positions)
-    z: torch.Tensor | None  # (B, T, Vd) draft logits over the draft vocabulary, float32 (None: not computed)
-
-
-@dataclass
-class DraftState:
-    """Per active row: the root (last committed token, not yet run by the policy) and the drafter's
-    output at the root's position (logits of the first draft level, feature of its nodes)."""
-
-    root: torch.Tensor  # (B,)
-    z: torch.Tensor | None  # (B, Vd) (None for a block drafter, which drafts from the root in one forward)
-    a: torch.Tensor  # (B, d)
-    h: torch.Tensor  # (B, d) the head feature behind z (SPARK corrects z with it)
-
-    def keep(self, rows: torch.Tensor) -> None:
-        self.root, self.a, self.h = self.root[rows], self.a[rows], self.h[rows]
-        self.z = None if self.z is None else self.z[rows]
 
 
 class SharedHeadDrafter(nn.Module):
@@ -80,11 +56,8 @@ class SharedHeadDrafter(nn.Module):
     def bind(self, policy) -> "SharedHeadDrafter":
         """Share the policy's embedding and (reduced) output head; call after every policy update."""
         self._shared = (policy.model.embed_tokens,)
-        head = Linear(policy.lm_head.in_features, len(self.vocab_ids), bias=False, device="meta")
-        head.weight = nn.Parameter(policy.lm_head.weight.detach()[self.vocab_ids].contiguous(), requires_grad=False)
-        head.weight_major, head.native = policy.lm_head.weight_major, policy.lm_head.native
-        self._head = (pack(head, policy.lm_head.packed),)  # (Vd, d) rows of the policy's head, packed or weight-major
-        # as the policy's is; a tuple, so it is not a submodule
+        # (Vd, d) rows of the policy's head, run as the policy's head runs; a tuple, so it is not a submodule
+        self._head = (policy.lm_head.sibling(policy.lm_head.weight.detach()[self.vocab_ids].contiguous()),)
         return self
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -186,9 +159,8 @@ def read_description(path: Path) -> dict:
 
 
 def read_checkpoint(path: str | Path | dict) -> dict:
-    """The drafter entry of a file (a `pretrain-draft` drafter.pt or drafter.safetensors), of a GRPO
-    run's checkpoint (a `checkpoints/step-N` folder, or the run's folder: its latest checkpoint), or
-    of a dict."""
+    """The drafter entry of a file (a `pretrain-draft` drafter.pt or drafter.safetensors, or a GRPO
+    checkpoint's state file: `train.checkpoint.drafter_source` finds it in a run's folder), or of a dict."""
     if isinstance(path, dict):
         ck = path
     elif Path(path).suffix == ".safetensors" and Path(path).is_file():
@@ -200,11 +172,8 @@ def read_checkpoint(path: str | Path | dict) -> dict:
         if p.is_dir() and (p / "drafter.pt").is_file():  # a `pretrain-draft` drafter folder (OUT/KIND)
             p = p / "drafter.pt"
         if p.is_dir():
-            steps = checkpoints_at(p)
-            if not steps:
-                raise UserError(f"--draft-checkpoint {p} is a folder with no checkpoint; pass a drafter.pt, a run's "
-                                "checkpoints/step-N folder, or a run folder")
-            p = steps[-1] / STATE
+            raise UserError(f"--draft-checkpoint {p} is a folder with no drafter; pass a drafter.pt, a run's "
+                            "checkpoints/step-N folder, or a run folder")
         try:  # mmap: of a GRPO checkpoint only the drafter's tensors are read
             ck = torch.load(p, map_location="cpu", weights_only=False, mmap=True)
         except Exception as e:

@@ -29,10 +29,14 @@ import dataclasses
 import torch
 from torch import nn
 
-from sparkrl.drafters.base import DraftStep, SharedHeadDrafter, target_probs
-from sparkrl.drafters.tree import Proposal, identity, path_contexts, path_tree
+from sparkrl.drafters.base import SharedHeadDrafter, target_probs
+
+from sparkrl.engine.records import DraftStep
+from sparkrl.drafters.tree import identity, path_contexts, path_tree
+from sparkrl.engine.records import Proposal
 from sparkrl.errors import UserError
-from sparkrl.model import KVCache, ModelArgs, Stack
+from sparkrl.model.kvcache import KVCache
+from sparkrl.model.transformer import ModelArgs, Stack
 
 KIND = "dflash"
 GAMMA = 4.0  # decay of the loss weight with block position

@@ -30,10 +30,12 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from sparkrl.drafters.base import DraftStep, SharedHeadDrafter, target_probs
+from sparkrl.drafters.base import SharedHeadDrafter, target_probs
+
+from sparkrl.engine.records import DraftStep
 from sparkrl.drafters.tree import propose
-from sparkrl.kernels import Linear
-from sparkrl.model import KVCache, ModelArgs, Stack
+from sparkrl.model.kvcache import KVCache
+from sparkrl.model.transformer import Linear, ModelArgs, Stack
 
 KIND = "eagle3"
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from sparkrl.drafters.base import DraftStep
+from sparkrl.engine.records import DraftStep
 from sparkrl.drafters.tree import propose
-from sparkrl.model import KVCache, Transformer
+from sparkrl.model.kvcache import KVCache
+from sparkrl.model.transformer import Transformer
 
 
 class SelfDrafter:

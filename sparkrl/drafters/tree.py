@@ -17,52 +17,17 @@ node attends to its own ancestors there. The caller rolls the region back after 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
 from sparkrl.config import TreeShape
-from sparkrl.sampling import sample_from
-from sparkrl.verify import Tree
+from sparkrl.engine.sampling import sample_from
+from sparkrl.engine.records import Contexts, Proposal, Tree
 
 
 def identity(z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """The logit correction when nothing adapts the drafter: z unchanged."""
     return z
-
-
-class Contexts:
-    """The drafted contexts of a round, for SPARK's feedback: every position where the drafter computed
-    a distribution (the root and expanded tree nodes; chain and block positions).
-
-    h (B, C, d) the features entering the draft head and z (B, C, Vd) the (corrected) logits the
-    proposals came from, given as tensors or as lists of (B, c, .) parts (concatenated on first use,
-    so a round nobody reads back costs nothing); node (B, N) the context index of each tree node's
-    prediction, -1 where the drafter did not expand it. rejected_children: the feedback includes
-    tried-and-rejected children (trees) rather than treating the last path position as the rejected
-    one (one-path proposals: chains, blocks)."""
-
-    def __init__(self, h, z, node: torch.Tensor, rejected_children: bool):
-        self._h, self._z, self.node, self.rejected_children = h, z, node, rejected_children
-
-    @cached_property
-    def h(self) -> torch.Tensor:
-        return self._h if isinstance(self._h, torch.Tensor) else torch.cat(self._h, 1)
-
-    @cached_property
-    def z(self) -> torch.Tensor:
-        return self._z if isinstance(self._z, torch.Tensor) else torch.cat(self._z, 1)
-
-
-@dataclass
-class Proposal:
-    """One round's candidates: the tree to verify, the distributions sampled from (chains; None for
-    point masses) and the drafted contexts."""
-
-    tree: Tree
-    q: torch.Tensor | None  # (B, D, Vd)
-    contexts: Contexts
 
 
 def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Tensor, h: torch.Tensor,

@@ -1,0 +1,205 @@
+"""Command line: builds a config from flags and calls the library. The library never parses argv.
+
+Flags are generated from the config dataclasses (`config.py`): field `max_new_tokens` becomes
+`--max-new-tokens`, its docstring the help text, booleans get `--x / --no-x`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+from sparkrl.commands.analysis import run as run_analysis
+from sparkrl.commands.bench import bench
+from sparkrl.train.assemble import make_drafting
+from sparkrl.config import (AnalyzeConfig, BenchConfig, ExportConfig, GenerateConfig, PretrainConfig, RunConfig, build,
+                            choices, field_docs, leaf_fields)
+from sparkrl.train.data import chat_prompt_ids, read_prompts_file
+from sparkrl.errors import UserError, output_error
+from sparkrl.machine import set_threads
+from sparkrl.train.precision import rollout_copy, rollout_dtype
+from sparkrl.train.pretrain import pretrain
+from sparkrl.engine.rollout import response_generators
+from sparkrl.train.trainer import export_run, train
+from sparkrl.model.weights import load_model
+
+COMMANDS = {
+    "train": (RunConfig, "GRPO training (rollouts, rewards, policy updates, checkpoints)"),
+    "generate": (GenerateConfig, "sample responses from a model"),
+    "pretrain-draft": (PretrainConfig, "pretrain a drafter on text the policy generates (and an optional corpus)"),
+    "bench": (BenchConfig, "reproduce the paper's Table 1 (or, with --ablations, Table 2) on this machine"),
+    "analyze": (AnalyzeConfig, "paper section-2 miss statistics (Fig. 2, Fig. 4) of round logs from --round-log"),
+    "export": (ExportConfig, "write a trained policy as a Hugging Face model folder (transformers loads it)"),
+}
+
+
+def _add_flags(parser: argparse.ArgumentParser, cls) -> None:
+    """One flag per config field, grouped by component (model, sampling, data, grpo, draft, spark)."""
+    groups = {}
+    for path, f, owner in leaf_fields(cls):
+        if f.metadata.get("train_only") and cls is GenerateConfig:
+            continue
+        title = owner.__name__.removesuffix("Config").lower() if owner is not cls else None
+        group = parser if title is None else groups.get(title) or groups.setdefault(
+            title, parser.add_argument_group(f"{title} options"))
+        flag = "--" + f.name.replace("_", "-")
+        kw = {"dest": f.name, "default": argparse.SUPPRESS, "help": field_docs(owner).get(f.name, "")}
+        kw["help"] += " (required)" if f.metadata.get("required") else f" (default: {f.default!r})" if f.default != "" else ""
+        if f.metadata.get("positional"):
+            group.add_argument(f.name, nargs="?", metavar=f.name.upper(), default=argparse.SUPPRESS, help=kw["help"])
+        elif f.type in ("bool", bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif f.name in choices(owner):
+            group.add_argument(flag, choices=choices(owner)[f.name], **kw)
+        else:
+            typ = {"int": int, "float": float, "str": str}[f.type]
+            trl = f.metadata.get("trl") if cls is RunConfig else None  # TRL GRPOConfig's name, beside ours
+            group.add_argument(flag, *([f"--{trl}"] if trl else []), type=typ, metavar=f.name.upper(), **kw)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="sparkrl", description="Fast GRPO with exact speculative rollouts.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (cls, help_) in COMMANDS.items():
+        _add_flags(sub.add_parser(name, help=help_, description=help_), cls)
+    return p
+
+
+def parse(argv: list[str]):
+    ns = vars(make_parser().parse_args(argv))
+    cmd = ns.pop("command")
+    return cmd, build(COMMANDS[cmd][0], ns)
+
+
+def run_generate(cfg: GenerateConfig) -> None:
+    texts = read_prompts_file(cfg.prompts_file) if cfg.prompts_file else [cfg.prompt]
+    set_threads(cfg.model.threads)
+    lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
+    dt = rollout_dtype(cfg.model.rollout_dtype, lm.model)
+    rollout = rollout_copy(lm.model, dt, cfg.model.cpu_kernels, cfg.model.rollout_head == "float32")
+    lm.model = rollout.model  # nothing trains here
+    tok = lm.tokenizer
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] if cfg.raw else chat_prompt_ids(tok, t) for t in texts]
+    if any(not p for p in prompts):
+        raise UserError("a prompt is empty after tokenization")
+    gens = response_generators(cfg.seed, len(prompts), cfg.n)
+    d = make_drafting(cfg.draft, lm.model, rollout, cfg.sampling.temperature, cfg.seed)
+    r = d.engine.generate(lm.model, prompts, cfg.sampling, lm.eos_ids, gens, group_size=cfg.n, sampler=rollout.sampler)
+    if d.drafter is not None and cfg.draft.round_log:
+        r.append_round_log(cfg.draft.round_log, spark=d.spark is not None, seed=cfg.seed)
+    for i, toks in enumerate(r.tokens):
+        text = tok.decode(toks, skip_special_tokens=True)
+        if cfg.json:
+            print(json.dumps({"prompt_index": i // cfg.n, "response_index": i % cfg.n,
+                              "prompt_token_ids": r.prompt_of(i), "text": text, "token_ids": toks,
+                              "finish_reason": r.finish_reason[i]}), flush=True)
+        else:
+            print(f"--- prompt {i // cfg.n} response {i % cfg.n} ({r.finish_reason[i]}) ---\n{text}", flush=True)
+    s = r.stats
+    print(f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({r.num_tokens / max(r.gen_s, 1e-9):.1f} tok/s), "
+          f"{s.policy_forwards} policy forwards", file=sys.stderr)
+    if s.depth:
+        depth = " ".join(f"{a:.2f}" for a in s.accept_at_depth)
+        a = s.adapter
+        sizes = ", ".join(f"{k}: {v}" for k, v in s.sizes.items())
+        print(f"sparkrl: drafting: aal {s.aal:.2f}, {s.rounds} rounds ({s.tree_rounds} with a tree, by nodes,depth "
+              f"{{{sizes}}}), "
+              f"acceptance per depth [{depth}], "
+              f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s accept+commit {s.accept_s:.2f}s"
+              + (f", SPARK {a['spark_s']:.2f}s ({a['spark_contexts']} feedback contexts, {plural(a['spark_rows'], 'row')} of B)"
+                 if "spark_contexts" in a else ""), file=sys.stderr)
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def run_train(cfg: RunConfig) -> None:
+    s = train(cfg)
+    if not s["main"]:  # under torchrun: the summary once, from rank 0
+        return
+    lines = [f"sparkrl: trained {plural(s['steps_run'], 'step')} -> {s['out']}",
+             f"  generation {s['gen_s']:.1f}s ({plural(s['gen_tokens'], 'token')}), policy updates {s['train_s']:.1f}s"
+             + (f", drafter training {s['draft_train_s']:.1f}s" if s["rounds"] else "")]
+    if s["rounds"]:  # speculative rollouts
+        est = s["gen_ar_estimate_s"]
+        lines.append(f"  drafting: {s['committed'] / max(s['row_rounds'], 1):.2f} tokens per verification round "
+                     f"(AAL), {s['tree_rounds'] / s['rounds']:.0%} of {plural(int(s['rounds']), 'round')} drafted"
+                     + (f"; generation {s['gen_s']:.1f}s against an estimated {est:.1f}s autoregressive "
+                        f"({est / max(s['gen_s'], 1e-9):.2f}x)" if est else ""))
+    if "reward_first" in s:
+        lines.append(f"  reward {s['reward_first']:.3f} (first step) -> {s['reward_last']:.3f} (last), "
+                     f"accuracy {s['accuracy_last']:.2f}, {s['gen_tok_per_s']:.1f} generated tok/s")
+    lines.append(f"  metrics: {s['out']}/metrics.jsonl  checkpoints: {s['out']}/checkpoints/  "
+                 f"model (Hugging Face): {s['out']}/model/")
+    print("\n".join(lines), file=sys.stderr)
+
+
+def run_pretrain(cfg: PretrainConfig) -> None:
+    s = pretrain(cfg)
+    print(f"sparkrl: trained on {s['sequences']} sequences ({s['tokens']} tokens, {s['steps']} steps), draft vocabulary "
+          f"{s['draft_vocab']}", file=sys.stderr)
+    for kind, d in s["drafters"].items():
+        tree = "" if d["heldout_tree_expected_length"] is None else f" (trees {d['heldout_tree_expected_length']:.2f})"
+        score = "" if d["heldout_expected_length"] is None else \
+            f"held-out expected length {d['heldout_expected_length']:.2f}{tree}, top-1 {d['heldout_top1']:.2f}; "
+        print(f"sparkrl: {kind}: {score}use it with --draft {kind} --draft-checkpoint {d['path']}", file=sys.stderr)
+
+
+def run_analyze(cfg: AnalyzeConfig) -> None:
+    res = run_analysis(cfg.logs.split(","), [l for l in cfg.labels.split(",") if l], cfg.out, cfg.stages, cfg.bootstrap)
+    for lab, r in res.items():
+        f = lambda x: "n/a" if x is None else f"{x:.2f}"
+        ratios = ", ".join(f"{name} {f(r[k]['ratio'])} (token-matched {f(r[k]['matched_ratio'])})" for name, k in
+                           (("in the response", "within_response"), ("in the previous rollout", "previous_rollout"),
+                            ("in another response of the prompt", "within_prompt")))
+        print(f"sparkrl: {lab}: {r['drafted_positions']} drafted positions, miss rate {f(r['miss_rate'])}; "
+              f"miss-probability ratio after an earlier miss {ratios}; misses seen earlier in the response "
+              f"{f(r['misses_seen_earlier_in_response'])}, in the prompt {f(r['misses_seen_earlier_in_prompt'])}",
+              file=sys.stderr)
+    print(f"sparkrl: {cfg.out}/analysis.json, {cfg.out}/analysis.png", file=sys.stderr)
+
+
+def run_export(cfg: ExportConfig) -> None:
+    step, out = export_run(cfg.run, cfg.out)
+    print(f"sparkrl: exported step {step} of {cfg.run} -> {out} (transformers: AutoModelForCausalLM.from_pretrained)",
+          file=sys.stderr)
+
+
+def run_bench(cfg: BenchConfig) -> None:
+    res = bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    print((Path(cfg.out) / "bench.md").read_text(), end="")
+    print(f"sparkrl: bench finished in {res['wall_s']:.0f}s -> {cfg.out}/bench.json, bench.md, bench.png",
+          file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cmd, cfg = parse(sys.argv[1:] if argv is None else argv)
+        {"train": run_train, "generate": run_generate, "pretrain-draft": run_pretrain, "analyze": run_analyze,
+         "bench": run_bench, "export": run_export}[cmd](cfg)
+    except UserError as e:
+        print(f"sparkrl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # a run in its loop writes a checkpoint first (trainer, pretrain)
+        print("sparkrl: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        line = output_error(e)
+        if line is None:
+            raise
+        print(f"sparkrl: error: {line}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The CPU layer composed into a model at one call: `accelerate(module, choice)` swaps the model's modules for
+CPU subclasses (same parameters, same state-dict names, same gradients) and returns the sampler the engine
+takes with it. The eager modules of `sparkrl.model` stay the reference semantics; the subclasses differ only
+in no-grad CPU forwards:
+
+* `CpuLinear` (`kernels.py`): the compiled product (auto), prepacked oneDNN weights (packed) or weight-major
+  products (weight-major); the projections that read one input (q/k/v, gate/up) as one product where the
+  compiled or weight-major product serves them (`kernels.linears`);
+* `CpuRMSNorm`, `CpuAttention`: the compiled norm, RoPE and cached attention (auto); a half-precision
+  model's attention in float32 over a float32 KV cache where `tuning.float32_attention_pays` (packed,
+  weight-major);
+* `CpuTransformer`: a float32 LM head (`--rollout-head float32`) on the compiled product;
+* `CompiledSampler`: the nucleus, token and log-probability of a row of logits in one compiled call.
+
+--cpu-kernels auto (the default) uses the compiled kernels, which compute each row the same way whatever else
+the forward carries, so speculative rollouts of point-mass drafts commit the very tokens autoregressive
+sampling gives with the same seed. packed, weight-major and plain (torch's kernels) change their order of adds
+with the batch: exact in distribution, not token-identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sparkrl.cpu import native
+from sparkrl.cpu.kernels import CpuLinear, linears, pack, packable
+from sparkrl.engine.sampling import SAMPLER, Sampler
+from sparkrl.model.transformer import MLP, Attention, Linear, RMSNorm, Transformer, dense
+
+
+class CpuRMSNorm(RMSNorm):
+    native = False  # the compiled norm (`use_native`)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.dtype == self.weight.dtype and native.serves_elementwise(x):
+            return native.rms_norm(x, self.weight, self.eps)  # one call for the reference's ops
+        return super().forward(x)
+
+
+class CpuAttention(Attention):
+    native = False  # the compiled RoPE and cached attention (`use_native`)
+    attn_dtype: torch.dtype | None = None  # the dtype attention runs in and the cache keeps, if not the
+    # inputs': float32 for a half-precision copy whose own attention is slower here (`use_float32_attention`)
+
+    def project(self, x):
+        return linears(x, self.q_proj, self.k_proj, self.v_proj)
+
+    def rope(self, x, cos, sin):
+        if self.native and cos.dtype == x.dtype and native.serves_elementwise(x):
+            return native.rope(x, cos, sin)
+        return super().rope(x, cos, sin)
+
+    def cache_dtype(self, dtype):
+        return self.attn_dtype or dtype
+
+    def attend(self, q, k, v, layer, cache, ctx):
+        was, dt = q.dtype, self.attn_dtype or q.dtype
+        return super().attend(q.to(dt), k.to(dt), v.to(dt), layer, cache, ctx).to(was)
+
+    def attend_cached(self, q, kbuf, vbuf, mask, span):
+        if self.native and native.serves_attention(q, kbuf):  # one call, written as o_proj reads it
+            B, H, T, D = q.shape
+            return native.attention(q, kbuf, vbuf, mask, span, q.dtype).view(B, T, H * D)
+        return super().attend_cached(q, kbuf, vbuf, mask, span)
+
+
+class CpuMLP(MLP):
+    def gate_up(self, x):
+        return linears(x, self.gate_proj, self.up_proj)
+
+
+class CpuTransformer(Transformer):
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head32 and self.lm_head.native:
+            return native.linear(dense(hidden.float()), self.head32[0])
+        return super().logits(hidden)
+
+
+class CompiledSampler(Sampler):
+    """The engine's sampler with the nucleus, token and log-probability of float32 CPU logits in one call of
+    the compiled kernel (`native.nucleus`, for temperature > 0 and 0 < top_p < 1; else the reference's); the
+    token and its log-probability always from the nucleus."""
+
+    def nucleus(self, logits, temperature, top_p, u):
+        if temperature > 0 and 0 < top_p < 1 and logits.dtype == torch.float32 and logits.device.type == "cpu":
+            return native.nucleus(logits, temperature, top_p, u)
+        return super().nucleus(logits, temperature, top_p, u)
+
+    def token(self, logits, temperature, top_p, u):
+        return self.nucleus(logits, temperature, top_p, u)[2:]
+
+
+COMPILED_SAMPLER = CompiledSampler()
+SWAPS = {Linear: CpuLinear, RMSNorm: CpuRMSNorm, Attention: CpuAttention, MLP: CpuMLP, Transformer: CpuTransformer}
+CHOICES = ("auto", "packed", "weight-major", "plain")
+
+
+@dataclass
+class Acceleration:
+    """What `accelerate` made of a module: the module (the same object, its modules swapped), the sampler the
+    engine takes with it, and the kernels chosen (a run's config and the budget's cost model record them)."""
+
+    model: nn.Module
+    sampler: Sampler = SAMPLER
+    kernels: dict = field(default_factory=dict)  # packed, weight_major, attention (its dtype), and the compiled
+    # kernels' digest as native and ops where they serve
+
+
+def accelerate(module: nn.Module, choice: str = "auto", float32_attention: bool = False) -> Acceleration:
+    """Run `module`'s no-grad CPU forwards on the kernels of --cpu-kernels `choice` (see the module doc), in
+    place; off a CPU, or where the compiled kernels cannot be built, torch's kernels serve. float32_attention:
+    a half-precision module's attention in float32 (`CpuAttention.attn_dtype`; only where torch's attention
+    serves: `tuning.float32_attention_choice`)."""
+    if choice not in CHOICES:
+        raise ValueError(f"cpu kernels {choice!r}: one of {', '.join(CHOICES)}")
+    for m in module.modules():
+        for cls in type(m).__mro__:
+            if cls in SWAPS:
+                m.__class__ = SWAPS[cls]
+                break
+    w = next(module.parameters())
+    cpu = w.device.type == "cpu"
+    pack(module, choice == "packed" and packable(w.dtype, w.device))
+    use_weight_major(module, choice == "weight-major" and cpu)
+    compiled = choice == "auto" and cpu and native.available()
+    use_native(module, compiled)
+    use_float32_attention(module, float32_attention)
+    kernels = {"packed": choice == "packed" and packable(w.dtype, w.device), "weight_major": choice == "weight-major"
+               and cpu, "attention": str(torch.float32 if float32_attention else None),
+               **({"native": native.digest(), "ops": native.digest()} if compiled else {})}
+    return Acceleration(module, COMPILED_SAMPLER if compiled else SAMPLER, kernels)
+
+
+def use_native(module: nn.Module, on: bool = True) -> nn.Module:
+    """Run `module`'s no-grad CPU forwards on the compiled kernels (on, where they are available; never off a
+    CPU, where they are not even built) or on torch's."""
+    on = bool(on) and next(module.parameters()).device.type == "cpu" and native.available()
+    for m in module.modules():
+        if isinstance(m, CpuLinear):
+            m.native = on
+            if not on:
+                m._pairs = None  # the compiled product's repacked weight
+        elif isinstance(m, (CpuRMSNorm, CpuAttention)):
+            m.native = on
+    return module
+
+
+def use_weight_major(module: nn.Module, on: bool = True) -> nn.Module:
+    """Run every `CpuLinear` of `module` as a weight-major product (on) where it serves the product
+    (`CpuLinear.serves_weight_major`), else as before; off frees the fused weights of `kernels.linears`."""
+    for m in module.modules():
+        if isinstance(m, CpuLinear):
+            m.weight_major = on
+            if not on:
+                m._fused = None
+    return module
+
+
+def use_float32_attention(module: nn.Module, on: bool = True) -> nn.Module:
+    """Run every `CpuAttention` of `module` in float32 with a float32 KV cache (on: queries, keys and values
+    cast up, outputs cast back), or in its inputs' dtype; caches made before keep their dtype."""
+    for m in module.modules():
+        if isinstance(m, CpuAttention):
+            m.attn_dtype = torch.float32 if on else None
+    return module

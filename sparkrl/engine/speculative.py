@@ -1,0 +1,373 @@
+"""The speculative rollout engine (paper section 3.1): rounds of propose -> verify -> adapt -> commit.
+
+Each round, for every active response: the drafter proposes a tree (EAGLE3-style), a sampled chain,
+or a greedy block (DFlash-style) (`drafter.propose`) -> the policy verifies all of them in ONE
+batched forward with tree attention -> exact acceptance (`verify.accept_tree` / `accept_chain`) ->
+the drafter adapter sees the verified round (SPARK's feedback; nothing by default) -> the accepted
+path is committed in the policy's cache, the drafter's tree is rolled back, and the policy's
+features at the accepted tokens feed the drafter (its "catch-up" forward, which also yields the
+next round's first draft level). No extra policy forward is spent on features: they are taps of the
+verification forward. A budget may choose an autoregressive round instead (`rollout.decode_one_token`);
+the drafter then catches up on that backlog at the next drafted round.
+
+The steps, as gpt-fast keeps prefill / decode_one_token / speculative_decode apart:
+`Speculation.start` (prefills, first token), `autoregressive_round`, `speculative_round`; each round
+returns a `rollout.Round` record that `RoundStats` sums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from sparkrl.config import SamplingConfig, TreeShape
+from sparkrl.engine.records import DraftState
+from sparkrl.engine.records import Proposal
+from sparkrl.model.kvcache import KVCache
+from sparkrl.model.transformer import Transformer, pad_right
+from sparkrl.engine.rollout import Batch, decode_one_token, generate, prefill
+from sparkrl.engine.records import HIT, MISS, UNDRAFTED, Round, RoundStats
+from sparkrl.engine.budget import FixedBudget
+from sparkrl.engine.sampling import SAMPLER, Sampler
+from sparkrl.engine.verify import PathLogits, accept_chain, accept_tree
+from sparkrl.engine.records import Acceptance
+
+
+PATH_ROWS = 6  # LM-head rows of one acceptance-walk call (`verify.PathLogits`): on the CPU measured, a
+# bfloat16 head product of up to 6-8 rows costs about what one row costs (BENCHMARKS, "The acceptance walk's
+# LM head along the first choices")
+
+
+class NoAdaptation:
+    """The drafter adapter when nothing adapts the drafter during the rollout (SPARK off): proposals
+    use the drafter's own logits. `spark.Spark` implements the same protocol."""
+
+    needs_targets = False
+
+    def begin(self, n_prompts: int, group_size: int) -> None:
+        pass
+
+    def select(self, responses) -> None:
+        pass
+
+    def correct(self, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return z
+
+    def observe(self, proposal: Proposal, acc: Acceptance, logits_at) -> None:
+        pass
+
+    def end_round(self) -> None:
+        pass
+
+    def metrics(self) -> dict:
+        return {"spark_s": 0.0}
+
+
+class Backlog:
+    """Drafter inputs of autoregressive rounds (the sampled token, the policy's features at its
+    predecessor) that the drafter has not run yet: it runs them all at the next drafted round.
+
+    Finished responses leave by an index, not a copy: the rounds added since the last drop share one map
+    from today's rows to theirs, composed at each drop and applied once at `pop`. (Selecting every stored
+    round's rows at every drop copied the whole backlog each time: at 64 responses, 221 KB of bfloat16
+    features per round held, at each of dozens of drops.)"""
+
+    @dataclasses.dataclass
+    class Group:
+        """Rounds added between two drops: their tokens and features, and the map from today's rows to theirs
+        (None: the same rows)."""
+
+        tokens: list = dataclasses.field(default_factory=list)
+        feats: list = dataclasses.field(default_factory=list)
+        rows: torch.Tensor | None = None
+
+        def rounds(self, parts: list) -> torch.Tensor:
+            x = torch.cat(parts, 1)
+            return x if self.rows is None else x.index_select(0, self.rows)
+
+    def __init__(self):
+        self.groups: list[Backlog.Group] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def add(self, tokens: torch.Tensor, feats) -> None:
+        if not self.groups or self.groups[-1].rows is not None:
+            self.groups.append(Backlog.Group())
+        self.groups[-1].tokens.append(tokens)
+        self.groups[-1].feats.append(feats)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        for g in self.groups:
+            g.rows = rows if g.rows is None else g.rows.index_select(0, rows)
+
+    def pop(self):
+        tokens = torch.cat([g.rounds(g.tokens) for g in self.groups], 1)
+        feats = None if self.groups[0].feats[0] is None else torch.cat([g.rounds(g.feats) for g in self.groups], 1)
+        self.groups = []
+        n = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=tokens.device)
+        return tokens, feats, n
+
+
+def catch_up(drafter, cache: KVCache, tokens: torch.Tensor, feats, n: torch.Tensor) -> DraftState:
+    """Drafter forward over newly committed positions: tokens (B, T) are the tokens after each
+    position, feats (B, T, d) the policy's features there, n (B,) how many are real (>= 1). The draft
+    logits only at each row's last real position, the root the next round drafts from (a block
+    drafter needs none)."""
+    step = drafter(tokens, feats, cache, head=False)
+    cache.commit(n_keep=n)
+    last = (n - 1)[:, None, None]
+    pick = lambda t: t.gather(1, last.expand(-1, 1, t.shape[-1]))[:, 0]
+    h = pick(step.h)
+    z = drafter.logits(h) if drafter.root_logits else None
+    return DraftState(tokens.gather(1, (n - 1)[:, None])[:, 0], z, pick(step.a), h)
+
+
+class Speculation:
+    """One speculative rollout in progress: the policy's and the drafter's caches, the drafter's state
+    at every active row's root, and the batch bookkeeping."""
+
+    def __init__(self, policy: Transformer, drafter, sampling: SamplingConfig, shape: TreeShape,
+                 generators: list[torch.Generator], adapter, sampler: Sampler = SAMPLER):
+        self.policy, self.drafter, self.sampling, self.shape = policy, drafter, sampling, shape
+        self.generators, self.adapter, self.sampler = generators, adapter, sampler
+        self.taps = tuple(drafter.feature_layers)
+        self.chain = shape.mode == "chain"
+        self.vocab = drafter.vocab_ids if adapter.needs_targets else None  # targets for the adapter
+        self.backlog = Backlog()
+
+    def start(self, prompts: list[list[int]], group_size: int, eos_ids: tuple[int, ...]) -> None:
+        """Prefill the policy and the drafter once per prompt, sample every response's first token, run
+        the drafter on it."""
+        policy, drafter, G = self.policy, self.drafter, group_size
+        capacity = max(map(len, prompts)) + self.sampling.max_new_tokens + self.shape.draft_region + 2
+        self.pcache, logits, out = prefill(policy, prompts, capacity, G, self.taps)
+        device = logits.device
+        toks, lens = pad_right(prompts, device)
+        self.dcache = drafter.new_cache(len(prompts), capacity)
+        feats = drafter.features(out.taps)
+        drafter.prefill(toks, lens, feats, self.dcache)
+        rows = torch.arange(len(prompts), device=device).repeat_interleave(G)
+        self.dcache.keep_rows(rows)
+        self.batch = Batch(self.generators, eos_ids, self.sampling.max_new_tokens)
+        root, logp = self.sampler.token(logits, self.sampling.temperature, self.sampling.top_p,
+                                        self.batch.uniforms()[:, 0])  # (N,)
+        self.batch.commit([[t] for t in root.tolist()], [[x] for x in logp.tolist()])  # host sync
+        last_feat = None if feats is None else feats[rows, lens[rows] - 1][:, None]  # (N, 1, d)
+        self.state = catch_up(drafter, self.dcache, root[:, None], last_feat, torch.ones_like(root))
+        self.adapter.begin(len(prompts), G)
+
+    def drop_finished(self) -> bool:
+        """Remove finished responses from every per-row structure; False when none is left."""
+        keep = self.batch.drop_finished()
+        if keep is not None and self.batch.active:
+            keep = keep.to(self.state.root.device)
+            self.pcache.keep_rows(keep)
+            self.dcache.keep_rows(keep)
+            self.state.keep(keep)
+            self.backlog.keep(keep)
+        return bool(self.batch.active)
+
+    def autoregressive_round(self) -> Round:
+        """A plain sampling step; the drafter catches up on it at the next drafted round."""
+        t0 = time.perf_counter()
+        nxt, logp, out = decode_one_token(self.policy, self.pcache, self.state.root, self.sampling,
+                                          self.batch.uniforms()[:, 0], self.taps, self.sampler)
+        self.batch.commit([[t] for t in nxt.tolist()], [[x] for x in logp.tolist()])  # host sync: tokens to lists
+        self.backlog.add(nxt[:, None], self.drafter.features(out.taps))
+        self.state.root = nxt
+        return Round([1] * len(nxt), drafted=False, verify_s=time.perf_counter() - t0)
+
+    def speculative_round(self, nodes: int, depth: int | None = None) -> tuple[Round, Proposal, Acceptance]:
+        """Draft `nodes` nodes per active row (a tree at most `depth` deep, default the shape's), verify them
+        in one policy forward, accept exactly, commit."""
+        policy, drafter, shape, sampling = self.policy, self.drafter, self.shape, self.sampling
+        t1 = time.perf_counter()
+        if self.backlog:
+            self.state = catch_up(drafter, self.dcache, *self.backlog.pop())
+        dev = self.state.root.device
+        if self.chain:  # from the generators: one per test, one for the residual, one per draft token
+            u = torch.stack([torch.rand(2 * shape.depth + 1, generator=self.generators[r], dtype=torch.float64)
+                             for r in self.batch.active]).to(dev)  # (B, 2D + 1)
+        else:
+            u = self.batch.uniforms(shape.depth + 1, dev)  # (B, 1 + D): the positions the round may commit
+        self.adapter.select(self.batch.active)
+        drafted = shape if depth in (None, shape.depth) else dataclasses.replace(shape, depth=depth)
+        prop = drafter.propose(self.dcache, self.state, drafted, nodes, sampling.temperature,
+                               u[:, shape.depth + 1:] if self.chain else None, self.adapter.correct)
+        tree = prop.tree
+        B = tree.tokens.shape[0]
+        self.dcache.commit(n_keep=torch.zeros(B, dtype=torch.long, device=tree.tokens.device))  # roll back
+        t2 = time.perf_counter()
+        ancestors = tree.ancestor_mask()
+        out = policy(tree.tokens, self.pcache, tree_mask=ancestors, depth=tree.depth, taps=self.taps)
+        t3 = time.perf_counter()
+        if self.chain:  # every chain node's target is needed; q over the policy's vocabulary
+            node_logits = policy.logits(out.hidden)  # (B, 1+D, V)
+            q = torch.zeros(*prop.q.shape[:2], node_logits.shape[-1], device=node_logits.device)
+            q.index_copy_(2, drafter.vocab_ids, prop.q)
+            acc = accept_chain(tree.tokens[:, 1:], q, node_logits, sampling.temperature, sampling.top_p,
+                               u[:, :shape.depth + 1], self.vocab)
+        else:  # the LM head runs on the nodes the acceptance walk visits, and the drafter's best below them
+            acc = accept_tree(tree, PathLogits(policy.logits, out.hidden, tree, PATH_ROWS, ancestors), sampling.temperature,
+                              sampling.top_p, u, shape.depth, self.vocab, self.sampler)
+        n_acc = acc.n_accepted
+        kept = torch.cat([torch.zeros_like(acc.path[:, :1]), acc.path.clamp(min=0)], 1)  # (B, 1+D) root + path
+        self.pcache.commit(kept, n_acc + 1)
+        new = tree.tokens.gather(1, kept)[:, 1:]  # (B, D) accepted tokens (then padding)
+        new = torch.cat([new, new[:, :1]], 1).scatter(1, n_acc[:, None], acc.bonus[:, None])  # (B, 1+D) + bonus
+        counts = self._commit(tree, acc, new)
+        t_accept = time.perf_counter() - t3
+        self.adapter.observe(prop, acc, lambda r, n: drafter.logits(out.hidden[r, n]))
+        self.adapter.end_round()  # the feedback of this round serves the next round's proposals
+        t4 = time.perf_counter()  # the adapter times itself (spark_s)
+        feats = {i: t.gather(1, kept[..., None].expand(-1, -1, t.shape[-1])) for i, t in out.taps.items()}
+        self.state = catch_up(drafter, self.dcache, new, drafter.features(feats), n_acc + 1)
+        t5 = time.perf_counter()
+        return Round(counts, True, (t2 - t1) + (t5 - t4), t3 - t2, t_accept, (nodes, drafted.depth)), prop, acc
+
+    def _commit(self, tree, acc: Acceptance, new: torch.Tensor) -> list[int]:
+        """Each row's accepted tokens and bonus token (new (B, 1+D)) into the batch, tagged HIT (an
+        accepted draft), MISS (the drafter proposed other tokens there) or UNDRAFTED."""
+        missed = (tree.child_counts() > 0).gather(1, acc.last[:, None])[:, 0]
+        counts = (acc.n_accepted + 1).tolist()  # host sync: tokens go to Python lists
+        tags = [[HIT] * (c - 1) + [MISS if m else UNDRAFTED] for c, m in zip(counts, missed.tolist())]
+        logp = acc.logp.tolist()  # (B, L) the committed tokens' log-probabilities, level by level
+        self.batch.commit([r[:c] for r, c in zip(new.tolist(), counts)], [lp[:c] for lp, c in zip(logp, counts)], tags)
+        return counts
+
+
+@torch.no_grad()
+def own_text(policy: Transformer, context: int, sampler: Sampler = SAMPLER) -> list[int]:
+    """`context` tokens the policy samples itself from token 0 (T 1, top-p 0.95, a fixed generator)."""
+    own = generate(policy, [[0]], SamplingConfig(1.0, 0.95, context - 1), (), [torch.Generator().manual_seed(0)],
+                   sampler=sampler)
+    return [0] + own.tokens[0]
+
+
+@torch.no_grad()
+def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, context: int, repeats: int | dict,
+                progress=lambda n: None, text: list[int] | None = None, sampler: Sampler = SAMPLER) -> dict:
+    """Whole engine rounds timed for the budget's cost model (`budget.CostModel.measure`): for each row
+    count B in `rows`, B copies of a `context`-token text the policy sampled itself (`own_text`, or `text`), then
+    `repeats` (or `repeats[B]`) timed rounds (after one untimed) of every size (nodes, depth) in `sizes` (`budget.AR`: an autoregressive
+    round), sizes in turn, each as (seconds, drafts it accepted per row); after each autoregressive round the
+    drafter catches up untimed, as a run of them would once at its end (timed, the tree round after it paid
+    that too: a 1-node tree, always after AR, timed 1.04x a 4-node one at one row); also what one more
+    accepted level costs (LM head + the nucleus and a sample on B rows of the policy's hidden states in that
+    text). Sampling at temperature 1, top-p 0.95; random numbers from fixed generators (the global RNG is
+    left alone). progress(1) after every timed round and level (a progress bar's update).
+
+    The text is the policy's own, not random tokens: sampling's cost depends on how wide the nucleus
+    is (top-p within 256 candidates, else 4096, else a full sort), and after random tokens the
+    default model's nucleus was 9,000-20,000 tokens wide (full sorts: 1.6x the AR round measured in
+    rollouts at 8 rows) against a median of 38 in its own text (20-115 in GSM8K rollouts)."""
+    dev = policy.lm_head.weight.device
+    reps = {B: repeats[B] if isinstance(repeats, dict) else repeats for B in rows}
+    text = text or own_text(policy, context, sampler)
+    hidden = policy(torch.tensor([text], device=dev)).hidden[0]  # (context, d) the policy's states in its text
+    room = (max(reps.values()) + 1) * len(sizes) * (shape.depth + 1) + 2  # a timed round commits at most depth + 1
+    sampling = SamplingConfig(1.0, 0.95, room)
+    out = {"rounds": {size: [] for size in sizes}, "level": []}  # rounds: per size, per B, [(seconds, accepted)]
+    for B in rows:
+        prompts = [text] * B
+        gens = [torch.Generator().manual_seed(1000 + i) for i in range(B)]
+        eng = Speculation(policy, drafter.bind(policy), sampling, shape, gens, NoAdaptation(), sampler)
+        eng.start(prompts, 1, ())
+        timed = {size: [] for size in sizes}
+        for _ in range(reps[B] + 1):  # sizes interleaved, so a machine that changes speed skews no size
+            for n, d in sizes:
+                t = time.perf_counter()
+                if n == 0:
+                    eng.autoregressive_round()
+                    a = 0.0
+                else:
+                    a = eng.speculative_round(n, d)[2].n_accepted.double().mean().item()  # host sync
+                timed[n, d].append((time.perf_counter() - t, a))
+                progress(1)
+                if n == 0:  # the drafter's catch-up on the AR token, untimed: a run of AR rounds pays it once at
+                    eng.state = catch_up(eng.drafter, eng.dcache, *eng.backlog.pop())  # its end, not per tree round
+        for size in sizes:
+            out["rounds"][size].append(timed[size][1:])  # the first of each size warms up
+        h = hidden[torch.arange(context - B, context) % context]  # (B, d) the text's last B positions
+        level, u = [], torch.rand(B, generator=torch.Generator().manual_seed(B), dtype=torch.float64)
+        for _ in range(reps[B] + 1):
+            t = time.perf_counter()
+            sampler.nucleus(policy.logits(h), sampling.temperature, sampling.top_p, u)
+            level.append(time.perf_counter() - t)
+            progress(1)
+        out["level"].append(min(level[1:]))
+    return out
+
+
+@torch.no_grad()
+def generate_speculative(policy: Transformer, drafter, prompts: list[list[int]], sampling: SamplingConfig,
+                         eos_ids: tuple[int, ...], generators: list[torch.Generator], shape: TreeShape,
+                         group_size: int = 1, progress=None, budget=None, spark=None, sampler: Sampler = SAMPLER):
+    """Exact speculative sampling; same contract and outputs as `rollout.generate`.
+
+    shape: what the drafter proposes each round. budget: what chooses each round's tree size (nodes, depth), or
+    an autoregressive step, from the number of active responses (`budget.Budget`; by default `FixedBudget`, the
+    full shape every round). spark: the drafter adapter (`spark.Spark`, correcting the proposals from earlier
+    rounds' feedback, its A gradient left for the caller; by default `NoAdaptation`).
+    The committed tokens follow the policy's sampling distribution exactly, whatever the drafter
+    proposes and whatever the budget chooses. With point-mass proposals (trees, blocks) they are the
+    tokens `rollout.generate` gives with the same generators, up to float noise in the logits: the
+    drafter, SPARK and the budget change how fast a rollout is made, not what it is. Sampled chains
+    draw per-round uniforms from the generators, so their realisation depends on the proposals.
+    """
+    t0 = time.perf_counter()
+    assert len(generators) == len(prompts) * group_size, "one generator per response"
+    budget = budget or FixedBudget(shape)
+    eng = Speculation(policy, drafter.bind(policy), sampling, shape, generators, spark or NoAdaptation(), sampler)
+    eng.start(prompts, group_size, eos_ids)
+    stats = RoundStats(depth=shape.depth)
+    while eng.drop_finished():
+        B = len(eng.batch.active)
+        size = budget.choose(B)
+        t = time.perf_counter()
+        if size[0] == 0:
+            r = eng.autoregressive_round()
+        else:
+            r, prop, acc = eng.speculative_round(*size)
+        budget.observe_round(size, B, time.perf_counter() - t)
+        if size[0]:
+            budget.observe(size, prop.tree, acc)
+        eng.batch.rounds += 1
+        stats.add(r)
+        if progress is not None:
+            progress(sum(r.counts))
+    stats.adapter = eng.adapter.metrics()
+    return eng.batch.rollout(prompts, group_size, t0, stats)
+
+
+class Autoregressive:
+    """Rollouts without a drafter: `rollout.generate`, behind the same call as `Speculative`'s."""
+
+    def generate(self, policy: Transformer, prompts: list[list[int]], sampling: SamplingConfig,
+                 eos_ids: tuple[int, ...], generators: list[torch.Generator], group_size: int = 1, progress=None,
+                 sampler: Sampler = SAMPLER):
+        return generate(policy, prompts, sampling, eos_ids, generators, group_size, progress, sampler)
+
+
+@dataclasses.dataclass
+class Speculative:
+    """Speculative rollouts with a drafter (`generate_speculative`): the drafter, the shape it proposes, the
+    budget choosing each round's size and the adapter correcting its proposals (SPARK)."""
+
+    drafter: object
+    shape: TreeShape
+    budget: object = None  # `budget.Budget` or `FixedBudget` (the default)
+    adapter: object = None  # `spark.Spark` or `NoAdaptation` (the default)
+
+    def __post_init__(self):
+        self.budget = self.budget or FixedBudget(self.shape)
+        self.adapter = self.adapter or NoAdaptation()
+
+    def generate(self, policy: Transformer, prompts: list[list[int]], sampling: SamplingConfig,
+                 eos_ids: tuple[int, ...], generators: list[torch.Generator], group_size: int = 1, progress=None,
+                 sampler: Sampler = SAMPLER):
+        return generate_speculative(policy, self.drafter, prompts, sampling, eos_ids, generators, self.shape,
+                                    group_size, progress, self.budget, self.adapter, sampler)

@@ -1,0 +1,190 @@
+"""Exact acceptance of draft proposals: pure tensor functions (DESIGN "Exactness").
+
+Point-mass candidates (EAGLE trees, DFlash blocks), chosen deterministically from the draft: at the
+current node sample the committed token x from p with the uniform of its position; if a child of the
+node carries x, accept that child (the first such, in node order) and continue from it, otherwise
+commit x and stop. This is the sequential walk "accept child xj with probability p(xj); on rejection set
+p(xj) = 0, renormalise and try the next; with no child left, sample from what remains" in one draw:
+both accept some child with probability sum_j p(xj), and commit every token with probability p. The
+committed tokens are the ones autoregressive sampling draws with the same uniforms, whatever the tree.
+
+Sampled chains (the drafter drew x ~ q): accept with probability min(1, p(x) / q(x)); on rejection
+sample from normalise(max(p - q, 0)) (Leviathan et al. 2023).
+
+Randomness: every response brings its own row of uniforms `u`: one per level for point masses, keyed
+by the position that level commits (`rollout.Batch.uniforms`), and for chains a fixed amount per round
+from its own generator, so what a response commits never depends on the rest of the batch.
+`p` is always the processed target distribution of `sampling.target_probs`.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from sparkrl.engine.records import Acceptance, Tree
+from sparkrl.engine.sampling import SAMPLER, Sampler, logprob_of, sample_from, target_probs
+
+
+    # rejection, on the token ids `vocab` the caller asked for (None when it did not ask)
+
+
+def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.Tensor, max_depth: int,
+                vocab: torch.Tensor | None = None, sampler: Sampler = SAMPLER) -> Acceptance:
+    """Walk every row's tree with point-mass acceptance.
+
+    logits: (B, N, V) policy logits at every node (the distribution of the token after the node),
+    or a callable (rows (n,), nodes (n,)) -> (n, V) logits at those nodes: then the LM head runs only
+    on the nodes the walk visits, and at each level only for the rows still walking.
+    u: (B, max_depth + 1) float64 in [0, 1): u[:, d] samples the token committed at level d.
+    No node may be deeper than max_depth.
+    vocab: token ids (Vd,); when given, the result carries the target p on them at every visited
+    node (SPARK's feedback).
+    sampler: how the committed tokens are drawn (`Sampler.nucleus`).
+    """
+    B, N = tree.tokens.shape
+    dev = tree.tokens.device
+    rows = torch.arange(B, device=dev)
+    u = u.to(dev)
+    cur = torch.zeros(B, dtype=torch.long, device=dev)
+    active = torch.ones(B, dtype=torch.bool, device=dev)
+    path = torch.full((B, max_depth), -1, dtype=torch.long, device=dev)
+    n_acc = torch.zeros(B, dtype=torch.long, device=dev)
+    bonus = torch.zeros(B, dtype=torch.long, device=dev)
+    last = torch.zeros(B, dtype=torch.long, device=dev)
+    node_ids = torch.arange(N, device=dev)
+    at = logits if callable(logits) else (lambda r, nodes: logits[r, nodes])
+    visited, targets, logps = [], [], []
+    rejected = torch.zeros(B, N, dtype=torch.bool, device=dev)
+    walking = rows  # the rows still walking (all at level 0)
+
+    def spread(t: torch.Tensor, walking: torch.Tensor) -> torch.Tensor:
+        """Values (n, ...) of the walking rows into a batch (B, ...): rows that stopped earlier get zeros
+        (never read: levels past n_accepted)."""
+        return t.new_zeros((B, *t.shape[1:])).index_copy_(0, walking, t)
+
+    for level in range(max_depth + 1):
+        lg = at(walking, cur[walking])  # (n, V)
+        # p on its nucleus (n, W), sparse, and the tokens committed here, sampled in token-id order: which token a
+        # uniform picks depends on the row alone, not on how its probability ties were sorted (which can depend
+        # on the batch)
+        probs, ids, x_w, logp = sampler.nucleus(lg, temperature, top_p, u[walking, level])
+        visited.append(cur)
+        x = spread(x_w, walking)  # (B,)
+        logps.append(spread(logp, walking))
+        if vocab is not None:
+            dense = torch.zeros(lg.shape, dtype=torch.float32, device=dev).scatter_(1, ids, probs)
+            targets.append(spread(dense[:, vocab], walking))
+        is_child = tree.children_of(cur) & active[:, None]  # (B, N)
+        match = is_child & (tree.tokens == x[:, None])
+        first = torch.where(match, node_ids, N).min(-1).values  # (B,) the first child carrying x, N if none
+        moved = first < N
+        nxt = torch.where(moved, first, cur)
+        rejected |= is_child & (node_ids < first[:, None])  # what the sequential walk tried before x
+        stop = active & ~moved
+        bonus = torch.where(stop, x, bonus)
+        last = torch.where(stop, cur, last)
+        if level < max_depth:
+            path[moved, level] = nxt[moved]
+        n_acc += moved.long()
+        active = moved
+        cur = nxt
+        walking = active.nonzero()[:, 0]  # host sync: which rows go on
+        if walking.numel() == 0:  # every row has its bonus token
+            break
+    return Acceptance(path, n_acc, bonus, last, torch.stack(visited, 1), rejected, torch.stack(logps, 1),
+                      torch.stack(targets, 1) if vocab is not None else None)
+
+
+class PathLogits:
+    """Policy logits at tree nodes for the acceptance walk (`accept_tree`'s callable), computed on demand.
+    Each LM-head call also covers the nodes below every node asked for that the drafter ranked best (its
+    preference order, `Tree.rank`: the most likely to be walked next, by the draft's cumulative probability),
+    as long as the call stays within `rows` rows: while a product is bound by reading the head's weights, a
+    few rows cost what one row does (one response: one pass over the head per round for most walks, instead of
+    one per level; a 4-node tree 1 deep, root and children, always in one). With more walking rows than
+    `rows` / 2, each call covers just the nodes asked for, as a plain head would.
+
+    head: hidden (n, d) -> logits (n, V); hidden: (B, N, d) the verify forward's final hidden states;
+    ancestors: the tree's `ancestor_mask()` if the caller has it (else computed here)."""
+
+    def __init__(self, head, hidden: torch.Tensor, tree: Tree, rows: int, ancestors: torch.Tensor | None = None):
+        self.head, self.hidden, self.rows = head, hidden, rows
+        B, N = tree.tokens.shape
+        dev = tree.tokens.device
+        self.below = ancestors if ancestors is not None else tree.ancestor_mask()  # [b, j, i]: j is i or below it
+        rank = tree.rank if tree.rank is not None else torch.arange(N, device=dev).expand(B, N)
+        self.rank = torch.where(tree.valid, rank, N + 1)  # padding never chosen (nor below any valid node)
+        self.call = torch.full((B, N), -1, dtype=torch.long, device=dev)  # which head call holds (row, node)
+        self.row = torch.zeros((B, N), dtype=torch.long, device=dev)  # and in which of its rows
+        self.kept = []  # each head call's logits
+
+    def __call__(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        call = self.call[rows, nodes]
+        lo, hi = torch.stack([call.min(), call.max()]).tolist()  # host sync
+        if lo < 0:
+            missing = call < 0
+            self._compute(rows[missing], nodes[missing])
+            call = self.call[rows, nodes]
+            lo, hi = torch.stack([call.min(), call.max()]).tolist()
+        at = self.row[rows, nodes]
+        if lo == hi:
+            return self.kept[lo][at]
+        out = self.kept[-1].new_empty(rows.numel(), self.kept[-1].shape[-1])
+        for c in range(lo, hi + 1):
+            m = call == c
+            out[m] = self.kept[c][at[m]]
+        return out
+
+    def _compute(self, rows: torch.Tensor, nodes: torch.Tensor) -> None:
+        """Logits at (rows, nodes) and at the best-ranked nodes below each one not computed yet, within
+        `self.rows` rows."""
+        length = min(max(1, self.rows // rows.numel()), self.call.shape[1])
+        if length == 1:
+            r, n = rows, nodes
+        else:  # the asked node ranks above everything below it (a parent above its children): it comes first
+            N = self.call.shape[1]
+            wanted = self.below[rows, :, nodes] & (self.call[rows] < 0)  # (n, N)
+            key = torch.where(wanted, self.rank[rows], N + 1)
+            best, at = key.topk(length, dim=-1, largest=False)  # (n, length)
+            ok = best <= N
+            r, n = rows[:, None].expand_as(at)[ok], at[ok]
+        self.kept.append(self.head(self.hidden[r, n]))
+        self.call[r, n] = len(self.kept) - 1
+        self.row[r, n] = torch.arange(r.numel(), device=r.device)
+
+
+def accept_chain(tokens: torch.Tensor, q: torch.Tensor, logits: torch.Tensor, temperature: float, top_p: float,
+                 u: torch.Tensor, vocab: torch.Tensor | None = None) -> Acceptance:
+    """Speculative sampling for chains drawn from q.
+
+    tokens: (B, D) drafted tokens, token d drawn from q[:, d]; q: (B, D, V) the draft distributions
+    actually sampled from; logits: (B, D + 1, V) policy logits at the root and after each draft
+    token. u: (B, D + 1) float64 uniforms: u[:, d] tests token d, u[:, D] samples the bonus.
+    Node indices in `path` count the root as 0, so draft token d is node d + 1.
+    vocab: token ids (Vd,); when given, the result carries p on them at every position (B, D + 1, Vd).
+    """
+    B, D = tokens.shape
+    dev = tokens.device
+    rows = torch.arange(B, device=dev)
+    u = u.to(dev)
+    p = target_probs(logits.reshape(B * (D + 1), -1), temperature, top_p).view(B, D + 1, -1).double()
+    targets = None if vocab is None else p[..., vocab].float()
+    q = q.double()
+    px = p[:, :D].gather(-1, tokens[..., None])[..., 0]  # (B, D)
+    qx = q.gather(-1, tokens[..., None])[..., 0]
+    ok = u[:, :D] * qx < px  # accept with probability min(1, p/q)
+    n_acc = torch.where(ok.all(-1), D, (~ok).long().argmax(-1))  # first rejection
+    stop = n_acc  # distribution used for the bonus: residual at the rejected slot, or p after the chain
+    p_stop = p[rows, stop]
+    q_stop = q[rows, stop.clamp(max=D - 1)]
+    resid = torch.where((n_acc < D)[:, None], (p_stop - q_stop).clamp(min=0), p_stop)
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_stop)  # p == q: no residual mass
+    bonus = sample_from(resid, u[:, D])
+    path = torch.where(torch.arange(D, device=dev)[None] < n_acc[:, None], torch.arange(1, D + 1, device=dev)[None], -1)
+    visited = torch.arange(D + 1, device=dev).expand(B, -1)  # chain position d is node d
+    rejected = torch.zeros(B, D + 1, dtype=torch.bool, device=dev)
+    rejected[rows, (n_acc + 1).clamp(max=D)] = n_acc < D  # the first rejected draft token
+    committed = torch.cat([tokens, bonus[:, None]], 1).scatter(1, n_acc[:, None], bonus[:, None])  # (B, D + 1)
+    logp = logprob_of(logits.reshape(B * (D + 1), -1), committed.reshape(-1), temperature).view(B, D + 1)
+    return Acceptance(path, n_acc, bonus, stop, visited, rejected, logp, targets)
