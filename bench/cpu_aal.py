@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 from sparkrl.config import DraftConfig, SamplingConfig, SparkConfig
-from sparkrl.rollout import response_generators
-from sparkrl.speculative import generate_speculative
+from sparkrl.engine.rollout import response_generators
+from sparkrl.engine.speculative import generate_speculative
 
 sys.path.insert(0, str(Path(__file__).parent))
 from default_rollouts import default_rollouts  # noqa: E402
@@ -50,11 +50,11 @@ def main():
     for name, fields in SHAPES.items():
         for spark in (False, True):
             cfg = DraftConfig(**fields, budget="fixed", spark_config=SparkConfig(spark=spark))
-            lm, d, prompts = default_rollouts(cfg, args.dtype, args.data, args.heldout, count=args.count,
+            lm, d, prompts, sampler = default_rollouts(cfg, args.dtype, args.data, args.heldout, count=args.count,
                                               skip=args.skip)
             r = generate_speculative(lm.model, d.rollout.model, prompts, sc, lm.eos_ids,
                                      response_generators(0, len(prompts), args.group_size), cfg.shape(),
-                                     group_size=args.group_size, spark=d.spark)
+                                     group_size=args.group_size, spark=d.spark, sampler=sampler)
             key = name + ("+spark" if spark else "")
             out["aal"][key] = r.stats.aal
             print(f"{key}: AAL {r.stats.aal:.3f} ({r.num_tokens} tokens, {r.stats.rounds} rounds)", flush=True)

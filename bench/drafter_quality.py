@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from sparkrl.build import make_drafter
+from sparkrl.train.assemble import make_drafter
 from sparkrl.config import DraftConfig, SamplingConfig
-from sparkrl.data import build_prompts, held_out, load_problems
+from sparkrl.train.data import build_prompts, held_out, load_problems
 from sparkrl.drafters.selfdraft import SelfDrafter
-from sparkrl.rollout import response_generators
-from sparkrl.speculative import generate_speculative
-from sparkrl.weights import load_model
+from sparkrl.engine.rollout import response_generators
+from sparkrl.engine.speculative import generate_speculative
+from sparkrl.model.weights import load_model
 
 
 def held_out_prompts(lm, spec: str, fraction: float, n: int) -> list[list[int]]:

@@ -33,9 +33,9 @@ import torch
 from sparkrl.config import TreeShape
 from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
-from sparkrl.model import ModelArgs, Transformer
-from sparkrl.spark import Spark, init_projection
-from sparkrl.speculative import own_text, time_rounds
+from sparkrl.model.transformer import ModelArgs, Transformer
+from sparkrl.engine.spark import Spark, init_projection
+from sparkrl.engine.speculative import own_text, time_rounds
 
 SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab (the Hugging Face configs of these models)
     "tiny": (64, 128, 2, 4, 2, 512),

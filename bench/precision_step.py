@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from sparkrl.config import DataConfig, GRPOConfig, ModelConfig, RunConfig, SamplingConfig
-from sparkrl.precision import use_native
-from sparkrl.trainer import GRPORun
+from sparkrl.cpu.accelerate import use_native
+from sparkrl.engine.sampling import SAMPLER
+from sparkrl.train.trainer import GRPORun
 
 CONFIGS = {"fp32 rollouts": dict(rollout_dtype="float32", train_dtype="float32"),
            "fp32 rollouts, BLAS kernels": dict(rollout_dtype="float32", train_dtype="float32", native=False),
@@ -63,6 +64,7 @@ def main():
         runs[name] = GRPORun(cfg)
         if c.get("native") is False:  # the default kernels less the compiled few-row product
             use_native(runs[name].rollout.model, False)
+            runs[name].rollout.sampler = SAMPLER
     rows = {name: [] for name in runs}
     for step in range(a.steps):
         for name in (list(runs) if step % 2 == 0 else list(runs)[::-1]):

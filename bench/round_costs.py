@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from sparkrl.budget import AR, CostModel
+from sparkrl.engine.budget import AR, CostModel
 from sparkrl.config import DraftConfig, SamplingConfig, TreeShape
-from sparkrl.rollout import response_generators
-from sparkrl.speculative import NoAdaptation, Speculation, time_rounds
+from sparkrl.engine.rollout import response_generators
+from sparkrl.engine.speculative import NoAdaptation, Speculation, time_rounds
 
 from default_rollouts import default_rollouts
 
@@ -52,7 +52,7 @@ def measure(policy, drafter, shape, prompts, rows: int, sizes, rounds: int, warm
         engines = {}
         for s in sizes:
             eng = Speculation(policy, drafter.bind(policy), sc, TreeShape.chain(s[1]) if s[0] < 0 else shape,
-                              response_generators(j, 1, rows), NoAdaptation())
+                              response_generators(j, 1, rows), NoAdaptation(), sampler)
             eng.start([prompt], rows, ())
             engines[s] = eng
         for r in range(warmup + rounds):
@@ -101,7 +101,7 @@ def main():
     if (0, 0) not in sizes:
         ap.error("--sizes must include 0,0 (the autoregressive reference)")
     dcfg = DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, budget="fixed")
-    lm, d, prompts = default_rollouts(dcfg, args.dtype, args.data, args.heldout, count=args.prompts,
+    lm, d, prompts, sampler = default_rollouts(dcfg, args.dtype, args.data, args.heldout, count=args.prompts,
                                          skip=args.skip)
     cost = CostModel.measure(lm.model, d.rollout.model, dcfg.shape(), time_rounds) if args.cost_model else None
     result = {"meta": {**vars(args), "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": {}}

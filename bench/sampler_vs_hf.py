@@ -6,7 +6,7 @@ Same model (the embedded default, in --dtype: float32 or bfloat16), same prompt,
 report the median time of each and the ratio of generated tokens/s. sparkrl runs as it does by
 default (bfloat16 on prepacked weights where they pay here, `--cpu-kernels auto`; weight-major
 products where those pay here); when either is on, the same sampler on plain `F.linear` weights runs
-beside it ("sparkrl-plain"); where the compiled kernels are on (`sparkrl.native`: few-row products, norms,
+beside it ("sparkrl-plain"); where the compiled kernels are on (`sparkrl.cpu.native`: few-row products, norms,
 RoPE), the same copy with them off, on torch's kernels, runs beside it too ("sparkrl-blas").
 
     .venv/bin/python bench/sampler_vs_hf.py --out bench/results
@@ -26,10 +26,12 @@ from pathlib import Path
 import torch
 
 from sparkrl.config import SamplingConfig
-from sparkrl.data import chat_prompt_ids
-from sparkrl.precision import rollout_copy, use_native
-from sparkrl.rollout import generate, response_generators
-from sparkrl.weights import load_model
+from sparkrl.train.data import chat_prompt_ids
+from sparkrl.cpu.accelerate import use_native
+from sparkrl.engine.sampling import SAMPLER
+from sparkrl.train.precision import rollout_copy
+from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.model.weights import load_model
 
 PROMPT = "Tom has 3 boxes with 12 apples each and eats 5 apples. How many are left? Solve it step by step."
 
@@ -40,6 +42,8 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--cpu-kernels", default="auto", choices=("auto", "packed", "weight-major", "plain"),
+                    help="sparkrl's kernels, as its --cpu-kernels")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
@@ -51,17 +55,18 @@ def main():
 
     plain = copy.deepcopy(lm.model)  # F.linear everywhere, attention in the model's dtype: the eager reference
     dt = lm.model.lm_head.weight.dtype
-    lm.model = rollout_copy(lm.model, dt).model  # the kernels and attention sparkrl runs by default
-    packed = lm.model.lm_head.packed
-    fast = packed or lm.model.lm_head.weight_major or lm.model.model.attn_dtype is not None
-
-    kinds = (lm.model.lm_head.native, lm.model.model.norm.native)  # the compiled products and ops, where they pay
-    native_on = any(kinds)
+    rollout = rollout_copy(lm.model, dt, args.cpu_kernels)  # the kernels and attention sparkrl runs
+    lm.model, k = rollout.model, rollout.kernels
+    packed = k["packed"]
+    fast = packed or k["weight_major"] or k["attention"] != "None"
+    native_on = "native" in k  # the compiled kernels
 
     def ours(B, model=lm.model, compiled=True):
+        sampler = SAMPLER
         if model is lm.model:  # the plain reference has no weight-major products for it to serve
-            use_native(model, *(kinds if compiled else (False, False)))
-        r = generate(model, [prompt], sc, (), response_generators(0, 1, B), group_size=B)
+            use_native(model, native_on and compiled)
+            sampler = rollout.sampler if native_on and compiled else SAMPLER
+        r = generate(model, [prompt], sc, (), response_generators(0, 1, B), group_size=B, sampler=sampler)
         return r.num_tokens
 
     def theirs(B):
@@ -109,8 +114,8 @@ def main():
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine(), "new_tokens": args.new_tokens,
             "repeats": args.repeats, "prompt_tokens": len(prompt), "dtype": args.dtype, "packed_weights": packed,
-            "weight_major_kernels": lm.model.lm_head.weight_major,
-            "float32_attention": lm.model.model.attn_dtype is not None, "native_kernel": kinds[0], "compiled_ops": kinds[1]}
+            "weight_major_kernels": k["weight_major"], "float32_attention": k["attention"] != "None",
+            "native_kernel": native_on, "compiled_ops": native_on}
     name = "sampler_vs_hf" + ("" if args.dtype == "float32" else f"_{args.dtype}") + ("_packed" if packed else "")
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     _plot(rows, out / f"{name}.png", args.dtype)

@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from sparkrl.budget import AR, Budget, CostModel
+from sparkrl.engine.budget import AR, Budget, CostModel
 from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
-from sparkrl.rollout import RoundStats, generate, response_generators
-from sparkrl.speculative import generate_speculative
+from sparkrl.engine.records import RoundStats
+from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.engine.speculative import generate_speculative
 
 from default_rollouts import default_rollouts
 
@@ -68,7 +69,7 @@ def main():
     depth, branch, nodes = map(int, args.tree.split(","))
     dcfg = DraftConfig(draft=args.draft, draft_checkpoint=args.draft_checkpoint, tree_depth=depth, tree_branch=branch,
                        tree_nodes=nodes, tree_stop=args.tree_stop, budget=args.budget, block_size=args.block_size)
-    lm, d, prompts = default_rollouts(dcfg, args.dtype, args.data, args.heldout, args.cpu_kernels, skip=args.skip)
+    lm, d, prompts, sampler = default_rollouts(dcfg, args.dtype, args.data, args.heldout, args.cpu_kernels, skip=args.skip)
     drafter, budget = d.rollout.model, d.budget
     full_depth_budget = full_depth_only(budget, dcfg.shape()) if args.also_full_depth else None
     sc = SamplingConfig(1.0, 0.95, args.max_new_tokens)
@@ -79,22 +80,24 @@ def main():
         # still average over several problems (their lengths and acceptance vary)
         spec, budgeted = args.draft, f"{args.draft}+budget"
         systems = {
-            "autoregressive": lambda ps: generate(lm.model, ps, sc, lm.eos_ids, response_generators(0, P, G), G),
+            "autoregressive": lambda ps: generate(lm.model, ps, sc, lm.eos_ids, response_generators(0, P, G), G,
+                                                sampler=sampler),
             spec: lambda ps: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
-                                                  response_generators(0, P, G), dcfg.shape(), G),
+                                                  response_generators(0, P, G), dcfg.shape(), G, sampler=sampler),
             budgeted: lambda ps: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
-                                                      response_generators(0, P, G), dcfg.shape(), G, budget=budget),
+                                                      response_generators(0, P, G), dcfg.shape(), G, budget=budget,
+                                                      sampler=sampler),
         }
         also = f"{spec} (tree stop {args.also_stop})"
         if args.also_stop is not None:
             other = dataclasses.replace(dcfg.shape(), stop=args.also_stop)
             systems[also] = lambda ps: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
-                                                            response_generators(0, P, G), other, G)
+                                                            response_generators(0, P, G), other, G, sampler=sampler)
         full_only = f"{budgeted} (full depth only)"
         if args.also_full_depth:
             systems[full_only] = lambda ps: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
                                                                  response_generators(0, P, G), dcfg.shape(), G,
-                                                                 budget=full_depth_budget)
+                                                                 budget=full_depth_budget, sampler=sampler)
         if P * G > args.fixed_upto:  # the full proposal every round is known to lose there; save the time
             del systems[spec]
         for name in systems:  # untimed, once each: the process's first rollouts run cold (measured: the first
@@ -140,7 +143,7 @@ def main():
               f"({row['ratio'][budgeted]:.2f}x, in time {row['time_ratio'][budgeted]:.2f}x, {sb.tree_rounds}/{sb.rounds} drafted rounds {sb.sizes}, AAL {sb.aal:.2f}), "
               f"split {row['split_s']}", flush=True)
     result = {"meta": {"draft": args.draft, "block_size": args.block_size, "tree_stop": args.tree_stop, "heldout": args.heldout, "tree": [depth, branch, nodes], "max_new_tokens": args.max_new_tokens, "data": args.data,
-                       "dtype": args.dtype, "budget": args.budget, "packed_weights": lm.model.lm_head.packed,
+                       "dtype": args.dtype, "budget": args.budget, "packed_weights": d.rollout.kernels["packed"] if d.rollout else False,
                        "float32_attention": lm.model.model.attn_dtype is not None,
                        "draft_checkpoint": args.draft_checkpoint, "repeats": args.repeats,
                        "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": rows}
@@ -149,7 +152,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "spec_vs_ar" + ("" if args.draft == "eagle3" else f"_{args.draft}") + ("" if args.dtype == "float32" else f"_{args.dtype}")
-    name += "_packed" if lm.model.lm_head.packed else ""
+    name += "_packed" if args.cpu_kernels == "packed" else ""
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     plot(result, out / f"{name}.png")
 
@@ -193,7 +196,7 @@ def plot(result: dict, path: Path) -> None:
 
 def grpo_steps(args, depth, branch, nodes) -> dict:
     """One GRPO step (8 prompts x 8 would be slow here: 2 x 8) with and without drafting."""
-    from sparkrl.trainer import train
+    from sparkrl.train.trainer import train
 
     out = {}
     drafting = {"draft": args.draft, "draft_checkpoint": args.draft_checkpoint, "tree_depth": depth,

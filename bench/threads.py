@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from sparkrl.weights import load_model
+from sparkrl.model.weights import load_model
 
 
 def worker(threads: int, seconds: float) -> None:

@@ -35,10 +35,10 @@ import trl  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from sparkrl.config import DraftConfig, SparkConfig, TRLConfig  # noqa: E402
-from sparkrl.data import load_problems  # noqa: E402
-from sparkrl.rewards import Grader  # noqa: E402
-from sparkrl.trl_rollout import SparkRollout, math_reward, problem_dataset  # noqa: E402
-from sparkrl.weights import resolve_model_path  # noqa: E402
+from sparkrl.train.data import load_problems  # noqa: E402
+from sparkrl.train.rewards import Grader  # noqa: E402
+from sparkrl.commands.trl_rollout import SparkRollout, math_reward, problem_dataset  # noqa: E402
+from sparkrl.model.weights import resolve_model_path  # noqa: E402
 
 
 class TimedTrainer(trl.GRPOTrainer):
