@@ -18,6 +18,7 @@ autoregressive engine of the same rows.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -44,7 +45,7 @@ def size_name(s) -> str:
 
 
 @torch.no_grad()
-def measure(policy, drafter, shape, prompts, rows: int, sizes, rounds: int, warmup: int) -> dict:
+def measure(policy, drafter, shape, prompts, rows: int, sizes, rounds: int, warmup: int, sampler) -> dict:
     """Round-robin over one engine per size on each prompt; totals per size."""
     sc = SamplingConfig(1.0, 0.95, (rounds + warmup) * (shape.depth + 1) + 2)
     tot = {s: {"s": 0.0, "rounds": 0, "tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "accept_s": 0.0} for s in sizes}
@@ -103,10 +104,11 @@ def main():
     dcfg = DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, budget="fixed")
     lm, d, prompts, sampler = default_rollouts(dcfg, args.dtype, args.data, args.heldout, count=args.prompts,
                                          skip=args.skip)
-    cost = CostModel.measure(lm.model, d.rollout.model, dcfg.shape(), time_rounds) if args.cost_model else None
+    cost = CostModel.measure(lm.model, d.rollout.model, dcfg.shape(), functools.partial(time_rounds, sampler=sampler),
+                             kernels=d.rollout.kernels) if args.cost_model else None
     result = {"meta": {**vars(args), "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": {}}
     for rows in map(int, args.rows.split(",")):
-        res = measure(lm.model, d.rollout.model, dcfg.shape(), prompts, rows, sizes, args.rounds, args.warmup)
+        res = measure(lm.model, d.rollout.model, dcfg.shape(), prompts, rows, sizes, args.rounds, args.warmup, sampler)
         result["rows"][rows] = res
         if cost is not None:
             ar = res["0,0"]["ms_per_round"]
