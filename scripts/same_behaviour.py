@@ -8,8 +8,8 @@
 `record ROOT OUT` runs `python -m sparkrl` from ROOT (so ROOT's sparkrl is the one imported: under `-m` the
 working directory precedes PYTHONPATH) on the default model, and writes what each case produced: the token
 ids of `generate` (AR, EAGLE3-style and DFlash-style drafting, each with and without SPARK, in float32 and
-bfloat16, at T 1 / top-p 0.95 with two responses per prompt, and greedy), the drafting line's AAL and round
-count, and the non-timing metrics of the first two steps of the README's quick start. `compare A B` prints
+bfloat16, at T 1 / top-p 0.95 with two responses per prompt, and greedy; `--budget fixed`, so that no round
+depends on this machine's timings), the drafting line's AAL and round count, and the non-timing metrics of the first two steps of the README's quick start. `compare A B` prints
 each case as same or different and exits non-zero on any difference. Timings are not compared here (see
 `scripts/same_speed.sh`).
 """
@@ -27,8 +27,9 @@ from pathlib import Path
 PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
            "How many clips did Natalia sell altogether in April and May?",
            "Write a short poem about the sea."]
-ARMS = {"ar": [], "eagle3": ["--draft", "eagle3"], "eagle3+spark": ["--draft", "eagle3", "--spark"],
-        "dflash": ["--draft", "dflash"], "dflash+spark": ["--draft", "dflash", "--spark"]}
+FIXED = ["--budget", "fixed"]  # every round drafts: the rounds do not depend on this machine's timings
+ARMS = {"ar": [], "eagle3": ["--draft", "eagle3", *FIXED], "eagle3+spark": ["--draft", "eagle3", "--spark", *FIXED],
+        "dflash": ["--draft", "dflash", *FIXED], "dflash+spark": ["--draft", "dflash", "--spark", *FIXED]}
 SAMPLING = {"t1": ["--temperature", "1", "--top-p", "0.95", "--n", "2"], "greedy": ["--temperature", "0"]}
 TIMING = re.compile(r"(_s|_seconds|tok_per_s|time|wall)$")  # metric names that hold timings
 
