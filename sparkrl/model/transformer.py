@@ -1,6 +1,6 @@
-"""One decoder-only Transformer for the Llama, Qwen2 and Qwen3 families, with a ragged KV cache.
+"""One decoder-only Transformer for the Llama, Qwen2 and Qwen3 families, over a ragged KV cache.
 
-Serves the policy, the frozen reference and (later) the drafter's decoder layers. Parameter names
+Serves the policy, the frozen reference and the drafters' decoder layers (`Stack`). Parameter names
 follow Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...) so a checkpoint's state dict
 loads as is (see `weights.py`).
 
@@ -9,10 +9,8 @@ Family differences, all switches of `ModelArgs`:
   * Qwen2 / Qwen2.5: bias on q/k/v, none on o.
   * Qwen3: RMSNorm on q and k per head before RoPE.
 
-The cache (`kvcache.KVCache`) keeps a separate committed length per sequence. A forward appends T new tokens
-per sequence *speculatively* (written after the committed length, under any boolean mask among the
-new tokens, e.g. a draft tree); `commit` then keeps a chosen subset of them and everything else is
-dropped (a rollback is a commit of nothing). Finished sequences leave the batch with `keep_rows`.
+A cached forward appends its tokens to the cache's speculative region (`kvcache.KVCache`), under any
+boolean mask among them (a draft tree); the caller then commits a chosen subset.
 """
 
 from __future__ import annotations
@@ -378,7 +376,7 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.head32 = ()  # (float32 head weight,) when a half-precision copy computes its logits in float32
-        # (`model.precision.RolloutCopy`); a tuple, so it is not a parameter
+        # (`train.precision.rollout_copy`); a tuple, so it is not a parameter
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, tree_mask=None, depth=None,
                 taps: tuple[int, ...] = ()) -> Output:
