@@ -94,7 +94,7 @@ class DFlashDrafter(SharedHeadDrafter):
         return DraftStep(h, h, self.logits(h))
 
     def propose(self, cache: KVCache, state, shape, nodes: int, temperature: float, u, correct=identity) -> Proposal:
-        """Greedy blocks of `nodes` tokens after the roots (`base.DraftState`); u is unused (point masses)."""
+        """Greedy blocks of `nodes` tokens after the roots (`records.DraftState`); u is unused (point masses)."""
         return build_block(self, cache, state.root, nodes, correct)
 
     def loss(self, tokens, taps, hidden, target_logits, mask, generator=None, held_out: bool = False

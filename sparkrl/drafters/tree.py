@@ -124,7 +124,7 @@ def _node_contexts(expanded: list, n_rec: int, keep: torch.Tensor, dev) -> torch
 
 def propose(drafter, cache, state, shape: TreeShape, nodes: int, temperature: float, u: torch.Tensor,
             correct=identity) -> Proposal:
-    """EAGLE-style proposals from the drafter's state at the roots (`base.DraftState`): a dynamic tree of
+    """EAGLE-style proposals from the drafter's state at the roots (`records.DraftState`): a dynamic tree of
     `nodes` nodes (shape.mode "tree"), or a chain sampled from q with uniforms u (B, depth) ("chain")."""
     if shape.mode == "chain":
         return build_chain(drafter, cache, state.root, state.z, state.a, state.h, shape.depth, temperature, u, correct)

@@ -243,7 +243,7 @@ class Spark:
         return torch.softmax(logits.float() / self.temperature, -1)
 
     def observe(self, proposal, acc, logits_at) -> None:
-        """A verified round (`drafters.tree.Proposal`, `verify.Acceptance` with targets): its feedback."""
+        """A verified round (`records.Proposal`, `records.Acceptance` with targets): its feedback."""
         t0 = time.perf_counter()
         round_feedback(self, proposal.contexts, acc, logits_at)
         self.seconds += time.perf_counter() - t0
@@ -295,7 +295,7 @@ def round_feedback(spark: Spark, ctx, acc, logits_at) -> None:
     * one-path proposals (chains, blocks): the last path position, where the walk stopped, is the
       first rejected position (weight w_rejected).
 
-    ctx: the round's `drafters.tree.Contexts`; acc: its `verify.Acceptance`, with `targets` (the
+    ctx: the round's `records.Contexts`; acc: its `records.Acceptance`, with `targets` (the
     walk's p at every visited node). spark.accepted_only (ablation): only path contexts whose proposal
     was accepted.
     """
