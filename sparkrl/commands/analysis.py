@@ -12,10 +12,11 @@ sampled v there); a hit is an accepted draft token. Statistics, each a ratio of 
   / P(miss | it was not), for every rollout after the first;
 * within a prompt (Fig. 2b): P(miss | v was missed in an earlier round by another response of the
   same prompt) / P(miss | not);
-Each ratio is reported raw and token-matched (`_Ratio`): frequent tokens are missed earlier more
-often and are also easier to draft, which biases the raw ratio down.
 * availability (Fig. 2c): the fraction of misses whose token was already missed earlier in the same
   response, and in the same prompt group.
+
+Each ratio is reported raw and token-matched (`_Ratio`): frequent tokens are missed earlier more
+often and are also easier to draft, which biases the raw ratio down.
 """
 
 from __future__ import annotations

@@ -15,9 +15,8 @@ B_g the matrix used at c), is accumulated during the rollout and applied by the 
 Exactness: the correction used in round t is built from rounds < t only (`end_round` is called after
 the round has committed), so the proposals of a round are fixed before it is verified (Theorem B.8).
 
-Composition: the engine treats a `Spark` as its drafter adapter (`speculative.NoAdaptation` is the
-one that does nothing): `begin` a rollout, `select` the active rows of a round, `correct` every
-drafted context's logits, `observe` the verified round, `end_round`.
+Composition: the engine takes a `Spark` as its drafter adapter (`speculative.NoAdaptation` is the one
+that does nothing); `Spark` gives the protocol of a round.
 
 Departures: p is the target restricted to the drafter's vocabulary (its mass outside that vocabulary
 belongs to the tail); at temperature 0 (p a point mass) q is taken at temperature 1. On the verified

@@ -14,11 +14,10 @@ import torch
 class KVCache:
     """Every layer's K/V in one buffer (2, L, B, H_kv, capacity, D) and a committed length per sequence.
 
-    Tokens at cache positions >= `lengths[b]` are speculative: every forward appends its tokens to
-    the speculative region (`pending` grows), later forwards may attend to them (a draft tree built
-    level by level), and `commit` keeps a chosen subset and empties the region. One buffer for all
-    layers lets a commit move the kept tokens of every layer in one gather and one copy instead of two
-    per layer (docs/experiments/kv-cache.md); `k[i]` and `v[i]` are views of it.
+    Positions >= `lengths[b]` are the speculative region: forwards append to it (`pending` grows) and may
+    attend to what earlier forwards put there (a draft tree built level by level). One buffer lets a commit
+    move the kept tokens of every layer in one gather and one copy instead of two per layer
+    (docs/experiments/kv-cache.md); `k[i]` and `v[i]` are views of it.
     """
 
     kv: torch.Tensor  # (2, L, B, H_kv, capacity, D), contiguous; after `keep_rows` a view of the first B rows

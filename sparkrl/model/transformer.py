@@ -308,21 +308,19 @@ class Stack(nn.Module):
                 past: list | None = None) -> Output:
         """Run T new positions per sequence; x: (B, T, d) input embeddings.
 
-        Without a cache: a plain causal forward from position 0 (training, scoring); right padding
-        is harmless there. With a cache: the new positions are appended to the speculative region
-        (after the committed prefix and the `cache.pending` speculative tokens of earlier forwards)
-        and attend to the committed prefix plus the speculative tokens allowed by `tree_mask`
-        (B, T, pending + T) (default: every pending token, causal among the new ones). `depth` (B, T)
-        is each new token's RoPE offset from lengths[b] (default: pending + t). Nothing is committed:
-        call `cache.commit`, which keeps a chosen subset of the speculative region.
+        Without a cache: a plain causal forward from position 0 (training, scoring; right padding is
+        harmless). With a cache: the new positions go after the committed prefix and the `cache.pending`
+        speculative tokens of earlier forwards, and attend to the prefix and to the speculative tokens that
+        `tree_mask` (B, T, pending + T) allows (default: every pending token, causal among the new ones).
+        `depth` (B, T): each new token's RoPE offset from lengths[b] (default pending + t). Nothing is
+        committed: call `cache.commit`.
         taps: layer indices whose outputs to return (after the layer, before the final norm).
-        mask: without a cache, an explicit (B or 1, 1, T, T) bool attention mask instead of causal
-        (with `depth` then giving the absolute positions).
-        past: with `mask`, a list holding each layer's keys and values (with gradients) of the earlier
-        forwards that passed it; the new positions attend to those first, then to each other, under a
-        mask of (B or 1, 1, T, S + T) for S earlier positions, and their own are appended. Training
-        forwards that extend a sequence segment by segment (EAGLE-3's training-time test) so run each
-        position once.
+        mask: without a cache, an explicit (B or 1, 1, T, T) bool attention mask instead of causal (`depth`
+        then gives the absolute positions).
+        past: with `mask`, a list of each layer's keys and values (with gradients) from the earlier forwards
+        that passed it; the new positions attend to those, then to each other, under a mask of (B or 1, 1, T,
+        S + T) for S earlier positions, and append their own. EAGLE-3's training-time test extends a sequence
+        segment by segment this way, running each position once.
         """
         B, T, _ = x.shape
         device = x.device
