@@ -1,10 +1,10 @@
-"""The CPU this process shares: torch's thread count, and warnings when other work competes for it.
+"""The machine this process runs on: where sparkrl caches what it makes once per machine (`cache_dir`,
+`measurement_path`), torch's thread count, and warnings when other work competes for the CPU.
 
-Measured (`bench/threads.py`, BENCHMARKS.md): on a 2-core machine one decode step of the default
-model takes 85 ms alone; next to a second process running the same loop with torch's default 2
-threads each, 210-1,800 ms (OpenMP threads spin-wait for cores the other process holds); with 1
-thread each, or with OMP_WAIT_POLICY=PASSIVE, 135 ms (a fair share). PASSIVE costs 28% when alone,
-so it is not the default; sparkrl warns instead and says what to do.
+Next to another process, torch's OpenMP threads spin-wait for cores the other one holds: on a 2-core
+machine a decode step of the default model runs 2.5-21x slower; with one thread each, or with
+OMP_WAIT_POLICY=PASSIVE, each process gets a fair share (docs/experiments/shared-cpu-threads.md).
+PASSIVE costs 28% when alone, so it is not the default; sparkrl warns instead and says what to do.
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ sampled v there); a hit is an accepted draft token. Statistics, each a ratio of 
   / P(miss | it was not), for every rollout after the first;
 * within a prompt (Fig. 2b): P(miss | v was missed in an earlier round by another response of the
   same prompt) / P(miss | not);
-Each ratio is reported raw and token-matched (`_Ratio`): frequent tokens are missed earlier more
-often and are also easier to draft, which biases the raw ratio down.
 * availability (Fig. 2c): the fraction of misses whose token was already missed earlier in the same
   response, and in the same prompt group.
+
+Each ratio is reported raw and token-matched (`_Ratio`): frequent tokens are missed earlier more
+often and are also easier to draft, which biases the raw ratio down.
 """
 
 from __future__ import annotations
@@ -126,8 +127,49 @@ def analyze(records: list[dict], previous: dict | None = None, bootstrap: int = 
     """Section-2 statistics of one round log (list of rollout records). previous: the record logged
     just before `records` (the previous-rollout evidence of the first one). Each ratio and share
     comes with a 95% bootstrap interval over prompt groups (`ci`), `bootstrap` resamples."""
+    ratio, by_dist, unit_misses, seen_resp, seen_prompt = _count(records, previous)
+    U = len(unit_misses)
+    counts = {k: r.tensor(U) for k, r in ratio.items()}
+    shares = torch.tensor([unit_misses, seen_resp, seen_prompt], dtype=torch.float64).T  # (U, 3)
+    n_events = int(counts["within_response"][..., [0, 2]].sum())  # every drafted position is a within-response event
+    n_miss = int(shares[:, 0].sum())
+
+    def stats(w: torch.Tensor) -> dict:  # w: (B, U) weights of the prompt groups
+        out = {k: _ratios(torch.einsum("bu,usk->bsk", w, c)) for k, c in counts.items()}
+        s = w @ shares
+        out["misses_seen_earlier_in_response"] = s[:, 1] / s[:, 0]
+        out["misses_seen_earlier_in_prompt"] = s[:, 2] / s[:, 0]
+        return out
+
+    point = stats(torch.ones(1, U, dtype=torch.float64))
+    res = {k: {n: _value(x[0]) if n.startswith(("p_", "ratio", "matched_r")) else int(x[0]) for n, x in v.items()}
+           for k, v in point.items() if k in RATIOS}
+    res.update({k: _value(point[k][0]) for k in ("misses_seen_earlier_in_response", "misses_seen_earlier_in_prompt")})
+    if bootstrap and U > 1:
+        g = torch.Generator().manual_seed(seed)
+        draws = []
+        for lo in range(0, bootstrap, 100):  # bounded memory: 100 resamples at a time
+            draws.append(stats(resample_weights(U, min(100, bootstrap - lo), g)))
+        ci = lambda x: [_value(q) for q in interval95(x)]
+        for k in RATIOS:
+            for n in ("ratio", "matched_ratio"):
+                res[k][n + "_ci"] = ci(torch.cat([d[k][n] for d in draws]))
+        for k in ("misses_seen_earlier_in_response", "misses_seen_earlier_in_prompt"):
+            res[k + "_ci"] = ci(torch.cat([d[k] for d in draws]))
+    dist = _by_distance(ratio["within_response"], by_dist, res["within_response"]["p_miss_without"])
+    return {"rollouts": len(records), "prompt_groups": U, "drafted_positions": n_events, "misses": n_miss,
+            "miss_rate": n_miss / n_events if n_events else None, **{k: res[k] for k in RATIOS},
+            "within_response_by_distance": dist,
+            **{k: v for k, v in res.items() if k not in RATIOS}}
+
+
+def _count(records: list[dict], previous: dict | None):
+    """The counts behind `analyze`, one prompt group (a bootstrap unit) at a time: the `_Ratio` of each of
+    RATIOS, one `_Ratio` per DISTANCE_BINS (evidence: the token's last earlier miss in the response is at
+    that distance), and per unit its misses and how many of them were missed earlier in the same response
+    and in the same group."""
     ratio = {k: _Ratio() for k in RATIOS}
-    by_dist = [_Ratio() for _ in DISTANCE_BINS]  # evidence = last earlier miss at this distance
+    by_dist = [_Ratio() for _ in DISTANCE_BINS]
     unit_misses, seen_resp, seen_prompt = [], [], []  # per prompt group
     prev_missed = None if previous is None else {v for resp in previous["responses"] for v, _, m in _events(resp) if m}
     for rec in records:
@@ -168,41 +210,18 @@ def analyze(records: list[dict], previous: dict | None = None, bootstrap: int = 
                         last_miss[v] = t
                         missed_here.add(v)
         prev_missed = missed_here
-    U = len(unit_misses)
-    counts = {k: r.tensor(U) for k, r in ratio.items()}
-    shares = torch.tensor([unit_misses, seen_resp, seen_prompt], dtype=torch.float64).T  # (U, 3)
-    n_events = int(counts["within_response"][..., [0, 2]].sum())  # every drafted position is a within-response event
-    n_miss = int(shares[:, 0].sum())
+    return ratio, by_dist, unit_misses, seen_resp, seen_prompt
 
-    def stats(w: torch.Tensor) -> dict:  # w: (B, U) weights of the prompt groups
-        out = {k: _ratios(torch.einsum("bu,usk->bsk", w, c)) for k, c in counts.items()}
-        s = w @ shares
-        out["misses_seen_earlier_in_response"] = s[:, 1] / s[:, 0]
-        out["misses_seen_earlier_in_prompt"] = s[:, 2] / s[:, 0]
-        return out
 
-    point = stats(torch.ones(1, U, dtype=torch.float64))
-    res = {k: {n: _value(x[0]) if n.startswith(("p_", "ratio", "matched_r")) else int(x[0]) for n, x in v.items()}
-           for k, v in point.items() if k in RATIOS}
-    res.update({k: _value(point[k][0]) for k in ("misses_seen_earlier_in_response", "misses_seen_earlier_in_prompt")})
-    if bootstrap and U > 1:
-        g = torch.Generator().manual_seed(seed)
-        draws = []
-        for lo in range(0, bootstrap, 100):  # bounded memory: 100 resamples at a time
-            draws.append(stats(resample_weights(U, min(100, bootstrap - lo), g)))
-        ci = lambda x: [_value(q) for q in interval95(x)]
-        for k in RATIOS:
-            for n in ("ratio", "matched_ratio"):
-                res[k][n + "_ci"] = ci(torch.cat([d[k][n] for d in draws]))
-        for k in ("misses_seen_earlier_in_response", "misses_seen_earlier_in_prompt"):
-            res[k + "_ci"] = ci(torch.cat([d[k] for d in draws]))
-    # by distance: P(miss | last earlier miss in the bin) against P(miss | no earlier miss) of the same tokens
+def _by_distance(within: _Ratio, by_dist: list[_Ratio], base: float | None) -> list[dict]:
+    """Per DISTANCE_BINS: P(miss | the token's last earlier miss in the response is in the bin), its ratio to
+    P(miss | no earlier miss) `base`, and that ratio token-matched (each token against its own rate without
+    an earlier miss, from `within`, the within-response counts)."""
     w0 = {}
-    for (u, v), c in ratio["within_response"].counts.items():
+    for (u, v), c in within.counts.items():
         a = w0.setdefault(v, [0, 0])
         a[0] += c[0]
         a[1] += c[1]
-    base = res["within_response"]["p_miss_without"]
     dist = []
     for (lo, hi), rt in zip(DISTANCE_BINS, by_dist):
         tot = defaultdict(lambda: [0, 0])
@@ -216,10 +235,7 @@ def analyze(records: list[dict], previous: dict | None = None, bootstrap: int = 
         dist.append({"from": lo, "to": hi if hi < 10**9 else None, "p_miss": p, "events": n,
                      "ratio": p / base if p is not None and base else None,
                      "matched_ratio": observed / expected if expected else None})
-    return {"rollouts": len(records), "prompt_groups": U, "drafted_positions": n_events, "misses": n_miss,
-            "miss_rate": n_miss / n_events if n_events else None, **{k: res[k] for k in RATIOS},
-            "within_response_by_distance": dist,
-            **{k: v for k, v in res.items() if k not in RATIOS}}
+    return dist
 
 
 def stages(records: list[dict], k: int, **kw) -> list[dict]:

@@ -113,7 +113,7 @@ def accelerate(module: nn.Module, choice: str = "auto", float32_attention: bool 
     """Run `module`'s no-grad CPU forwards on the kernels of --cpu-kernels `choice` (see the module doc), in
     place; off a CPU, or where the compiled kernels cannot be built, torch's kernels serve. float32_attention:
     a half-precision module's attention in float32 (`CpuAttention.attn_dtype`; only where torch's attention
-    serves: `tuning.float32_attention_choice`)."""
+    serves: `tuning.float32_attention`)."""
     if choice not in CHOICES:
         raise ValueError(f"cpu kernels {choice!r}: one of {', '.join(CHOICES)}")
     for m in module.modules():

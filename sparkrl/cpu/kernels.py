@@ -26,13 +26,13 @@ from sparkrl.model.transformer import Linear, dense
 
 HALF = (torch.bfloat16, torch.float16)
 PACK_ROWS_HINT = {torch.float32: 16}  # oneDNN's batch-size hint when it reorders a weight (else 1): in float32
-# the layout made for 16 rows ran 8-64-row products 1.0-1.3x faster than the one made for 1 row
-PACKED_WEIGHT_MAJOR_ROWS = 4  # a packed float32 layer runs weight-major products up to this many rows: here they
-# were 1.3-1.45x faster than prepacked oneDNN products at one row, as fast or up to 1.2x faster at 2-4 rows and
-# slower from 8 (BENCHMARKS.md "Prepacked float32 weights"); a packed half-precision layer never does (prepacked
-# was faster at every size)
-WEIGHT_MAJOR_ROWS = 128  # weight-major products for 1..128 rows; past 128 rows they did not pay (0.93x-1.08x
-# at 136 rows, 0.89x for a 512-token prefill), so prefills, large trees and training-sized forwards stay on F.linear
+# the layout made for 16 rows runs 8-64-row products 1.0-1.3x faster than the one made for 1 row
+PACKED_WEIGHT_MAJOR_ROWS = 4  # a packed float32 layer runs weight-major products up to this many rows, where they
+# match or beat oneDNN's prepacked ones (1.3-1.45x at one row) and lose from 8 rows
+# (docs/experiments/weight-major-products.md); a packed half-precision layer never does (prepacked is faster at
+# every size)
+WEIGHT_MAJOR_ROWS = 128  # weight-major products for 1..128 rows; past that they do not pay (0.89x for a 512-token
+# prefill), so prefills, large trees and training-sized forwards stay on F.linear
 WEIGHT_MAJOR_PARTS: int | None = None  # blocks per weight-major product; None: torch's thread count
 FUSE_LINEARS = True  # `linears` as one product; False (a bench knob) runs the layers one by one
 
@@ -106,15 +106,14 @@ class CpuLinear(Linear):
 
 
 def linears(x: torch.Tensor, *layers: CpuLinear) -> tuple[torch.Tensor, ...]:
-    """`tuple(layer(x) for layer in layers)`: several `Linear`s over one input (q/k/v, gate/up). Where
-    weight-major products serve x, one product over their weights concatenated: one call streams them
-    all, and at a decode step's sizes the calls' fixed costs are a large part of the time (the default
-    model's float32 decode step 1.07-1.13x faster at one row and 1.09-1.11x at 8, no change at 16-64:
-    BENCHMARKS.md "Fused projections"). The concatenation is a copy kept on the first layer and remade
-    whenever a weight or bias is another tensor or has changed in place (its version counter, as for a
-    prepacked weight), so an optimizer step or a refresh is never served stale; it costs the layers'
-    memory once more (the default model's q/k/v and gate/up: 279 MB in float32). The outputs are views
-    of one tensor."""
+    """`tuple(layer(x) for layer in layers)`: several `Linear`s over one input (q/k/v, gate/up). Where the
+    compiled or weight-major product serves x, one product over their weights concatenated: one call streams
+    them all, and at a decode step's sizes the calls' fixed costs are a large part of the time (1.07-1.13x
+    for the default model's float32 decode step at one row: docs/experiments/weight-major-products.md). The
+    concatenation is a copy kept on the first layer and remade whenever a weight or bias is another tensor or
+    has changed in place (its version counter), so an optimizer step or a refresh is never served stale; it
+    costs the layers' memory once more (279 MB for the default model in float32). The outputs are views of
+    one tensor."""
     first, x = layers[0], dense(x)
     product = first.product(x)
     flags = lambda l: (l.native, l.weight_major, l.packed, l.weight.dtype, l.bias is None)  # what picks the product
@@ -135,8 +134,7 @@ def weight_major_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
     """`F.linear(x, w, bias)` as `(w @ x^T)^T` (see the module doc): x (..., in) -> (..., out), row-major.
     The weight's output rows are split into `parts` blocks (default: `WEIGHT_MAJOR_PARTS`, else torch's
     thread count; one block where they do not divide evenly), one batched product. One row in one block
-    (a single thread) is `F.linear`: both are matrix-vector products, and `F.linear` measured up to 4%
-    faster."""
+    (a single thread) is `F.linear`: both are matrix-vector products, and `F.linear` is up to 4% faster."""
     out, inp = w.shape
     x2 = x.reshape(-1, inp)
     rows = x2.shape[0]

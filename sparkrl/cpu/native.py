@@ -1,26 +1,22 @@
-"""Compiled CPU kernels for no-grad forwards, made so that a row's result never depends on its batch.
+"""Compiled CPU kernels for no-grad forwards whose result for a row never depends on its batch.
 
-* `linear`: y = x W^T + b with each output's sum in one fixed order whatever the number of rows
-  (`csrc/small_linear.cpp`: float32, or bfloat16 widened to float32 as it streams; `csrc/bf16_pairs.cpp`:
-  bfloat16 on the CPU's bfloat16 dot products, AVX512-BF16, the weight repacked once into pairs).
-* `rms_norm`, `rope`: a norm and RoPE in one call each, rounding a bfloat16 intermediate wherever torch's
-  tensor ops do (`csrc/decode_ops.cpp`).
-* `attention`: cached attention that reads each key/value head once for all its query rows, with the softmax's
-  sums taken over the positions a row sees in cache order, so a tree's node and the decode step at the same
-  position give the same bits.
+* `linear`: y = x W^T + b, each output's sum in one fixed order whatever the number of rows
+  (`csrc/small_linear.cpp`: float32, or a bfloat16 weight widened as it streams; `csrc/bf16_pairs.cpp`:
+  AVX512-BF16 dot products on a weight repacked into pairs).
+* `rms_norm`, `rope`: one call each, rounding bfloat16 intermediates where torch's ops do (`csrc/decode_ops.cpp`).
+* `attention`: cached attention reading each key/value head once for all its query rows, the softmax's sums
+  over the positions a row sees in cache order.
 * `nucleus`: the softmax, top-p nucleus, token and log-probability of a row of logits in one call.
 
-Why they exist: speculative rollouts of point-mass drafts commit exactly the tokens autoregressive sampling
-gives with the same seed only if the logits of a position are the same bits in a one-token decode step and in
-a many-token verification forward, whichever other rows share the batch. BLAS and oneDNN pick their blocking
-(and so the order of a dot product's adds) by the number of rows, and torch's attention by the span; these
-kernels fix one order per output. At decode sizes they are also fast: the weight streams from memory once, and
-a decode step's ~1,300 small tensor ops shrink to a few calls.
+Why: speculative rollouts of point-mass drafts commit exactly the tokens autoregressive sampling gives with the
+same seed only if a position's logits are the same bits in a one-token decode step and in a many-token verify
+forward. BLAS and oneDNN choose their blocking (the order of a dot product's adds) by the number of rows, torch's
+attention by the span; these kernels fix one order per output, and turn a decode step's ~1,300 small ops into a
+few calls.
 
-They are compiled once per machine with torch's C++ extension loader (gcc, AVX2 and FMA; about 20 s, cached
-under torch's extensions folder) the first time they are wanted; where the CPU lacks AVX2 or FMA, or no
-compiler works, `available()` is False (with one line saying why) and the layers keep torch's kernels
-(then speculative rollouts follow the policy's distribution exactly but are not token-identical to AR ones).
+Built once per machine by torch's C++ extension loader (gcc, AVX2 and FMA; about 20 s, cached) when first
+wanted. Where the CPU lacks AVX2 or FMA, or no compiler works, `available()` is False (one line says why) and
+torch's kernels serve: rollouts stay exact in distribution but are not token-identical to AR ones.
 """
 
 from __future__ import annotations
@@ -129,10 +125,9 @@ def serves_attention(q: torch.Tensor, k: torch.Tensor) -> bool:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, span: int,
               out_dtype: torch.dtype) -> torch.Tensor:
     """`F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask, enable_gqa=True)` in one
-    call (`csrc/decode_ops.cpp`), transposed to (B, T, H, D) in out_dtype (float32 or bfloat16; bfloat16 for
-    bfloat16 inputs): q (B, H, T, D) with unit stride along D, k and v a `KVCache`'s buffers (B, H_kv, capacity,
-    D), mask (B, 1, T, span) bool (True: may attend). Scores, softmax and sums in float32; a query with nothing
-    to attend to gets zeros."""
+    call (`csrc/decode_ops.cpp`), as (B, T, H, D) in out_dtype (bfloat16 for bfloat16 inputs): q (B, H, T, D) with
+    unit stride along D, k and v a `KVCache`'s buffers (B, H_kv, capacity, D), mask (B, 1, T, span) bool (True:
+    may attend). Scores, softmax and sums in float32; a query with nothing to attend to gets zeros."""
     if span and mask.stride(-1) != 1:
         mask = mask.contiguous()
     return torch.ops.sparkrl_native.attention(q, k, v, mask, span, out_dtype)
@@ -147,7 +142,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def nucleus(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor):
     """`sampling.sample_nucleus` in one call (`csrc/decode_ops.cpp`): float32 CPU logits (N, V), temperature > 0,
     0 < top_p < 1, float64 uniforms u (N,) -> (probs (N, K), ids (N, K), token (N,), logp (N,)); each row's
-    nucleus in id order, then ids of probability 0 it does not hold. One pass for the softmax and a histogram of
-    its mass instead of sorting the vocabulary; only the tokens near the nucleus's edge are sorted."""
+    nucleus in id order, then ids of probability 0 it does not hold. A histogram of the softmax's mass replaces
+    a sort of the vocabulary: only the tokens near the nucleus's edge are sorted."""
     return tuple(torch.ops.sparkrl_native.nucleus(logits.contiguous(), temperature, top_p,
                                                   u.to(torch.float64).contiguous()))

@@ -115,9 +115,9 @@ def float32_attention_pays(dtype: torch.dtype, args) -> bool:
     """Whether a `dtype` (half-precision) model's cached attention runs faster in float32 on a float32 KV
     cache (queries cast up, outputs cast back; `Attention.attn_dtype`) than in `dtype` on this CPU, by 5% overall:
     decode steps of 1, 8 and 64 rows and a 17-token forward of 8 rows beside a 192-token context, with
-    `args`' heads (medians of interleaved calls). On this project's AVX512-BF16 CPU torch's bfloat16
-    attention for one new token was 4-9x slower than float32's (BENCHMARKS.md "Cached attention in
-    float32"). Measured once per machine, dtype and head shape, and cached."""
+    `args`' heads (medians of interleaved calls). On the AVX512-BF16 CPU of docs/experiments/cached-attention.md
+    torch's bfloat16 attention for one new token is 4-9x slower than float32's. Measured once per machine, dtype
+    and head shape, and cached."""
     shape = {"heads": args.num_heads, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim}
     path = measurement_path("attention", str(dtype), shape, {"sizes": ATTENTION_SIZES, "context": ATTENTION_CONTEXT})
     if path.exists():

@@ -1,25 +1,24 @@
 """DFlash-style block drafter (Chen et al. 2026; the paper's "DFlash-style" setup).
 
-Three decoder layers of the policy's own engine (`model.Stack`). The context is the policy itself:
-every committed position enters the drafter's KV cache as the policy's fused features there (a low,
-a middle and a high layer, projected to d; no token embedding, the features carry the tokens). A
-block of `block_size` positions, the anchor (the last committed token, which the policy has not run
-yet; its embedding) followed by block_size - 1 mask embeddings, is drafted in ONE forward: the block
-attends to the whole context and bidirectionally within itself, and position j predicts the token j
-places after the anchor. Proposals are the greedy tokens (point masses), checked by the policy with
-exact point-mass acceptance (`verify.accept_tree` on a one-path tree). It shares the policy's
-embedding and (reduced) output head and exposes h and z at every block position, so SPARK applies
-unchanged; its feedback contexts are the accepted prefix and the first rejected position.
+Three decoder layers of the policy's own engine (`model.Stack`). The context is the policy itself: every
+committed position enters the drafter's KV cache as the policy's fused features there (a low, a middle and a
+high layer, projected to d; no token embedding, the features carry the tokens). A block of `block_size`
+positions, the anchor (the last committed token, not yet run by the policy; its embedding) and block_size - 1
+mask embeddings, is drafted in ONE forward: it attends to the whole context and bidirectionally within itself,
+and position j predicts the token j places after the anchor. Proposals are the greedy tokens (point masses),
+verified as a one-path tree (`verify.accept_tree`). It shares the policy's embedding and (reduced) head and
+exposes h and z at every block position, so SPARK applies unchanged; its feedback contexts are the accepted
+prefix and the first rejected position.
 
-Training (`block_loss`): K distinct random anchors per sequence (`anchors`, a setting saved with the
-checkpoint), each block attending to the context before its anchor, in one forward with an explicit
-mask; soft cross-entropy against the policy's distribution at each predicted position, weighted
-exp(-(j - 1) / gamma) by block position j. Why decay: position j only counts if positions 1..j-1 were
-all accepted, so its share of the expected acceptance length falls geometrically with j; DFlash decays
-its weights for the same reason. gamma = 4 keeps position 5 at a third of position 1's weight.
+Training (`block_loss`): `anchors` distinct random anchors per sequence (a setting saved with the checkpoint),
+each block attending to the context before its anchor, all in one forward with an explicit mask; soft
+cross-entropy against the policy's distribution, weighted exp(-(j - 1) / gamma) by block position j. Position
+j only counts if positions 1..j-1 were accepted, so its share of the expected acceptance length falls
+geometrically, and DFlash decays its weights for that reason; gamma = 4 keeps position 5 at a third of position
+1's weight.
 
-Departure: online, the context the loss sees starts at the last prompt token (the GRPO update's
-forward covers the response positions); pretraining uses whole sequences.
+Departure: online, the loss's context starts at the last prompt token (the GRPO update's forward covers the
+response positions); pretraining uses whole sequences.
 """
 
 from __future__ import annotations
@@ -94,7 +93,7 @@ class DFlashDrafter(SharedHeadDrafter):
         return DraftStep(h, h, self.logits(h))
 
     def propose(self, cache: KVCache, state, shape, nodes: int, temperature: float, u, correct=identity) -> Proposal:
-        """Greedy blocks of `nodes` tokens after the roots (`base.DraftState`); u is unused (point masses)."""
+        """Greedy blocks of `nodes` tokens after the roots (`records.DraftState`); u is unused (point masses)."""
         return build_block(self, cache, state.root, nodes, correct)
 
     def loss(self, tokens, taps, hidden, target_logits, mask, generator=None, held_out: bool = False

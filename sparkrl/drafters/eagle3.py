@@ -1,26 +1,21 @@
 """EAGLE-3-style drafter (Li et al. 2025; the paper's "EAGLE3-style" setup, via FastGRPO).
 
-One decoder layer of the policy's own engine (`model.Stack`; the setting `num_layers` gives more). Its
-input at position i fuses the embedding of token i+1 with a feature for position i:
-  * at committed positions, the policy's hidden states of a low, a middle and a high layer,
-    concatenated and projected to d (`fc`);
-  * at drafted tree nodes, where the policy has not run yet, the drafter's own output at the parent
-    (EAGLE's feature recurrence).
-It shares the policy's embedding and output head (not trained here); the head can be restricted to
-a reduced draft vocabulary (the most frequent tokens; `vocab_ids` maps back to the full vocabulary).
-At every drafted context it exposes `h` (the normed feature entering the head) and `z` (the logits),
-which is what SPARK corrects.
+One decoder layer of the policy's own engine (`model.Stack`; the setting `num_layers` gives more). Its input
+at position i fuses the embedding of token i+1 with a feature for position i: at committed positions the
+policy's hidden states of a low, a middle and a high layer, concatenated and projected to d (`fc`); at drafted
+tree nodes, where the policy has not run yet, the drafter's own output at the parent (EAGLE's feature
+recurrence). It shares the policy's embedding and output head (not trained here); the head can be restricted
+to a draft vocabulary of the most frequent tokens (`vocab_ids` maps back). At every drafted context it exposes
+`h` (the normed feature entering the head) and `z` (the logits): what SPARK corrects.
 
-Loss (paper appendix A, FastGRPO): 2 * SmoothL1(feature) + 0.1 * softCE(target distribution); the
-feature weight is a setting (`feature_weight`; 0 is EAGLE-3's token-only loss).
-Drafter position i reads token i+1 and the policy's fused features at i, and predicts token i+2; its
-pre-norm output is regressed on the policy's final normed hidden state at i+1, and its distribution
-(over the draft vocabulary) is pulled towards the policy's distribution at i+1 by soft cross-entropy,
-with EAGLE-3's training-time test (`draft_loss`).
+Loss (paper appendix A, FastGRPO; `draft_loss`): 2 * SmoothL1(feature) + 0.1 * softCE(target distribution),
+with EAGLE-3's training-time test; the feature weight is a setting (0: EAGLE-3's token-only loss). Position i
+predicts token i+2: its pre-norm output is regressed on the policy's final normed hidden state at i+1, and its
+distribution over the draft vocabulary is pulled towards the policy's at i+1.
 
-Departures from EAGLE-3: the embedding/feature fusion is a linear 2d -> d in front of a standard
-decoder layer (so the policy's layer code serves unchanged); the feature-regression target of the
-online loss is the policy's final normed hidden state at the next position (EAGLE-1's target).
+Departures from EAGLE-3: the fusion is a linear 2d -> d in front of a standard decoder layer (so the policy's
+layer code serves unchanged); the feature target is the policy's final normed hidden state at the next
+position (EAGLE-1's).
 """
 
 from __future__ import annotations

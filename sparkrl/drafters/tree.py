@@ -34,11 +34,11 @@ def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Ten
                shape: TreeShape, nodes: int | None = None, correct=identity) -> Proposal:
     """Trees for a batch of roots.
 
-    root: (B,) policy ids of the roots; z: (B, Vd) drafter logits after the root; a: (B, d) the
-    drafter feature at the root's position (parent feature of the level-1 nodes); h: (B, d) the
-    root's head feature. nodes: keep this many nodes instead of shape.nodes (the `nodes` best are
-    also the best of any larger tree, so smaller trees are subsets of larger ones). correct(z, h):
-    the logit correction applied at every context (SPARK's; `identity` otherwise).
+    root: (B,) policy ids of the roots; z: (B, Vd) drafter logits after the root; a: (B, d) the drafter
+    feature at the root's position (parent feature of the level-1 nodes); h: (B, d) the root's head
+    feature. nodes: keep this many nodes instead of shape.nodes (the `nodes` best are also the best of any
+    larger tree, so smaller trees are subsets of larger ones). correct(z, h): the logit correction applied
+    at every context (SPARK's; `identity` otherwise).
     """
     B = root.shape[0]
     dev = root.device
@@ -63,9 +63,7 @@ def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Ten
             if not bool(going.any()):  # host sync: every row stopped
                 break
         P = cache.pending
-        mask = torch.cat([front_anc, torch.eye(F, dtype=torch.bool, device=dev).expand(B, F, F)], -1)
-        step = drafter(rec_tok[-1], front_feat, cache, tree_mask=mask,
-                       depth=torch.full((B, F), level - 2, device=dev))
+        step = _expand(drafter, cache, rec_tok[-1], front_feat, front_anc, level)
         zs = correct(step.z, step.h)  # (B, F, Vd)
         expanded.append((front_id, n_ctx, going))
         ctx_h.append(step.h)
@@ -84,25 +82,49 @@ def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Ten
         front_id = n_rec + torch.arange(k, device=dev).expand(B, k)
         n_rec += k
         front_feat = step.a.gather(1, slot[..., None].expand(-1, -1, step.a.shape[-1]))
-        own = torch.zeros(B, k, P + F, dtype=torch.bool, device=dev)
-        own.scatter_(2, (P + slot)[..., None], True)
-        anc = torch.cat([front_anc, torch.zeros(B, F, F, dtype=torch.bool, device=dev)], -1)
-        front_anc = anc.gather(1, slot[..., None].expand(-1, -1, P + F)) | own
+        front_anc = _child_ancestors(front_anc, slot, P, F)
         F = k
     tree, keep = _select(torch.cat(rec_tok, 1), torch.cat(rec_score, 1), torch.cat(rec_parent, 1),
                          torch.cat([torch.full_like(s, d, dtype=torch.long) for s, d in zip(rec_score, rec_depth)], 1),
                          root, nodes or shape.nodes)
-    rec_ctx = torch.full((B, n_rec), -1, dtype=torch.long, device=dev)  # context of each recorded node
-    for ids_, first, went in expanded:  # a stopped row's frontier was expanded for the others only: no context
+    node = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), _node_contexts(expanded, n_rec, keep, dev)], 1)
+    return Proposal(tree, None, Contexts(ctx_h, ctx_z, node, rejected_children=True))
+
+
+def _expand(drafter, cache, tokens: torch.Tensor, feat: torch.Tensor, anc: torch.Tensor, level: int):
+    """One drafter forward over the frontier (B, F) at tree level `level`: tokens, parent features feat
+    (B, F, d), and anc (B, F, P) each node's ancestors among the P speculative positions already in the
+    drafter's cache; a node attends to those and to itself."""
+    B, F = tokens.shape
+    mask = torch.cat([anc, torch.eye(F, dtype=torch.bool, device=anc.device).expand(B, F, F)], -1)
+    return drafter(tokens, feat, cache, tree_mask=mask, depth=torch.full((B, F), level - 2, device=anc.device))
+
+
+def _child_ancestors(anc: torch.Tensor, slot: torch.Tensor, P: int, F: int) -> torch.Tensor:
+    """Ancestors (B, k, P + F) of the next frontier in the speculative region, once the current frontier (F
+    nodes with ancestors anc (B, F, P)) has been written after the P positions: each child's parent's
+    ancestors and the parent itself. slot (B, k): each child's parent in the current frontier."""
+    B, k = slot.shape
+    own = torch.zeros(B, k, P + F, dtype=torch.bool, device=anc.device)
+    own.scatter_(2, (P + slot)[..., None], True)
+    anc = torch.cat([anc, torch.zeros(B, F, F, dtype=torch.bool, device=anc.device)], -1)
+    return anc.gather(1, slot[..., None].expand(-1, -1, P + F)) | own
+
+
+def _node_contexts(expanded: list, n_rec: int, keep: torch.Tensor, dev) -> torch.Tensor:
+    """(B, n) the context index of each kept node's prediction, -1 where the drafter did not expand it.
+    expanded: per drafted level (recorded ids of its frontier, its first context, rows going or None); a
+    stopped row's frontier was expanded for the other rows only, so it gets no context."""
+    rec_ctx = torch.full((keep.shape[0], n_rec), -1, dtype=torch.long, device=dev)  # context of each recorded node
+    for ids_, first, went in expanded:
         ctx = first + torch.arange(ids_.shape[1], device=dev).expand_as(ids_)
         rec_ctx.scatter_(1, ids_, ctx if went is None else torch.where(went[:, None], ctx, -1))
-    node = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), rec_ctx.gather(1, keep)], 1)
-    return Proposal(tree, None, Contexts(ctx_h, ctx_z, node, rejected_children=True))
+    return rec_ctx.gather(1, keep)
 
 
 def propose(drafter, cache, state, shape: TreeShape, nodes: int, temperature: float, u: torch.Tensor,
             correct=identity) -> Proposal:
-    """EAGLE-style proposals from the drafter's state at the roots (`base.DraftState`): a dynamic tree of
+    """EAGLE-style proposals from the drafter's state at the roots (`records.DraftState`): a dynamic tree of
     `nodes` nodes (shape.mode "tree"), or a chain sampled from q with uniforms u (B, depth) ("chain")."""
     if shape.mode == "chain":
         return build_chain(drafter, cache, state.root, state.z, state.a, state.h, shape.depth, temperature, u, correct)

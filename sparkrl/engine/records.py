@@ -182,6 +182,8 @@ class Tree:
 
 @dataclass
 class Acceptance:
+    """What the acceptance walk (`verify.accept_tree`, `verify.accept_chain`) decided for each row."""
+
     path: torch.Tensor  # (B, D) accepted node indices in order (padding -1)
     n_accepted: torch.Tensor  # (B,) accepted draft tokens
     bonus: torch.Tensor  # (B,) the token sampled after the accepted path (residual or next)
@@ -192,6 +194,7 @@ class Acceptance:
     logp: torch.Tensor | None = None  # (B, L) float32 log softmax(logits / T) of the token committed at each
     # visited level (the accepted child's, then the bonus), the rollout model's log-probability of it
     targets: torch.Tensor | None = None  # (B, L, Vd) float32 target p at the visited nodes, before any
+    # rejection, on the token ids `vocab` the caller asked for (None when it did not ask)
 
 
 class Contexts:

@@ -1,4 +1,4 @@
-"""Rollouts: the records every engine returns, the shared batch bookkeeping, and autoregressive mode.
+"""Rollouts: the batch bookkeeping both engines share, and autoregressive mode.
 
 Both modes (this file's `generate`, and `speculative.generate_speculative`) share the bookkeeping:
   * each distinct prompt is prefilled once and its KV cache rows are copied to its G responses;
@@ -24,6 +24,7 @@ from sparkrl.model.kvcache import KVCache
 from sparkrl.model.transformer import Output, Transformer, pad_right
 from sparkrl.engine.records import UNDRAFTED, Rollout, RoundStats
 from sparkrl.engine.sampling import SAMPLER, Sampler, position_uniforms, response_keys
+
 
 def response_generators(seed: int, n_prompts: int, group_size: int, offset: int = 0) -> list[torch.Generator]:
     """One generator per response; response j of prompt i gets a seed derived from (seed, offset + i, j)."""

@@ -15,9 +15,8 @@ B_g the matrix used at c), is accumulated during the rollout and applied by the 
 Exactness: the correction used in round t is built from rounds < t only (`end_round` is called after
 the round has committed), so the proposals of a round are fixed before it is verified (Theorem B.8).
 
-Composition: the engine treats a `Spark` as its drafter adapter (`speculative.NoAdaptation` is the
-one that does nothing): `begin` a rollout, `select` the active rows of a round, `correct` every
-drafted context's logits, `observe` the verified round, `end_round`.
+Composition: the engine takes a `Spark` as its drafter adapter (`speculative.NoAdaptation` is the one
+that does nothing); `Spark` gives the protocol of a round.
 
 Departures: p is the target restricted to the drafter's vocabulary (its mass outside that vocabulary
 belongs to the tail); at temperature 0 (p a point mass) q is taken at temperature 1. On the verified
@@ -243,7 +242,7 @@ class Spark:
         return torch.softmax(logits.float() / self.temperature, -1)
 
     def observe(self, proposal, acc, logits_at) -> None:
-        """A verified round (`drafters.tree.Proposal`, `verify.Acceptance` with targets): its feedback."""
+        """A verified round (`records.Proposal`, `records.Acceptance` with targets): its feedback."""
         t0 = time.perf_counter()
         round_feedback(self, proposal.contexts, acc, logits_at)
         self.seconds += time.perf_counter() - t0
@@ -295,7 +294,7 @@ def round_feedback(spark: Spark, ctx, acc, logits_at) -> None:
     * one-path proposals (chains, blocks): the last path position, where the walk stopped, is the
       first rejected position (weight w_rejected).
 
-    ctx: the round's `drafters.tree.Contexts`; acc: its `verify.Acceptance`, with `targets` (the
+    ctx: the round's `records.Contexts`; acc: its `records.Acceptance`, with `targets` (the
     walk's p at every visited node). spark.accepted_only (ablation): only path contexts whose proposal
     was accepted.
     """

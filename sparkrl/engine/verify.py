@@ -19,32 +19,41 @@ from its own generator, so what a response commits never depends on the rest of 
 
 from __future__ import annotations
 
-
 import torch
 
 from sparkrl.engine.records import Acceptance, Tree
 from sparkrl.engine.sampling import SAMPLER, Sampler, logprob_of, sample_from, target_probs
 
 
-    # rejection, on the token ids `vocab` the caller asked for (None when it did not ask)
+def _spread(t: torch.Tensor, walking: torch.Tensor, B: int) -> torch.Tensor:
+    """Values (n, ...) of the walking rows into a batch (B, ...); rows that stopped earlier get zeros
+    (never read: levels past n_accepted)."""
+    return t.new_zeros((B, *t.shape[1:])).index_copy_(0, walking, t)
+
+
+def _first_child(tree: Tree, cur: torch.Tensor, active: torch.Tensor, x: torch.Tensor, node_ids: torch.Tensor):
+    """(first (B,), tried (B, N)): the first child of node cur carrying token x in each active row (N
+    where none does), and the children the sequential walk tries and rejects before it."""
+    N = tree.tokens.shape[1]
+    is_child = tree.children_of(cur) & active[:, None]  # (B, N)
+    match = is_child & (tree.tokens == x[:, None])
+    first = torch.where(match, node_ids, N).min(-1).values
+    return first, is_child & (node_ids < first[:, None])
 
 
 def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.Tensor, max_depth: int,
                 vocab: torch.Tensor | None = None, sampler: Sampler = SAMPLER) -> Acceptance:
     """Walk every row's tree with point-mass acceptance.
 
-    logits: (B, N, V) policy logits at every node (the distribution of the token after the node),
-    or a callable (rows (n,), nodes (n,)) -> (n, V) logits at those nodes: then the LM head runs only
-    on the nodes the walk visits, and at each level only for the rows still walking.
-    u: (B, max_depth + 1) float64 in [0, 1): u[:, d] samples the token committed at level d.
-    No node may be deeper than max_depth.
-    vocab: token ids (Vd,); when given, the result carries the target p on them at every visited
-    node (SPARK's feedback).
-    sampler: how the committed tokens are drawn (`Sampler.nucleus`).
+    logits: (B, N, V) policy logits at every node (the distribution of the token after the node), or a
+    callable (rows (n,), nodes (n,)) -> (n, V) logits at those nodes (`PathLogits`): the LM head then runs
+    only on the nodes the walk visits, for the rows still walking.
+    u: (B, max_depth + 1) float64 in [0, 1): u[:, d] samples the token committed at level d; no node is
+    deeper than max_depth. vocab: token ids (Vd,); when given, the result carries the target p on them
+    at every visited node (SPARK's feedback). sampler: how the committed tokens are drawn.
     """
     B, N = tree.tokens.shape
     dev = tree.tokens.device
-    rows = torch.arange(B, device=dev)
     u = u.to(dev)
     cur = torch.zeros(B, dtype=torch.long, device=dev)
     active = torch.ones(B, dtype=torch.bool, device=dev)
@@ -56,13 +65,7 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
     at = logits if callable(logits) else (lambda r, nodes: logits[r, nodes])
     visited, targets, logps = [], [], []
     rejected = torch.zeros(B, N, dtype=torch.bool, device=dev)
-    walking = rows  # the rows still walking (all at level 0)
-
-    def spread(t: torch.Tensor, walking: torch.Tensor) -> torch.Tensor:
-        """Values (n, ...) of the walking rows into a batch (B, ...): rows that stopped earlier get zeros
-        (never read: levels past n_accepted)."""
-        return t.new_zeros((B, *t.shape[1:])).index_copy_(0, walking, t)
-
+    walking = torch.arange(B, device=dev)  # the rows still walking (all at level 0)
     for level in range(max_depth + 1):
         lg = at(walking, cur[walking])  # (n, V)
         # p on its nucleus (n, W), sparse, and the tokens committed here, sampled in token-id order: which token a
@@ -70,17 +73,15 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
         # on the batch)
         probs, ids, x_w, logp = sampler.nucleus(lg, temperature, top_p, u[walking, level])
         visited.append(cur)
-        x = spread(x_w, walking)  # (B,)
-        logps.append(spread(logp, walking))
+        x = _spread(x_w, walking, B)  # (B,)
+        logps.append(_spread(logp, walking, B))
         if vocab is not None:
             dense = torch.zeros(lg.shape, dtype=torch.float32, device=dev).scatter_(1, ids, probs)
-            targets.append(spread(dense[:, vocab], walking))
-        is_child = tree.children_of(cur) & active[:, None]  # (B, N)
-        match = is_child & (tree.tokens == x[:, None])
-        first = torch.where(match, node_ids, N).min(-1).values  # (B,) the first child carrying x, N if none
+            targets.append(_spread(dense[:, vocab], walking, B))
+        first, tried = _first_child(tree, cur, active, x, node_ids)
         moved = first < N
         nxt = torch.where(moved, first, cur)
-        rejected |= is_child & (node_ids < first[:, None])  # what the sequential walk tried before x
+        rejected |= tried
         stop = active & ~moved
         bonus = torch.where(stop, x, bonus)
         last = torch.where(stop, cur, last)
@@ -97,15 +98,13 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
 
 
 class PathLogits:
-    """Policy logits at tree nodes for the acceptance walk (`accept_tree`'s callable), computed on demand.
-    Each LM-head call also covers the nodes below every node asked for that the drafter ranked best (its
-    preference order, `Tree.rank`: the most likely to be walked next, by the draft's cumulative probability),
-    as long as the call stays within `rows` rows: while a product is bound by reading the head's weights, a
-    few rows cost what one row does (one response: one pass over the head per round for most walks, instead of
-    one per level; a 4-node tree 1 deep, root and children, always in one). With more walking rows than
-    `rows` / 2, each call covers just the nodes asked for, as a plain head would.
+    """Policy logits at tree nodes for `accept_tree`, computed on demand. Each LM-head call also covers the
+    best-ranked nodes (`Tree.rank`) below every node asked for, up to `rows` rows in all: while the product is
+    bound by reading the head's weights a few rows cost what one does, so a one-response walk usually takes one
+    pass over the head per round instead of one per level. With more than `rows` / 2 walking rows, each call
+    covers just the nodes asked for.
 
-    head: hidden (n, d) -> logits (n, V); hidden: (B, N, d) the verify forward's final hidden states;
+    head: hidden (n, d) -> logits (n, V); hidden (B, N, d): the verify forward's final hidden states;
     ancestors: the tree's `ancestor_mask()` if the caller has it (else computed here)."""
 
     def __init__(self, head, hidden: torch.Tensor, tree: Tree, rows: int, ancestors: torch.Tensor | None = None):

@@ -14,11 +14,10 @@ import torch
 class KVCache:
     """Every layer's K/V in one buffer (2, L, B, H_kv, capacity, D) and a committed length per sequence.
 
-    Tokens at cache positions >= `lengths[b]` are speculative: every forward appends its tokens to
-    the speculative region (`pending` grows), later forwards may attend to them (a draft tree built
-    level by level), and `commit` keeps a chosen subset and empties the region. One buffer for all
-    layers lets a commit move the kept tokens of every layer in one gather and one copy (two per layer
-    before: 0.4 ms of a one-response tree round on this CPU); `k[i]` and `v[i]` are views of it.
+    Positions >= `lengths[b]` are the speculative region: forwards append to it (`pending` grows) and may
+    attend to what earlier forwards put there (a draft tree built level by level). One buffer lets a commit
+    move the kept tokens of every layer in one gather and one copy instead of two per layer
+    (docs/experiments/kv-cache.md); `k[i]` and `v[i]` are views of it.
     """
 
     kv: torch.Tensor  # (2, L, B, H_kv, capacity, D), contiguous; after `keep_rows` a view of the first B rows
@@ -64,8 +63,8 @@ class KVCache:
             src = self.rows(base + keep)
             dst = self.rows(base + torch.arange(keep.shape[1], device=keep.device))
             # rows of the whole buffer viewed as (2L * B' * H_kv * capacity, D): one gather and one copy on a
-            # contiguous 2-D tensor (on the strided view `keep_rows` leaves, gathering along its merged rows made a
-            # 6-row tree round take 4x as long)
+            # contiguous 2-D tensor (gathering along the merged rows of the strided view `keep_rows` leaves takes
+            # a slow path: a 6-row tree round 4x as long)
             flat = self.store.view(-1, self.kv.shape[-1])
             per = flat.shape[0] // (2 * self.kv.shape[1])  # rows of one layer's K or V
             offsets = torch.arange(0, flat.shape[0], per, device=keep.device)[:, None]
@@ -76,8 +75,8 @@ class KVCache:
     def rows(self, slots: torch.Tensor) -> torch.Tensor:
         """(B * H_kv * T,) indices into a layer's buffer viewed as (B * H_kv * capacity, D) rows, of the
         cache positions slots (B, T), in (b, head, t) order. K/V are written and moved with index_copy_
-        on these rows: a bfloat16 `scatter_` along the position dimension cost 1.5 ms per layer at 64
-        sequences on this CPU (index_copy_: 13 us; bench/kv_write.py)."""
+        on these rows: a bfloat16 `scatter_` along the position dimension costs time in proportion to the
+        whole buffer (docs/experiments/kv-cache.md)."""
         B, T = slots.shape
         H = self.kv.shape[3]
         seq = torch.arange(B * H, device=slots.device).view(B, H, 1) * self.capacity
@@ -94,9 +93,9 @@ class KVCache:
 
         Finished responses leaving the batch (rows ascending, fewer than before): each kept sequence moves
         down to its new row in place, those before the first dropped one stay where they are, and the cache
-        keeps a view of its first rows; a copy of the whole cache into new buffers at every drop was 9% of
-        a 64-response rollout (BENCHMARKS.md, "The budget chooses the tree's depth too"). Any other selection
-        (a prompt's rows repeated for its group) gathers into a new buffer."""
+        keeps a view of its first rows (copying the whole cache into new buffers at every drop costs 9% of a
+        64-response rollout: docs/experiments/kv-cache.md). Any other selection (a prompt's rows repeated
+        for its group) gathers into a new buffer."""
         idx = rows.tolist()
         if len(idx) < self.batch and all(a < b for a, b in zip(idx, idx[1:])):
             for i, r in enumerate(idx):  # r >= i: no source is written before it is read

@@ -1,16 +1,13 @@
 """Token log-probabilities through the LM head, a block of rows at a time: the GRPO loss's
 log pi(token) without a (rows, vocabulary) logits tensor.
 
-A GRPO update needs log softmax(h W^T / T)[target] at every response token, for the policy (with a
-gradient) and for the reference. Written plainly (`grpo.token_logprobs` on `Transformer.logits`) it
-makes float32 logits of rows x vocabulary (4 responses of 128 tokens x 49,152 for the default model:
-100 MB), then tensors of that size for the logsumexp, and in the backward the softmax, the gather's
-zero-filled gradient and their sum: memory-bound passes that cost more than the head's matrix
-products on a CPU (BENCHMARKS.md "The LM head of the GRPO update"). Here the logits are made a
-block of rows at a time, reduced to each row's logsumexp and picked logit, and dropped; the backward
-makes each block again and turns it into its share of the gradients of h and W at once. The same
-maths as the plain form (float64 reference test); the logits can still be returned (`keep_logits`)
-where something else reads them (the drafter's online loss).
+Written plainly (`grpo.token_logprobs` on `Transformer.logits`), log softmax(h W^T / T)[target] makes
+float32 logits of rows x vocabulary (100 MB for 4 responses of 128 tokens of the default model), then
+tensors of that size for the logsumexp and, in the backward, for the softmax and the gather's gradient:
+memory-bound passes that cost more than the head's products on a CPU. Here each block of rows is reduced
+to its logsumexp and picked logit and dropped; the backward makes it again and turns it into its share
+of the gradients of h and W. The same maths as the plain form (float64 reference test); `keep_logits`
+also returns the logits where something else reads them (the drafter's online loss).
 """
 
 from __future__ import annotations
@@ -19,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 BLOCK_BYTES = 32 << 20  # float32 logits per block (170 rows of the default model's): products large
-# enough to run near full speed, blocks small enough for the allocator to reuse rather than map afresh
-# (measured: 32 rows per block 1.7x slower than 170, 256 rows no faster)
+# enough to run near full speed (32 rows per block run 1.7x slower), blocks small enough for the allocator
+# to reuse rather than map afresh (256 rows are no faster)
 
 
 class _HeadLogprobs(torch.autograd.Function):

@@ -1,6 +1,6 @@
-"""One decoder-only Transformer for the Llama, Qwen2 and Qwen3 families, with a ragged KV cache.
+"""One decoder-only Transformer for the Llama, Qwen2 and Qwen3 families, over a ragged KV cache.
 
-Serves the policy, the frozen reference and (later) the drafter's decoder layers. Parameter names
+Serves the policy, the frozen reference and the drafters' decoder layers (`Stack`). Parameter names
 follow Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...) so a checkpoint's state dict
 loads as is (see `weights.py`).
 
@@ -9,10 +9,8 @@ Family differences, all switches of `ModelArgs`:
   * Qwen2 / Qwen2.5: bias on q/k/v, none on o.
   * Qwen3: RMSNorm on q and k per head before RoPE.
 
-The cache (`kvcache.KVCache`) keeps a separate committed length per sequence. A forward appends T new tokens
-per sequence *speculatively* (written after the committed length, under any boolean mask among the
-new tokens, e.g. a draft tree); `commit` then keeps a chosen subset of them and everything else is
-dropped (a rollback is a commit of nothing). Finished sequences leave the batch with `keep_rows`.
+A cached forward appends its tokens to the cache's speculative region (`kvcache.KVCache`), under any
+boolean mask among them (a draft tree); the caller then commits a chosen subset.
 """
 
 from __future__ import annotations
@@ -310,21 +308,19 @@ class Stack(nn.Module):
                 past: list | None = None) -> Output:
         """Run T new positions per sequence; x: (B, T, d) input embeddings.
 
-        Without a cache: a plain causal forward from position 0 (training, scoring); right padding
-        is harmless there. With a cache: the new positions are appended to the speculative region
-        (after the committed prefix and the `cache.pending` speculative tokens of earlier forwards)
-        and attend to the committed prefix plus the speculative tokens allowed by `tree_mask`
-        (B, T, pending + T) (default: every pending token, causal among the new ones). `depth` (B, T)
-        is each new token's RoPE offset from lengths[b] (default: pending + t). Nothing is committed:
-        call `cache.commit`, which keeps a chosen subset of the speculative region.
+        Without a cache: a plain causal forward from position 0 (training, scoring; right padding is
+        harmless). With a cache: the new positions go after the committed prefix and the `cache.pending`
+        speculative tokens of earlier forwards, and attend to the prefix and to the speculative tokens that
+        `tree_mask` (B, T, pending + T) allows (default: every pending token, causal among the new ones).
+        `depth` (B, T): each new token's RoPE offset from lengths[b] (default pending + t). Nothing is
+        committed: call `cache.commit`.
         taps: layer indices whose outputs to return (after the layer, before the final norm).
-        mask: without a cache, an explicit (B or 1, 1, T, T) bool attention mask instead of causal
-        (with `depth` then giving the absolute positions).
-        past: with `mask`, a list holding each layer's keys and values (with gradients) of the earlier
-        forwards that passed it; the new positions attend to those first, then to each other, under a
-        mask of (B or 1, 1, T, S + T) for S earlier positions, and their own are appended. Training
-        forwards that extend a sequence segment by segment (EAGLE-3's training-time test) so run each
-        position once.
+        mask: without a cache, an explicit (B or 1, 1, T, T) bool attention mask instead of causal (`depth`
+        then gives the absolute positions).
+        past: with `mask`, a list of each layer's keys and values (with gradients) from the earlier forwards
+        that passed it; the new positions attend to those, then to each other, under a mask of (B or 1, 1, T,
+        S + T) for S earlier positions, and append their own. EAGLE-3's training-time test extends a sequence
+        segment by segment this way, running each position once.
         """
         B, T, _ = x.shape
         device = x.device
@@ -378,7 +374,7 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.head32 = ()  # (float32 head weight,) when a half-precision copy computes its logits in float32
-        # (`model.precision.RolloutCopy`); a tuple, so it is not a parameter
+        # (`train.precision.rollout_copy`); a tuple, so it is not a parameter
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, tree_mask=None, depth=None,
                 taps: tuple[int, ...] = ()) -> Output:

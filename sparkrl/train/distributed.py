@@ -1,24 +1,20 @@
 """Data-parallel plumbing: the ranks torchrun starts, and the few collectives GRPO needs.
 
-`torchrun --nproc-per-node N -m sparkrl train ...` starts N processes; each finds its rank in the
-environment (`World.from_env`), rolls out its contiguous share of every step's prompts with its own
-engine, and takes part in the sums that make the update the one a single process would make on the
-whole batch (the gradients are summed with `all_reduce`, not wrapped in DDP, because an update
-accumulates over micro-batches; with --shard-policy fsdp, `sharding.FullyShard` shards the policy
-and FSDP2 sums its gradients instead). Outside torchrun `SINGLE` stands in: every collective is the
-identity and no process group exists, so the single-process path runs unchanged.
+`torchrun --nproc-per-node N -m sparkrl train ...` starts N processes; each finds its rank in the environment
+(`World.from_env`), rolls out its contiguous share of every step's prompts with its own engine, and takes part
+in the sums that make the update the one a single process would make on the whole batch. Gradients are summed
+with `all_reduce`, not wrapped in DDP, because an update accumulates over micro-batches (with --shard-policy
+fsdp FSDP2 sums them: `sharding.FullyShard`). Outside torchrun `SINGLE` stands in: every collective is the
+identity and no process group exists.
 
-What equals one process on the same batch: the rollouts (a response's sampling generator and
-DFlash's training anchors derive from its index in the whole batch), the policy gradient (each rank
-divides by the whole batch's token count), SPARK's A gradient, the metrics. The drafter's online
-loss is a mean per micro-batch, so its gradient equals one process's when --micro-batch divides
-each rank's P/N x G responses (the micro-batches are then the same). A non-fixed --budget chooses
-each rank's rounds from its own active responses: the rollouts then differ from one process's (their
+Equal to one process on the same batch: the rollouts (a response's sampling generator and DFlash's training
+anchors derive from its index in the whole batch), the policy gradient, SPARK's A gradient, the metrics, and
+the drafter's gradient when --micro-batch divides each rank's P/N x G responses. A non-fixed --budget chooses
+each rank's rounds from its own active responses, so the rollouts differ from one process's (their
 distribution does not). `trainer.check_data_parallel` refuses what the ranks cannot share.
 
-Backends: gloo on CPU, NCCL on CUDA (rank r uses cuda:LOCAL_RANK). Every collective times out after
-`TIMEOUT`, so when one rank dies the others stop instead of waiting forever (torchrun also stops
-them when a rank exits with an error).
+Backends: gloo on CPU, NCCL on CUDA (rank r uses cuda:LOCAL_RANK). Every collective times out after `TIMEOUT`,
+so when one rank dies the others stop instead of waiting forever.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def positions(seqs, device, answers_only: bool = True) -> tuple[torch.Tensor, to
     answers_only False), never over padding, and stops 2 before the end (t needs t+1 and t+2)."""
     toks, lens = pad_right([s.ids for s in seqs], device)
     # lengths padded to a multiple of SHAPE_STEP: a few shapes recur, so oneDNN's kernels for them are
-    # made once (a new shape every batch made steps ~2x slower)
+    # made once (a new shape every batch makes steps ~2x slower)
     toks = F.pad(toks, (0, -toks.shape[1] % SHAPE_STEP))
     t = torch.arange(toks.shape[1], device=device)
     first = torch.tensor([max(s.start - 1, 0) if answers_only else 0 for s in seqs], device=device)

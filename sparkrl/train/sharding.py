@@ -1,27 +1,21 @@
 """How the trained policy and its reference live on the data-parallel ranks (DESIGN "Scale").
 
-`Replicated` (the default, `--shard-policy none`): every rank holds the whole policy, its gradients,
-its optimizer state and the reference; the ranks sum their gradients with `World.sum_grads` after
-the backward passes. `FullyShard` (`--shard-policy fsdp`): PyTorch's FSDP2 (`fully_shard`, each
-decoder layer, then the root) shards the policy and the frozen reference over the ranks, so each
-holds 1/N of the master weights, gradients and AdamW state; a layer's parameters are all-gathered
-for its forward and backward, and each micro-batch's gradients are reduce-scattered.
+`Replicated` (`--shard-policy none`, the default): every rank holds the whole policy, its gradients, its
+optimizer state and the reference; the ranks sum their gradients with `World.sum_grads` after the backward.
+`FullyShard` (`--shard-policy fsdp`): FSDP2 (`fully_shard` on each decoder layer, then the root) shards the
+policy and the frozen reference, so each rank holds 1/N of the master weights, gradients and AdamW state; a
+layer's parameters are all-gathered for its forward and backward, its gradients reduce-scattered.
 
-What stays the same under FSDP2: the update. Each rank's loss is already divided by the whole
-batch's token count (`trainer.policy_update`), so the ranks' gradients must be *summed*; FSDP2
-averages by default, so every sharded module gets a divide factor of 1 and sum-only collectives
-(gloo has no average). `clip_grad_norm_` over the sharded (DTensor) gradients is the global norm.
-Checkpoints hold whole tensors, gathered one at a time (rank 0 keeps them, on the CPU): the same
-`policy.safetensors` and optimizer state as a replicated run's, so resume and export do not depend
-on the sharding; resuming cuts every rank's shard out of them again.
+The update is the same either way. Each rank's loss is already divided by the whole batch's token count, so
+the ranks' gradients are *summed*: every sharded module gets a divide factor of 1 and sum-only collectives
+(gloo has no average), and `clip_grad_norm_` over the sharded gradients is the global norm. Checkpoints hold
+whole tensors, gathered one at a time onto rank 0's CPU, so resume and export do not depend on the sharding.
 
-What the rollouts need: the engine samples from a whole, unsharded model on every rank (its KV
-cache and tree verification run per rank, with no collective). So the rollout copy
-(`precision.RolloutCopy`) is always a separate module under FSDP2, refreshed after every update one
-gathered parameter at a time; the trained drafter shares its embedding and head with that copy
-(the sharded master's are not whole outside a forward). The model must therefore fit one device in
-the rollout dtype (bf16: 2 bytes a parameter); what FSDP2 removes is the rest (float32 master
-weights, gradients and AdamW state, 16 bytes a parameter, and the reference), divided by N.
+Rollouts sample from a whole model on every rank, with no collective: under FSDP2 the rollout copy
+(`precision.RolloutCopy`) is a separate module refreshed one gathered parameter at a time, and the drafter
+shares its embedding and head with that copy. The model must fit one device in the rollout dtype; FSDP2
+divides the rest (float32 master weights, gradients and AdamW state, 16 bytes a parameter, and the reference)
+by N.
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@
 
 namespace {
 
-// bfloat16 <-> float32 as bit operations the compiler vectorises (c10::BFloat16's conversions branch on NaN
-// and kept these loops scalar: a bfloat16 RoPE of 17 positions ran 0.5x of torch's ops): widening is a shift,
-// narrowing rounds to nearest even, as torch does, and keeps a NaN a NaN.
+// bfloat16 <-> float32 as bit operations the compiler vectorises (c10::BFloat16's conversions branch on NaN,
+// which keeps such loops scalar: a bfloat16 RoPE of 17 positions then runs at 0.5x of torch's ops): widening
+// is a shift, narrowing rounds to nearest even, as torch does, and keeps a NaN a NaN.
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) {
   const uint32_t u = static_cast<uint32_t>(v.x) << 16;
