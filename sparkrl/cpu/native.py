@@ -29,7 +29,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("small_linear.cpp", "decode_ops.cpp", "bf16_pairs.cpp")]
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
