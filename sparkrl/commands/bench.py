@@ -25,17 +25,80 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from sparkrl import __version__
 from sparkrl.commands.analysis import interval95, resample_weights
-from sparkrl.config import BenchConfig, DataConfig, DraftConfig, GRPOConfig, RunConfig, SamplingConfig, SparkConfig, to_dict
+from sparkrl.config import (BudgetKind, Checked, DataConfig, DraftConfig, GRPOConfig, ModelConfig, RunConfig,
+                            SamplingConfig, SparkConfig, above, at_least, block_size, existing_checkpoint, option,
+                            require, to_dict)
 from sparkrl.train.data import load_problems
 from sparkrl.errors import UserError
 from sparkrl.train.trainer import GRPORun
 from sparkrl.model.weights import resolve_model_path
+
+BENCH_METHODS = ("ar", "eagle3", "eagle3+spark", "dflash", "dflash+spark")
+
+
+@dataclass(frozen=True)
+class BenchConfig(Checked):
+    out: str = option("", required=True)
+    """Output directory: bench.json, bench.md, PNG plots, and one GRPO run folder per dataset and method."""
+    datasets: str = "default"
+    """Datasets, comma-separated (each as for --data: default, a local file such as
+    ../shared/data/gsm8k/train.jsonl, or a hub id)."""
+    preset: Literal["quick", "paper"] = "quick"
+    """Sizes: quick (minutes on a CPU) or paper (G = 8, 2,048-token responses; as long as it takes)."""
+    methods: str = "ar,eagle3,eagle3+spark"
+    """Methods, comma-separated, from: ar, eagle3, eagle3+spark, dflash, dflash+spark."""
+    draft_checkpoint: str = ""
+    """The pretrained EAGLE3-style drafter the eagle3 methods start from (as --draft-checkpoint: empty is the
+    shipped one for the default model, else a freshly initialised one)."""
+    dflash_checkpoint: str = ""
+    """The pretrained DFlash-style drafter the dflash methods start from (as --draft-checkpoint)."""
+    block_size: int = block_size()
+    """Block size of the dflash methods."""
+    budget: BudgetKind = "fixed"
+    """Drafting budget of the drafting methods (fixed: the paper's; auto: the cost-model fallback)."""
+    ablations: bool = False
+    """Run the paper's Table 2 rows and the rank / k sweeps (appendix C) instead of the main table."""
+    variants: str = ""
+    """With --ablations: the rows to run, comma-separated Table 2 / appendix C names such as 'carry correction
+    across rollouts,frozen projection A' (empty: all of them)."""
+    steps: int = at_least(0, 0, "0: the preset's")
+    """GRPO steps (policy updates) per method (0: the preset's)."""
+    prompts_per_step: int = at_least(0, 0, "0: the preset's")
+    """Prompts per step (0: the preset's)."""
+    group_size: int = at_least(0, 0, "0: the preset's")
+    """Responses per prompt (0: the preset's)."""
+    max_new_tokens: int = at_least(0, 0, "0: the preset's")
+    """Longest response (0: the preset's)."""
+    seed: int = 0
+    """Seed of every method's run (same prompts and per-response seeds for all)."""
+    lr: float = above(0, GRPOConfig.lr)
+    """Policy learning rate of every method's run (the paper's 1e-6 barely moves a 135M model in a few
+    steps; a larger one makes the policy drift away from the drafter, the regime SPARK targets)."""
+    spark_lr: float = above(0, SparkConfig.spark_lr)
+    """Learning rate of SPARK's projection A in the +spark methods (as train's --spark-lr)."""
+    temperature: float = above(0, SamplingConfig.temperature)
+    """Sampling temperature of every method's rollouts (GRPO's usual 1; lower makes the policy sharper)."""
+    resume: bool = False
+    """Continue an interrupted bench in --out (every method resumes from its last checkpoint)."""
+    model: ModelConfig = ModelConfig()
+
+    def validate(self):
+        require(bool(self.out), "--out is required: the directory for the bench results")
+        for m in self.methods.split(","):
+            require(m in BENCH_METHODS, f"--methods: unknown method {m!r}; choose from {', '.join(BENCH_METHODS)}")
+        existing_checkpoint("--draft-checkpoint", self.draft_checkpoint)
+        existing_checkpoint("--dflash-checkpoint", self.dflash_checkpoint)
+        require(self.group_size != 1, "--group-size must be >= 2 (advantages are relative to the group), or 0")
+        require(not self.variants or self.ablations, "--variants chooses rows of --ablations; pass --ablations too")
+
 
 PRESETS = {  # GRPO sizes: (steps, prompts per step, group size, response limit)
     "quick": dict(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=96),
