@@ -24,12 +24,14 @@ from sparkrl.train.assemble import make_drafting
 from sparkrl.config import (Checked, DraftConfig, ModelConfig, PretrainConfig, RunConfig, SamplingConfig, at_least,
                             build, choices, option, require)
 from sparkrl.train.data import chat_prompt_ids, read_prompts_file
+from sparkrl.engine.records import RoundStats
 from sparkrl.errors import UserError, output_error
 from sparkrl.machine import set_threads
 from sparkrl.train.precision import rollout_copy, rollout_dtype
 from sparkrl.train.pretrain import pretrain
 from sparkrl.engine.rollout import response_generators
-from sparkrl.train.trainer import export_run, train
+from sparkrl.train.rundir import export_run
+from sparkrl.train.trainer import train
 from sparkrl.model.weights import load_model
 
 
@@ -180,8 +182,8 @@ def run_generate(cfg: GenerateConfig) -> None:
     gens = response_generators(cfg.seed, len(prompts), cfg.n)
     d = make_drafting(cfg.draft, lm.model, rollout, cfg.sampling.temperature, cfg.seed)
     r = d.engine.generate(lm.model, prompts, cfg.sampling, lm.eos_ids, gens, group_size=cfg.n, sampler=rollout.sampler)
-    if d.drafter is not None and cfg.draft.round_log:
-        r.append_round_log(cfg.draft.round_log, spark=d.spark is not None, seed=cfg.seed)
+    if cfg.draft.round_log and r.stats.depth:  # the outcomes of a speculative rollout
+        r.append_round_log(cfg.draft.round_log, spark=d.adapts, seed=cfg.seed)
     for i, toks in enumerate(r.tokens):
         text = tok.decode(toks, skip_special_tokens=True)
         if cfg.json:
@@ -195,14 +197,30 @@ def run_generate(cfg: GenerateConfig) -> None:
           f"{s.policy_forwards} policy forwards", file=sys.stderr)
     if s.depth:
         depth = " ".join(f"{a:.2f}" for a in s.accept_at_depth)
-        a = s.adapter
         sizes = ", ".join(f"{k}: {v}" for k, v in s.sizes.items())
+        spark = ""
+        if d.adapts:
+            a = SparkFigures.of(s)
+            spark = f", SPARK {a.seconds:.2f}s ({a.contexts} feedback contexts, {plural(a.rows, 'row')} of B)"
         print(f"sparkrl: drafting: aal {s.aal:.2f}, {s.rounds} rounds ({s.tree_rounds} with a tree, by nodes,depth "
               f"{{{sizes}}}), "
               f"acceptance per depth [{depth}], "
-              f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s accept+commit {s.accept_s:.2f}s"
-              + (f", SPARK {a['spark_s']:.2f}s ({a['spark_contexts']} feedback contexts, {plural(a['spark_rows'], 'row')} of B)"
-                 if "spark_contexts" in a else ""), file=sys.stderr)
+              f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s accept+commit {s.accept_s:.2f}s{spark}", file=sys.stderr)
+
+
+@dataclass
+class SparkFigures:
+    """SPARK's figures of a rollout it adapted, read from `RoundStats.adapter` (`Spark.metrics`: a dict, as
+    metrics.jsonl keeps it)."""
+
+    seconds: float
+    contexts: int  # feedback contexts
+    rows: int  # rows of B the corrections tracked
+
+    @classmethod
+    def of(cls, stats: RoundStats) -> "SparkFigures":
+        a = stats.adapter
+        return cls(a["spark_s"], a["spark_contexts"], a["spark_rows"])
 
 
 def plural(n: int, word: str) -> str:
@@ -211,22 +229,22 @@ def plural(n: int, word: str) -> str:
 
 def run_train(cfg: RunConfig) -> None:
     s = train(cfg)
-    if not s["main"]:  # under torchrun: the summary once, from rank 0
+    if not s.main:  # under torchrun: the summary once, from rank 0
         return
-    lines = [f"sparkrl: trained {plural(s['steps_run'], 'step')} -> {s['out']}",
-             f"  generation {s['gen_s']:.1f}s ({plural(s['gen_tokens'], 'token')}), policy updates {s['train_s']:.1f}s"
-             + (f", drafter training {s['draft_train_s']:.1f}s" if s["rounds"] else "")]
-    if s["rounds"]:  # speculative rollouts
-        est = s["gen_ar_estimate_s"]
-        lines.append(f"  drafting: {s['committed'] / max(s['row_rounds'], 1):.2f} tokens per verification round "
-                     f"(AAL), {s['tree_rounds'] / s['rounds']:.0%} of {plural(int(s['rounds']), 'round')} drafted"
-                     + (f"; generation {s['gen_s']:.1f}s against an estimated {est:.1f}s autoregressive "
-                        f"({est / max(s['gen_s'], 1e-9):.2f}x)" if est else ""))
-    if "reward_first" in s:
-        lines.append(f"  reward {s['reward_first']:.3f} (first step) -> {s['reward_last']:.3f} (last), "
-                     f"accuracy {s['accuracy_last']:.2f}, {s['gen_tok_per_s']:.1f} generated tok/s")
-    lines.append(f"  metrics: {s['out']}/metrics.jsonl  checkpoints: {s['out']}/checkpoints/  "
-                 f"model (Hugging Face): {s['out']}/model/")
+    lines = [f"sparkrl: trained {plural(s.steps_run, 'step')} -> {s.out}",
+             f"  generation {s.gen_s:.1f}s ({plural(s.gen_tokens, 'token')}), policy updates {s.train_s:.1f}s"
+             + (f", drafter training {s.draft_train_s:.1f}s" if s.rounds else "")]
+    if s.rounds:  # speculative rollouts
+        est = s.gen_ar_estimate_s
+        lines.append(f"  drafting: {s.committed / max(s.row_rounds, 1):.2f} tokens per verification round "
+                     f"(AAL), {s.tree_rounds / s.rounds:.0%} of {plural(s.rounds, 'round')} drafted"
+                     + (f"; generation {s.gen_s:.1f}s against an estimated {est:.1f}s autoregressive "
+                        f"({est / max(s.gen_s, 1e-9):.2f}x)" if est else ""))
+    if s.steps_run:
+        lines.append(f"  reward {s.reward_first:.3f} (first step) -> {s.reward_last:.3f} (last), "
+                     f"accuracy {s.accuracy_last:.2f}, {s.gen_tok_per_s:.1f} generated tok/s")
+    lines.append(f"  metrics: {s.out}/metrics.jsonl  checkpoints: {s.out}/checkpoints/  "
+                 f"model (Hugging Face): {s.out}/model/")
     print("\n".join(lines), file=sys.stderr)
 
 
