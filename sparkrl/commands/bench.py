@@ -390,6 +390,8 @@ def markdown(results: dict, cfg: BenchConfig) -> str:
 
 
 def plot(results: dict, out: Path) -> None:
+    """bench.png: per dataset (a column), AAL per step, time per step, AAL over the last rollout's rounds, and
+    reward with KL to the starting policy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -399,58 +401,70 @@ def plot(results: dict, out: Path) -> None:
     fig, axes = plt.subplots(4, len(data), figsize=(6 * len(data), 16), squeeze=False)
     for j, (name, d) in enumerate(data.items()):
         ms = {m: s for m, s in d["methods"].items() if isinstance(s, dict)}
-        ax = axes[0][j]
-        for m, s in ms.items():
-            if any(a is not None for a in s["aal_per_step"]):
-                ax.plot(range(1, len(s["aal_per_step"]) + 1), s["aal_per_step"], "o-", label=m)
-        ax.set_title(f"{name}: AAL per GRPO step")
-        ax.set_xlabel("GRPO step")
-        ax.set_ylabel("AAL")
-        ax.legend(fontsize=7)
-        ax = axes[1][j]
-        names = list(ms)
-        bottom = [0.0] * len(names)
-        for part in ("gen_s", "draft_train_s", "train_s"):
-            vals = [ms[m][part] / max(ms[m]["steps"], 1) for m in names]
-            ax.bar(names, vals, bottom=bottom, label=part)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.set_title(f"{name}: time per GRPO step")
-        ax.set_ylabel("seconds")
-        ax.tick_params(axis="x", labelsize=7, rotation=20)
-        ax.legend(fontsize=7)
-        ax = axes[2][j]
-        ax2 = ax.twinx()
-        bars = False
-        for m, s in ms.items():
-            if not s.get("rounds"):
-                continue
-            tr = s["rounds"][-1]["active_aal"]  # the last rollout, as in Fig. 5
-            if not tr:
-                continue
-            w = 8
-            aal = [a for _, a in tr]
-            ax.plot([statistics.mean(aal[max(0, i - w + 1):i + 1]) for i in range(len(aal))], label=m)
-            if not bars:  # the number of active responses of the first drafting method
-                ax2.bar(range(len(tr)), [n for n, _ in tr], color="0.85", width=1.0)
-                bars = True
-        ax.set_zorder(ax2.get_zorder() + 1)
-        ax.patch.set_visible(False)
-        ax.set_title(f"{name}: AAL over rounds of the last rollout (moving average of 8)")
-        ax.set_xlabel("verification round")
-        ax2.set_ylabel("active responses (bars)")
-        ax.legend(fontsize=7)
-        ax = axes[3][j]  # how far the policy moved: reward, and k3 KL to the starting policy (dashed)
-        ax2 = ax.twinx()
-        for m, s in ms.items():
-            steps = range(1, len(s["reward_per_step"]) + 1)
-            line = ax.plot(steps, s["reward_per_step"], "o-", ms=3, label=m)[0]
-            if any(k is not None for k in s.get("kl_per_step", [])):
-                ax2.plot(steps, s["kl_per_step"], "--", color=line.get_color())
-        ax.set_title(f"{name}: reward (solid) and KL to the starting policy (dashed)")
-        ax.set_xlabel("GRPO step")
-        ax.set_ylabel("mean reward")
-        ax2.set_ylabel("KL (k3) to the start")
-        ax.legend(fontsize=7)
+        for row, panel in enumerate((_aal_panel, _time_panel, _rounds_panel, _reward_panel)):
+            panel(axes[row][j], name, ms)
     fig.tight_layout()
     fig.savefig(out / "bench.png", dpi=110)
     plt.close(fig)
+
+
+def _aal_panel(ax, name: str, ms: dict) -> None:
+    for m, s in ms.items():
+        if any(a is not None for a in s["aal_per_step"]):
+            ax.plot(range(1, len(s["aal_per_step"]) + 1), s["aal_per_step"], "o-", label=m)
+    ax.set_title(f"{name}: AAL per GRPO step")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("AAL")
+    ax.legend(fontsize=7)
+
+
+def _time_panel(ax, name: str, ms: dict) -> None:
+    names = list(ms)
+    bottom = [0.0] * len(names)
+    for part in ("gen_s", "draft_train_s", "train_s"):
+        vals = [ms[m][part] / max(ms[m]["steps"], 1) for m in names]
+        ax.bar(names, vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_title(f"{name}: time per GRPO step")
+    ax.set_ylabel("seconds")
+    ax.tick_params(axis="x", labelsize=7, rotation=20)
+    ax.legend(fontsize=7)
+
+
+def _rounds_panel(ax, name: str, ms: dict) -> None:
+    """AAL over the rounds of the last rollout (as in the paper's Fig. 5), over the active responses (bars)."""
+    ax2 = ax.twinx()
+    bars = False
+    for m, s in ms.items():
+        if not s.get("rounds"):
+            continue
+        tr = s["rounds"][-1]["active_aal"]
+        if not tr:
+            continue
+        w = 8
+        aal = [a for _, a in tr]
+        ax.plot([statistics.mean(aal[max(0, i - w + 1):i + 1]) for i in range(len(aal))], label=m)
+        if not bars:  # the number of active responses of the first drafting method
+            ax2.bar(range(len(tr)), [n for n, _ in tr], color="0.85", width=1.0)
+            bars = True
+    ax.set_zorder(ax2.get_zorder() + 1)
+    ax.patch.set_visible(False)
+    ax.set_title(f"{name}: AAL over rounds of the last rollout (moving average of 8)")
+    ax.set_xlabel("verification round")
+    ax2.set_ylabel("active responses (bars)")
+    ax.legend(fontsize=7)
+
+
+def _reward_panel(ax, name: str, ms: dict) -> None:
+    """How far the policy moved: reward, and k3 KL to the starting policy (dashed)."""
+    ax2 = ax.twinx()
+    for m, s in ms.items():
+        steps = range(1, len(s["reward_per_step"]) + 1)
+        line = ax.plot(steps, s["reward_per_step"], "o-", ms=3, label=m)[0]
+        if any(k is not None for k in s.get("kl_per_step", [])):
+            ax2.plot(steps, s["kl_per_step"], "--", color=line.get_color())
+    ax.set_title(f"{name}: reward (solid) and KL to the starting policy (dashed)")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("mean reward")
+    ax2.set_ylabel("KL (k3) to the start")
+    ax.legend(fontsize=7)
