@@ -111,7 +111,7 @@ def measure(name: str, batches: list[int], context: int, device, dtype, reps: in
     for method, (kind, shape) in METHODS.items():
         drafter = drafters[kind].to(device=device, dtype=dtype).requires_grad_(False)
         size = (shape.nodes, shape.depth)
-        got = time_rounds(policy, drafter, shape, batches, [(0, 0), size], context, reps, text=text)["rounds"]
+        got = time_rounds(policy, drafter, shape, batches, [(0, 0), size], context, reps, text=text).rounds
         for i, B in enumerate(batches):
             s = rows[B]["seconds"]
             s.setdefault("ar_step", []).extend(t for t, _ in got[(0, 0)][i])

@@ -1,19 +1,20 @@
-"""Run configuration: one frozen dataclass per component, nested in `RunConfig`.
+"""Run configuration: one frozen dataclass per component, nested in `RunConfig` (`sparkrl train`),
+`PretrainConfig` (`sparkrl pretrain-draft`) and `TRLConfig` (the TRL adapter). The settings of the
+commands that only the command line runs are beside them: generate, analyze and export in
+`commands/cli.py`, bench in `commands/bench.py`.
 
 Every field has a docstring under it; `cli.py` turns the fields into flags (`max_new_tokens` ->
 `--max-new-tokens`) with those docstrings as help, so adding a field here adds its flag. Each field
 is declared and checked once, before any model is loaded: a `Literal[...]` type is its set of
 allowed values, `at_least` / `above` its numeric bound; the rest (checks that relate fields) is in
-each class's `validate`.
+each class's `validate`. A field that sets another config's field takes that field's default
+(`same_as`, or the class attribute: `GRPOConfig.lr`).
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import os
-import textwrap
 import typing
 from dataclasses import dataclass, field
 from functools import cache
@@ -24,7 +25,8 @@ import torch
 from sparkrl.errors import UserError
 
 
-def _check(ok: bool, msg: str) -> None:
+def require(ok: bool, msg: str) -> None:
+    """A user error with `msg` unless `ok`."""
     if not ok:
         raise UserError(msg)
 
@@ -47,6 +49,23 @@ def above(low, default, why: str = "", **meta):
     return field(default=default, metadata={"bound": (">", low, why), "flag": "", **meta})
 
 
+def same_as(cls, name: str):
+    """A field that sets field `name` of `cls` from another config (`DraftConfig`'s tree fields are
+    `TreeShape`'s): its default and help text are that field's, and `cls` checks the value."""
+    return field(default=cls.__dataclass_fields__[name].default, metadata={"same_as": (cls, name)})
+
+
+def block_size():
+    """A DFlash block size: the anchor and the drafted tokens after it."""
+    return at_least(2, 16, "an anchor and at least one drafted token")
+
+
+# Value sets that several configs take.
+RolloutDtype = Literal["auto", "float32", "bfloat16"]
+CpuKernels = Literal["auto", "packed", "weight-major", "plain"]
+BudgetKind = Literal["auto", "adaptive", "fixed"]
+
+
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -67,13 +86,13 @@ class Checked:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name in allowed:
-                _check(v in allowed[f.name], f"{flag(f.name)} must be one of {', '.join(map(str, allowed[f.name]))}, "
-                                             f"got {v!r}")
+                require(v in allowed[f.name], f"{flag(f.name)} must be one of {', '.join(map(str, allowed[f.name]))}, "
+                                              f"got {v!r}")
             if "bound" in f.metadata:
                 op, low, why = f.metadata["bound"]
                 ok = v >= low if op == ">=" else v > low
-                _check(ok, f"{f.metadata['flag'] or flag(f.name)} must be {op} {low}" + (f" ({why})" if why else "")
-                       + f", got {v}")
+                require(ok, f"{f.metadata['flag'] or flag(f.name)} must be {op} {low}" + (f" ({why})" if why else "")
+                        + f", got {v}")
         self.validate()
 
     def validate(self) -> None:
@@ -82,29 +101,30 @@ class Checked:
 
 @dataclass(frozen=True)
 class TreeShape(Checked):
-    """What the drafter proposes each round. Presets: `TreeShape(depth, branch, nodes)` (a dynamic
-    top-k tree), `TreeShape.chain(depth)`, `TreeShape.block(n)`."""
+    """What the drafter proposes each round (`DraftConfig.shape`; its --tree-* flags are these fields).
+    Presets: `TreeShape(depth, branch, nodes)` (a dynamic top-k tree), `TreeShape.chain(depth)`,
+    `TreeShape.block(n)`."""
 
     depth: int = at_least(1, 5, flag_name="--tree-depth")
-    """Draft levels below the root."""
+    """Draft tree depth (levels below the root)."""
     branch: int = at_least(1, 4, flag_name="--tree-branch")
     """Children per expanded node, and nodes expanded per level."""
     nodes: int = at_least(1, 16, flag_name="--tree-nodes")
-    """Draft nodes kept (the root not counted)."""
+    """Draft nodes verified per response per round (the root not counted)."""
     mode: Literal["tree", "chain", "block"] = "tree"
     """tree: point-mass top-k trees; chain: `depth` tokens sampled from q; block: DFlash greedy blocks of
     `depth` tokens (point masses)."""
     stop: float = 0.0
-    """tree: a row's tree gets no deeper level once its frontier's draft probability (its paths' summed
-    probabilities) is below this: their children could add at most that many accepted tokens; no deeper level is
-    drafted once every row has stopped (0: every level)."""
+    """A response's draft tree gets no deeper level once its frontier holds less draft probability than this (the
+    most its children could add to the accepted tokens), and no deeper level is drafted once every response has
+    stopped; 0 (the default): every level."""
 
     def validate(self):
-        _check(self.depth <= self.nodes,
-               f"--tree-depth {self.depth} is larger than the node budget --tree-nodes {self.nodes}")
-        _check(0 <= self.stop < 1, f"--tree-stop {self.stop} is a probability in [0, 1)")
-        _check(self.mode == "tree" or (self.branch, self.nodes) == (1, self.depth),
-               f"a {self.mode} is one path: use TreeShape.{self.mode}({self.depth})")
+        require(self.depth <= self.nodes,
+                f"--tree-depth {self.depth} is larger than the node budget --tree-nodes {self.nodes}")
+        require(0 <= self.stop < 1, f"--tree-stop {self.stop} is a probability in [0, 1)")
+        require(self.mode == "tree" or (self.branch, self.nodes) == (1, self.depth),
+                f"a {self.mode} is one path: use TreeShape.{self.mode}({self.depth})")
 
     @classmethod
     def chain(cls, depth: int) -> "TreeShape":
@@ -133,18 +153,18 @@ class ModelConfig(Checked):
     """Torch device: cpu, cuda, cuda:1, ..."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype (the master weights the optimizer steps): auto (float32 on CPU, bfloat16 on CUDA)."""
-    rollout_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    rollout_dtype: RolloutDtype = "auto"
     """Dtype rollouts sample in (a copy of the policy, refreshed after every update): auto = bfloat16 on
     CUDA, and on a CPU where a measurement of decode steps at 1, 8 and 64 rows, each dtype on its --cpu-kernels
     (once, cached), finds it faster; else float32."""
     rollout_head: Literal["rollout", "float32"] = "rollout"
     """LM head of a half-precision rollout copy: in the rollout dtype, or float32 (the master's head weights
-    in float32 on the upcast hidden states: logits without half-precision rounding; costs time, BENCHMARKS.md)."""
-    cpu_kernels: Literal["auto", "packed", "weight-major", "plain"] = "auto"
+    in float32 on the upcast hidden states: logits without half-precision rounding; costs time)."""
+    cpu_kernels: CpuKernels = "auto"
     """Kernels of the rollout model's no-grad forwards on a CPU: auto = sparkrl's compiled kernels (products,
     norms, RoPE, cached attention, sampling), whose rows do not depend on the batch, so speculative rollouts are
     token-identical to AR ones with the same seed; packed (oneDNN-prepacked weights: on an AVX512-BF16 CPU
-    about 1.3-1.9x auto's bf16 throughput from 8 responses up, slower at one), weight-major (products with the
+    faster than auto in bfloat16 from 8 responses up, slower at one), weight-major (products with the
     weight streamed in its own row order) and plain (torch's kernels, the reference) are exact in distribution
     but give up that identity."""
     threads: int = at_least(0, 0)
@@ -159,9 +179,9 @@ class ModelConfig(Checked):
             why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
             raise UserError(f"--device {self.device}: {why}; use --device cpu (or install a CUDA build of torch "
                             "on a machine with a GPU)")
-        _check(not (dev.type == "cpu" and self.dtype == "float16"),
-               "--dtype float16 on a CPU runs in slow software emulation (a policy update took 11x longer); use "
-               "--dtype bfloat16 or float32")
+        require(not (dev.type == "cpu" and self.dtype == "float16"),
+                "--dtype float16 on a CPU runs in slow software emulation (a policy update took 11x longer); use "
+                "--dtype bfloat16 or float32")
 
 
 @dataclass(frozen=True)
@@ -174,7 +194,7 @@ class SamplingConfig(Checked):
     """Longest response, in tokens."""
 
     def validate(self):
-        _check(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
+        require(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass(frozen=True)
@@ -246,13 +266,13 @@ class SparkConfig(Checked):
     """Feedback weight of rejected contexts."""
 
     def validate(self):
-        _check(self.spark_path_weight + self.spark_rejected_weight > 0,
-               "--spark-path-weight and --spark-rejected-weight must not both be 0")
+        require(self.spark_path_weight + self.spark_rejected_weight > 0,
+                "--spark-path-weight and --spark-rejected-weight must not both be 0")
 
 
-def _existing_checkpoint(flag_: str, path: str) -> None:
-    _check(path in ("", "default", "fresh") or os.path.exists(path),
-           f"{flag_} {path} does not exist; make one with `sparkrl pretrain-draft`")
+def existing_checkpoint(flag_: str, path: str) -> None:
+    require(path in ("", "default", "fresh") or os.path.exists(path),
+            f"{flag_} {path} does not exist; make one with `sparkrl pretrain-draft`")
 
 
 @dataclass(frozen=True)
@@ -264,26 +284,18 @@ class DraftConfig(Checked):
     """Drafter checkpoint: a `sparkrl pretrain-draft` output (drafter.pt, drafter.safetensors), a GRPO
     run or its checkpoints/step-N; 'default': the drafter shipped for the default model; 'fresh': a
     freshly initialised one; empty: the shipped one when it serves this policy, else fresh."""
-    tree_depth: int = 5
-    """Draft tree depth (levels below the root)."""
-    tree_branch: int = 4
-    """Children per expanded node, and nodes expanded per level."""
-    tree_nodes: int = 16
-    """Draft nodes verified per response per round (the root not counted)."""
-    tree_stop: float = 0.0
-    """A response's draft tree gets no deeper level once its frontier holds less draft probability than this (the
-    most its children could add to the accepted tokens; at one response on this CPU a level costs about 0.16 of an
-    autoregressive step), and no deeper level is drafted once every response has stopped; 0 (the default): every
-    level. At 0.15 and one response it kept the AAL with one drafter and cost 15 percent of it with another
-    (BENCHMARKS.md "Draft trees that stop where the drafter is unsure")."""
+    tree_depth: int = same_as(TreeShape, "depth")
+    tree_branch: int = same_as(TreeShape, "branch")
+    tree_nodes: int = same_as(TreeShape, "nodes")
+    tree_stop: float = same_as(TreeShape, "stop")
     draft_mode: Literal["tree", "chain"] = "tree"
     """tree: top-k trees of point-mass candidates; chain: tree-depth tokens sampled from the draft,
     accepted with min(1, p/q)."""
-    block_size: int = at_least(2, 16, "an anchor and at least one drafted token")
+    block_size: int = block_size()
     """dflash: block size (the anchor and block-size - 1 drafted tokens), at most what the drafter was trained for."""
     draft_lr: float = above(0, 1e-4, train_only=True)
     """Online drafter learning rate (AdamW), one step per rollout."""
-    budget: Literal["auto", "adaptive", "fixed"] = "auto"
+    budget: BudgetKind = "auto"
     """auto: each round, verify a tree (any node count and depth up to the configured ones) or take an
     autoregressive step, whichever a cost model measured on this machine says is faster per committed token
     for the number of active responses; adaptive: the same, the
@@ -294,8 +306,8 @@ class DraftConfig(Checked):
     spark_config: SparkConfig = SparkConfig()
 
     def validate(self):
-        _existing_checkpoint("--draft-checkpoint", self.draft_checkpoint)
-        _check(self.draft != "none" or not self.spark_config.spark, "--spark corrects a drafter: pass --draft eagle3 or dflash")
+        existing_checkpoint("--draft-checkpoint", self.draft_checkpoint)
+        require(self.draft != "none" or not self.spark_config.spark, "--spark corrects a drafter: pass --draft eagle3 or dflash")
         if self.draft != "none":
             self.shape()  # checks the tree fields (`TreeShape`)
 
@@ -328,7 +340,7 @@ class RunConfig(Checked):
     draft: DraftConfig = DraftConfig()
 
     def validate(self):
-        _check(bool(self.out), "--out is required: the directory for config, metrics and checkpoints")
+        require(bool(self.out), "--out is required: the directory for config, metrics and checkpoints")
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether step `step` (1-based, just finished) writes a checkpoint."""
@@ -343,36 +355,14 @@ class TRLConfig(Checked):
     draft: DraftConfig = DraftConfig(draft="eagle3", spark_config=SparkConfig(spark=True))
     """Drafter, tree or block shape, budget and SPARK settings, as for `sparkrl train` (default: the
     EAGLE3-style drafter with SPARK; draft 'none': sparkrl's autoregressive engine)."""
-    rollout_dtype: Literal["model", "auto", "float32", "bfloat16"] = "model"
+    rollout_dtype: Literal["model", RolloutDtype] = "model"
     """Dtype of the engine's copy of the policy: model (the trained model's own dtype), or as --rollout-dtype."""
-    cpu_kernels: Literal["auto", "packed", "weight-major", "plain"] = "auto"
+    cpu_kernels: CpuKernels = ModelConfig.cpu_kernels
     """Linear layers of the engine's copy on a CPU, as --cpu-kernels."""
     micro_batch: int = at_least(1, 4)
     """Sequences per no-grad policy forward that gives the drafter's online training its features."""
     seed: int = 0
     """Seed of the per-response sampling generators (combined with the process index and the call number)."""
-
-
-@dataclass(frozen=True)
-class GenerateConfig(Checked):
-    prompt: str = ""
-    """One prompt text."""
-    prompts_file: str = ""
-    """A file with one prompt per line (or a .jsonl with a 'prompt' field per row)."""
-    n: int = at_least(1, 1)
-    """Responses per prompt."""
-    seed: int = 0
-    """Sampling seed; response j of prompt i uses its own generator derived from it."""
-    raw: bool = False
-    """Tokenize the prompt as is (no chat template, no special tokens)."""
-    json: bool = False
-    """Print one JSON object per response."""
-    model: ModelConfig = ModelConfig()
-    sampling: SamplingConfig = SamplingConfig()
-    draft: DraftConfig = DraftConfig()
-
-    def validate(self):
-        _check(bool(self.prompt) != bool(self.prompts_file), "give exactly one of --prompt TEXT or --prompts-file FILE")
 
 
 @dataclass(frozen=True)
@@ -382,7 +372,7 @@ class PretrainConfig(Checked):
     corpus/, features/ (--feature-cache), pretrain.jsonl (training and held-out records), pretrain.png, config.json."""
     draft: str = "eagle3"
     """Drafter kinds, comma-separated (eagle3, dflash): several train together on one policy pass per batch."""
-    block_size: int = at_least(2, 16, "an anchor and at least one drafted token")
+    block_size: int = block_size()
     """dflash: the block size the drafter is trained for (generation may use smaller blocks)."""
     corpus: str = ""
     """Optional local text corpus (.txt: one document per line; .jsonl: a 'text' field) used in
@@ -436,8 +426,7 @@ class PretrainConfig(Checked):
     --init keeps its own. Saved with the drafter."""
     train_positions: Literal["all", "response"] = "all"
     """Positions the drafter trains on: every position of a sequence, or only those from the last prompt
-    token on (where rollouts draft). Measured on the default model (BENCHMARKS.md): response helps the
-    DFlash-style drafter a little and costs the EAGLE3-style one at the end of the shipped run."""
+    token on (where rollouts draft; docs/experiments/drafter-pretraining.md compares them)."""
     micro_batch: int = at_least(1, 8)
     """Sequences per training step."""
     seed: int = 0
@@ -447,140 +436,29 @@ class PretrainConfig(Checked):
     data: DataConfig = DataConfig()
 
     def validate(self):
-        _check(bool(self.out), "--out is required: the directory for the drafter checkpoint")
-        _check(self.holdout < 1, f"--holdout {self.holdout} must be below 1 (the share of problems held out)")
+        require(bool(self.out), "--out is required: the directory for the drafter checkpoint")
+        require(self.holdout < 1, f"--holdout {self.holdout} must be below 1 (the share of problems held out)")
         kinds = self.kinds()
-        _check(bool(kinds) and all(k in ("eagle3", "dflash") for k in kinds) and len(set(kinds)) == len(kinds),
-               f"--draft {self.draft!r}: give drafter kinds from eagle3, dflash, comma-separated, each once")
-        _check(self.feature_loss >= 0 or self.feature_loss == -1,
-               f"--feature-loss {self.feature_loss} must be >= 0 (or -1: 2 for a fresh drafter, an --init "
-               "drafter's own)")
-        _check(self.anchors >= 1 or self.anchors == -1,
-               f"--anchors {self.anchors} must be >= 1 (or -1: 8 for a fresh drafter, an --init drafter's own)")
-        _check(self.init != "fresh", "--init fresh: leave --init out to start from fresh weights")
-        _check(not (self.init and self.draft_layers), f"--draft-layers {self.draft_layers} with --init: a drafter "
-               "started from a checkpoint keeps its own layers; leave one of the two out")
+        require(bool(kinds) and all(k in ("eagle3", "dflash") for k in kinds) and len(set(kinds)) == len(kinds),
+                f"--draft {self.draft!r}: give drafter kinds from eagle3, dflash, comma-separated, each once")
+        require(self.feature_loss >= 0 or self.feature_loss == -1,
+                f"--feature-loss {self.feature_loss} must be >= 0 (or -1: 2 for a fresh drafter, an --init "
+                "drafter's own)")
+        require(self.anchors >= 1 or self.anchors == -1,
+                f"--anchors {self.anchors} must be >= 1 (or -1: 8 for a fresh drafter, an --init drafter's own)")
+        require(self.init != "fresh", "--init fresh: leave --init out to start from fresh weights")
+        require(not (self.init and self.draft_layers), f"--draft-layers {self.draft_layers} with --init: a drafter "
+                "started from a checkpoint keeps its own layers; leave one of the two out")
         if self.init not in ("", "default"):
-            _check(len(kinds) == 1, f"--init {self.init} is one drafter: pass one --draft kind, or --init default "
-                   "(each kind from its shipped drafter)")
-            _existing_checkpoint("--init", self.init)
+            require(len(kinds) == 1, f"--init {self.init} is one drafter: pass one --draft kind, or --init default "
+                    "(each kind from its shipped drafter)")
+            existing_checkpoint("--init", self.init)
 
     def kinds(self) -> list[str]:
         return [k.strip() for k in self.draft.split(",") if k.strip()]
 
 
-@dataclass(frozen=True)
-class AnalyzeConfig(Checked):
-    logs: str = option("", required=True)
-    """Round logs to analyse (from --round-log), comma-separated, e.g. a baseline and a SPARK run."""
-    labels: str = ""
-    """Names of the logs in the results, comma-separated (default: the file names)."""
-    out: str = option("", required=True)
-    """Output directory: analysis.json and analysis.png."""
-    stages: int = at_least(1, 1)
-    """Also analyse each log in this many consecutive parts by training step (3: the paper's early,
-    middle and late stages; analysis_stages.png)."""
-    bootstrap: int = at_least(0, 1000)
-    """Bootstrap resamples of the prompt groups for the 95 percent intervals of each ratio (0: none)."""
-
-    def validate(self):
-        _check(bool(self.logs), "--logs is required: one or more round logs written with --round-log")
-        _check(bool(self.out), "--out is required: the directory for analysis.json and the plots")
-
-
-@dataclass(frozen=True)
-class ExportConfig(Checked):
-    run: str = option("", positional=True)
-    """A `sparkrl train` output folder (its latest checkpoint is exported), or one of its checkpoints/step-N folders."""
-    out: str = option("", required=True)
-    """The Hugging Face model folder to write (config.json, model.safetensors, tokenizer files)."""
-
-    def validate(self):
-        _check(bool(self.run), "give the run folder to export: sparkrl export RUN_DIR --out DIR")
-        _check(bool(self.out), "--out is required: the Hugging Face model folder to write")
-
-
-BENCH_METHODS = ("ar", "eagle3", "eagle3+spark", "dflash", "dflash+spark")
-
-
-@dataclass(frozen=True)
-class BenchConfig(Checked):
-    out: str = option("", required=True)
-    """Output directory: bench.json, bench.md, PNG plots, and one GRPO run folder per dataset and method."""
-    datasets: str = "default"
-    """Datasets, comma-separated (each as for --data: default, a local file such as
-    ../shared/data/gsm8k/train.jsonl, or a hub id)."""
-    preset: Literal["quick", "paper"] = "quick"
-    """Sizes: quick (minutes on a CPU) or paper (G = 8, 2,048-token responses; as long as it takes)."""
-    methods: str = "ar,eagle3,eagle3+spark"
-    """Methods, comma-separated, from: ar, eagle3, eagle3+spark, dflash, dflash+spark."""
-    draft_checkpoint: str = ""
-    """The pretrained EAGLE3-style drafter the eagle3 methods start from (as --draft-checkpoint: empty is the
-    shipped one for the default model, else a freshly initialised one)."""
-    dflash_checkpoint: str = ""
-    """The pretrained DFlash-style drafter the dflash methods start from (as --draft-checkpoint)."""
-    block_size: int = at_least(2, 16, "an anchor and at least one drafted token")
-    """Block size of the dflash methods."""
-    budget: Literal["auto", "adaptive", "fixed"] = "fixed"
-    """Drafting budget of the drafting methods (fixed: the paper's; auto: the cost-model fallback)."""
-    ablations: bool = False
-    """Run the paper's Table 2 rows and the rank / k sweeps (appendix C) instead of the main table."""
-    variants: str = ""
-    """With --ablations: the rows to run, comma-separated Table 2 / appendix C names such as 'carry correction
-    across rollouts,frozen projection A' (empty: all of them)."""
-    steps: int = at_least(0, 0, "0: the preset's")
-    """GRPO steps (policy updates) per method (0: the preset's)."""
-    prompts_per_step: int = at_least(0, 0, "0: the preset's")
-    """Prompts per step (0: the preset's)."""
-    group_size: int = at_least(0, 0, "0: the preset's")
-    """Responses per prompt (0: the preset's)."""
-    max_new_tokens: int = at_least(0, 0, "0: the preset's")
-    """Longest response (0: the preset's)."""
-    seed: int = 0
-    """Seed of every method's run (same prompts and per-response seeds for all)."""
-    lr: float = above(0, 1e-6)
-    """Policy learning rate of every method's run (the paper's 1e-6 barely moves a 135M model in a few
-    steps; a larger one makes the policy drift away from the drafter, the regime SPARK targets)."""
-    spark_lr: float = above(0, 1e-4)
-    """Learning rate of SPARK's projection A in the +spark methods (as train's --spark-lr)."""
-    temperature: float = above(0, 1.0)
-    """Sampling temperature of every method's rollouts (GRPO's usual 1; lower makes the policy sharper)."""
-    resume: bool = False
-    """Continue an interrupted bench in --out (every method resumes from its last checkpoint)."""
-    model: ModelConfig = ModelConfig()
-
-    def validate(self):
-        _check(bool(self.out), "--out is required: the directory for the bench results")
-        for m in self.methods.split(","):
-            _check(m in BENCH_METHODS, f"--methods: unknown method {m!r}; choose from {', '.join(BENCH_METHODS)}")
-        _existing_checkpoint("--draft-checkpoint", self.draft_checkpoint)
-        _existing_checkpoint("--dflash-checkpoint", self.dflash_checkpoint)
-        _check(self.group_size != 1, "--group-size must be >= 2 (advantages are relative to the group), or 0")
-        _check(not self.variants or self.ablations, "--variants chooses rows of --ablations; pass --ablations too")
-
-
-# --- dataclass <-> flat dict / argparse helpers -----------------------------------------------
-
-
-@cache
-def field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings (the string literal under each field) of a dataclass."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-            docs[a.target.id] = " ".join(b.value.value.split())
-    return docs
-
-
-def leaf_fields(cls, prefix: tuple = ()):
-    """Yield (path, field, owner class) for every non-dataclass field, depth first."""
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.default):
-            yield from leaf_fields(type(f.default), prefix + (f.name,))
-        else:
-            yield prefix + (f.name,), f, cls
+# --- dataclass <-> flat dict --------------------------------------------------------------------
 
 
 def build(cls, flat: dict):

@@ -8,7 +8,8 @@ import pytest
 
 from sparkrl.commands import bench as bench_mod
 from sparkrl.commands.cli import main
-from sparkrl.config import BenchConfig, build
+from sparkrl.commands.bench import BenchConfig
+from sparkrl.config import build
 from test_trainer import ParityGrader
 
 

@@ -141,7 +141,7 @@ def test_cost_model_times_whole_engine_rounds_once_and_caches_them(tiny_llama, t
     cm = CostModel.measure(tiny_llama, d, shape, lambda *a: seen.append(time_rounds(*a)) or seen[-1], repeats=1)
     assert sorted(cm.rounds) == [AR, (1, 1), (2, 1), (2, 2), (3, 2)] and len(cm.level) == len(cm.rows)
     # the engine reads the clock twice in an AR round and six times in a drafted one, and twice per level timed
-    raw = {s: sum((t["rounds"][s] for t in seen), []) for s in cm.rounds}  # per row count, [(seconds, accepted)]
+    raw = {s: sum((t.rounds[s] for t in seen), []) for s in cm.rounds}  # per row count, [(seconds, accepted)]
     assert all(t == 3.0 and a == 0 for B in raw[AR] for t, a in B) and all(t == 1.0 for t in cm.level)
     assert all(t == 7.0 and 0 <= a <= shape.depth for s in tree_sizes(shape) for B in raw[s] for t, a in B)
     timed = json.loads(next((tmp_path / "costs").glob("rounds-*.json")).read_text())["timed"]

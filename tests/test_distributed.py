@@ -83,8 +83,9 @@ def _rank(rank: int, size: int, port: int, flat: dict) -> None:
     train(build(RunConfig, flat), grader=grader)
     out, run = Path(flat["out"]), runs[0]
     sharded = isinstance(next(run.policy.parameters()), DTensor)
-    modules = ([] if sharded else [run.policy]) + ([run.drafting.drafter] + ([run.drafting.projection] if run.spark
-                                                                             else []) if run.drafting else [])
+    modules = ([] if sharded else [run.policy]) + ([run.drafting.drafter] + ([run.drafting.projection] if
+                                                                             run.drafting.adapts else [])
+                                                   if run.cfg.draft.draft != "none" else [])
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for m in modules for p in m.parameters()))
     (out / f"rank-{rank}-{flat['steps']}.json").write_text(json.dumps([grader.texts, digest.hexdigest(), sharded]))
 

@@ -14,7 +14,7 @@ from sparkrl.train.precision import RolloutCopy
 from sparkrl.drafters.base import expected_length, read_checkpoint, save_safetensors, target_probs
 from sparkrl.errors import UserError
 from sparkrl.train.features import policy_pass
-from sparkrl.train.pretrain import batch_plan, build_corpus, load_corpus_problems, lr_at, pretrain
+from sparkrl.train.pretrain import batch_plan, build_corpus, load_corpus_problems, lr_at, per_depth, pretrain
 
 GSM_ROW = {"question": "Tom has {n} apples and buys 3 more. How many apples does he have?",
            "answer": "He buys 3 so he has {n}+3=<<{n}+3={m}>>{m} apples.\n#### {m}"}
@@ -70,9 +70,9 @@ def test_target_probs_match_a_float64_softmax():
 
 
 def test_expected_length_by_hand():
-    assert expected_length({}) == 1.0
-    assert expected_length({"acc_1": 0.5, "acc_2": 0.4, "acc_3": 0.2}) == pytest.approx(1 + 0.5 + 0.2 + 0.04)
-    assert expected_length({"acc_1": 0.5, "tree_1": 0.6, "tree_2": 0.5}, "tree") == pytest.approx(1 + 0.6 + 0.3)
+    assert expected_length([]) == 1.0
+    assert expected_length([0.5, 0.4, 0.2]) == pytest.approx(1 + 0.5 + 0.2 + 0.04)
+    assert per_depth({"acc_1": 0.5, "tree_1": 0.6, "tree_2": 0.5}, "tree") == [0.6, 0.5]
 
 
 def _cfg(tmp_path, tiny_model_dir, data, **kw):

@@ -50,7 +50,7 @@ def _policy(out):
 
 def test_train_writes_contract_files(tiny_model_dir, tmp_path):
     s = train(_cfg(tiny_model_dir, tmp_path / "run"), grader=ParityGrader())
-    assert s["steps_run"] == 2
+    assert s.steps_run == 2
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())
     assert cfg["config"]["grpo"]["group_size"] == 3
     m = _metrics(tmp_path / "run")
@@ -258,12 +258,12 @@ def test_bfloat16_rollouts_of_float32_weights(tiny_model_dir, tmp_path):
     run = GRPORun(_cfg(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
     assert run.rollout.copied and run.rollout.model.lm_head.weight.dtype == torch.bfloat16
     assert run.policy.lm_head.weight.dtype == torch.float32
-    assert run.draft_rollout.model.fc.weight.dtype == torch.bfloat16 and run.drafter.fc.weight.dtype == torch.float32
+    assert run.drafting.rollout.model.fc.weight.dtype == torch.bfloat16 and run.drafting.drafter.fc.weight.dtype == torch.float32
     m = run.step(0)
     run.grader.close()
     for a, b in zip(run.rollout.model.parameters(), run.policy.parameters()):  # refreshed after the update
         assert torch.equal(a, b.to(torch.bfloat16))
-    for a, b in zip(run.draft_rollout.model.parameters(), run.drafter.parameters()):
+    for a, b in zip(run.drafting.rollout.model.parameters(), run.drafting.drafter.parameters()):
         assert torch.equal(a, b.to(torch.bfloat16))
     assert 0 < m["rollout_logp_abs_mean"] <= m["rollout_logp_abs_max"] and m["rollout_kl"] >= 0
     train(_cfg(tiny_model_dir, tmp_path / "a", steps=3, **kw), grader=ParityGrader())
@@ -300,7 +300,7 @@ def test_packed_float32_rollouts_sample_from_the_updated_policy_and_the_referenc
               budget="fixed")
     run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
     assert run.rollout.model is run.policy and run.policy.lm_head.packed and run.ref.lm_head.packed
-    assert run.draft_rollout.model._head[0].packed
+    assert run.drafting.rollout.model._head[0].packed
     toks = torch.randint(0, run.policy.args.vocab_size, (2, 7))
     with torch.no_grad():
         run.ref(toks)
@@ -326,8 +326,8 @@ def test_packed_bfloat16_rollouts_with_a_float32_head_follow_the_updates_and_res
     kw = dict(rollout_dtype="bfloat16", cpu_kernels="packed", rollout_head="float32", draft="eagle3", tree_depth=2,
               tree_branch=2, tree_nodes=3, budget="fixed")
     run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
-    assert run.rollout.model.lm_head.packed and run.draft_rollout.model.fc.packed and run.rollout.model.head32
-    assert run.draft_rollout.model._head[0].packed and not is_packed(run.policy) and not is_packed(run.drafter)
+    assert run.rollout.model.lm_head.packed and run.drafting.rollout.model.fc.packed and run.rollout.model.head32
+    assert run.drafting.rollout.model._head[0].packed and not is_packed(run.policy) and not is_packed(run.drafting.drafter)
     run.step(0)
     run.grader.close()
     for a, b in zip(run.rollout.model.parameters(), run.policy.parameters()):  # refreshed: repacked at next use
@@ -348,7 +348,7 @@ def test_packed_bfloat16_rollouts_with_a_float32_head_follow_the_updates_and_res
 def test_bfloat16_autocast_update_trains(tiny_model_dir, tmp_path):
     s = train(_cfg(tiny_model_dir, tmp_path / "r", steps=2, train_dtype="bfloat16", draft="eagle3", tree_depth=2,
                    tree_branch=2, tree_nodes=3, budget="fixed"), grader=ParityGrader())
-    assert s["steps_run"] == 2
+    assert s.steps_run == 2
     m = _metrics(tmp_path / "r")
     assert all(x["grad_norm"] > 0 and x["draft_train_s"] > 0 for x in m)
 
@@ -381,8 +381,8 @@ def test_bfloat16_rollouts_attend_in_float32_where_measured_and_resume_keeps_the
     monkeypatch.setattr(trainer_mod, "float32_attention", lambda *a: False)  # another machine's
     run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "r", steps=2, resume=True, **kw), grader=ParityGrader())
     run.grader.close()
-    assert attn(run.rollout.model) == attn(run.draft_rollout.model) == {torch.float32}
-    assert attn(run.policy) == attn(run.drafter) == {None}
+    assert attn(run.rollout.model) == attn(run.drafting.rollout.model) == {torch.float32}
+    assert attn(run.policy) == attn(run.drafting.drafter) == {None}
 
 
 def test_auto_cpu_kernels_run_the_compiled_kernels_and_record_it(tiny_model_dir, tmp_path):

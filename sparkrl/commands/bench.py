@@ -25,17 +25,80 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from sparkrl import __version__
 from sparkrl.commands.analysis import interval95, resample_weights
-from sparkrl.config import BenchConfig, DataConfig, DraftConfig, GRPOConfig, RunConfig, SamplingConfig, SparkConfig, to_dict
+from sparkrl.config import (BudgetKind, Checked, DataConfig, DraftConfig, GRPOConfig, ModelConfig, RunConfig,
+                            SamplingConfig, SparkConfig, above, at_least, block_size, existing_checkpoint, option,
+                            require, to_dict)
 from sparkrl.train.data import load_problems
 from sparkrl.errors import UserError
 from sparkrl.train.trainer import GRPORun
 from sparkrl.model.weights import resolve_model_path
+
+BENCH_METHODS = ("ar", "eagle3", "eagle3+spark", "dflash", "dflash+spark")
+
+
+@dataclass(frozen=True)
+class BenchConfig(Checked):
+    out: str = option("", required=True)
+    """Output directory: bench.json, bench.md, PNG plots, and one GRPO run folder per dataset and method."""
+    datasets: str = "default"
+    """Datasets, comma-separated (each as for --data: default, a local file such as
+    ../shared/data/gsm8k/train.jsonl, or a hub id)."""
+    preset: Literal["quick", "paper"] = "quick"
+    """Sizes: quick (minutes on a CPU) or paper (G = 8, 2,048-token responses; as long as it takes)."""
+    methods: str = "ar,eagle3,eagle3+spark"
+    """Methods, comma-separated, from: ar, eagle3, eagle3+spark, dflash, dflash+spark."""
+    draft_checkpoint: str = ""
+    """The pretrained EAGLE3-style drafter the eagle3 methods start from (as --draft-checkpoint: empty is the
+    shipped one for the default model, else a freshly initialised one)."""
+    dflash_checkpoint: str = ""
+    """The pretrained DFlash-style drafter the dflash methods start from (as --draft-checkpoint)."""
+    block_size: int = block_size()
+    """Block size of the dflash methods."""
+    budget: BudgetKind = "fixed"
+    """Drafting budget of the drafting methods (fixed: the paper's; auto: the cost-model fallback)."""
+    ablations: bool = False
+    """Run the paper's Table 2 rows and the rank / k sweeps (appendix C) instead of the main table."""
+    variants: str = ""
+    """With --ablations: the rows to run, comma-separated Table 2 / appendix C names such as 'carry correction
+    across rollouts,frozen projection A' (empty: all of them)."""
+    steps: int = at_least(0, 0, "0: the preset's")
+    """GRPO steps (policy updates) per method (0: the preset's)."""
+    prompts_per_step: int = at_least(0, 0, "0: the preset's")
+    """Prompts per step (0: the preset's)."""
+    group_size: int = at_least(0, 0, "0: the preset's")
+    """Responses per prompt (0: the preset's)."""
+    max_new_tokens: int = at_least(0, 0, "0: the preset's")
+    """Longest response (0: the preset's)."""
+    seed: int = 0
+    """Seed of every method's run (same prompts and per-response seeds for all)."""
+    lr: float = above(0, GRPOConfig.lr)
+    """Policy learning rate of every method's run (the paper's 1e-6 barely moves a 135M model in a few
+    steps; a larger one makes the policy drift away from the drafter, the regime SPARK targets)."""
+    spark_lr: float = above(0, SparkConfig.spark_lr)
+    """Learning rate of SPARK's projection A in the +spark methods (as train's --spark-lr)."""
+    temperature: float = above(0, SamplingConfig.temperature)
+    """Sampling temperature of every method's rollouts (GRPO's usual 1; lower makes the policy sharper)."""
+    resume: bool = False
+    """Continue an interrupted bench in --out (every method resumes from its last checkpoint)."""
+    model: ModelConfig = ModelConfig()
+
+    def validate(self):
+        require(bool(self.out), "--out is required: the directory for the bench results")
+        for m in self.methods.split(","):
+            require(m in BENCH_METHODS, f"--methods: unknown method {m!r}; choose from {', '.join(BENCH_METHODS)}")
+        existing_checkpoint("--draft-checkpoint", self.draft_checkpoint)
+        existing_checkpoint("--dflash-checkpoint", self.dflash_checkpoint)
+        require(self.group_size != 1, "--group-size must be >= 2 (advantages are relative to the group), or 0")
+        require(not self.variants or self.ablations, "--variants chooses rows of --ablations; pass --ablations too")
+
 
 PRESETS = {  # GRPO sizes: (steps, prompts per step, group size, response limit)
     "quick": dict(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=96),
@@ -327,6 +390,8 @@ def markdown(results: dict, cfg: BenchConfig) -> str:
 
 
 def plot(results: dict, out: Path) -> None:
+    """bench.png: per dataset (a column), AAL per step, time per step, AAL over the last rollout's rounds, and
+    reward with KL to the starting policy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -336,58 +401,70 @@ def plot(results: dict, out: Path) -> None:
     fig, axes = plt.subplots(4, len(data), figsize=(6 * len(data), 16), squeeze=False)
     for j, (name, d) in enumerate(data.items()):
         ms = {m: s for m, s in d["methods"].items() if isinstance(s, dict)}
-        ax = axes[0][j]
-        for m, s in ms.items():
-            if any(a is not None for a in s["aal_per_step"]):
-                ax.plot(range(1, len(s["aal_per_step"]) + 1), s["aal_per_step"], "o-", label=m)
-        ax.set_title(f"{name}: AAL per GRPO step")
-        ax.set_xlabel("GRPO step")
-        ax.set_ylabel("AAL")
-        ax.legend(fontsize=7)
-        ax = axes[1][j]
-        names = list(ms)
-        bottom = [0.0] * len(names)
-        for part in ("gen_s", "draft_train_s", "train_s"):
-            vals = [ms[m][part] / max(ms[m]["steps"], 1) for m in names]
-            ax.bar(names, vals, bottom=bottom, label=part)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.set_title(f"{name}: time per GRPO step")
-        ax.set_ylabel("seconds")
-        ax.tick_params(axis="x", labelsize=7, rotation=20)
-        ax.legend(fontsize=7)
-        ax = axes[2][j]
-        ax2 = ax.twinx()
-        bars = False
-        for m, s in ms.items():
-            if not s.get("rounds"):
-                continue
-            tr = s["rounds"][-1]["active_aal"]  # the last rollout, as in Fig. 5
-            if not tr:
-                continue
-            w = 8
-            aal = [a for _, a in tr]
-            ax.plot([statistics.mean(aal[max(0, i - w + 1):i + 1]) for i in range(len(aal))], label=m)
-            if not bars:  # the number of active responses of the first drafting method
-                ax2.bar(range(len(tr)), [n for n, _ in tr], color="0.85", width=1.0)
-                bars = True
-        ax.set_zorder(ax2.get_zorder() + 1)
-        ax.patch.set_visible(False)
-        ax.set_title(f"{name}: AAL over rounds of the last rollout (moving average of 8)")
-        ax.set_xlabel("verification round")
-        ax2.set_ylabel("active responses (bars)")
-        ax.legend(fontsize=7)
-        ax = axes[3][j]  # how far the policy moved: reward, and k3 KL to the starting policy (dashed)
-        ax2 = ax.twinx()
-        for m, s in ms.items():
-            steps = range(1, len(s["reward_per_step"]) + 1)
-            line = ax.plot(steps, s["reward_per_step"], "o-", ms=3, label=m)[0]
-            if any(k is not None for k in s.get("kl_per_step", [])):
-                ax2.plot(steps, s["kl_per_step"], "--", color=line.get_color())
-        ax.set_title(f"{name}: reward (solid) and KL to the starting policy (dashed)")
-        ax.set_xlabel("GRPO step")
-        ax.set_ylabel("mean reward")
-        ax2.set_ylabel("KL (k3) to the start")
-        ax.legend(fontsize=7)
+        for row, panel in enumerate((_aal_panel, _time_panel, _rounds_panel, _reward_panel)):
+            panel(axes[row][j], name, ms)
     fig.tight_layout()
     fig.savefig(out / "bench.png", dpi=110)
     plt.close(fig)
+
+
+def _aal_panel(ax, name: str, ms: dict) -> None:
+    for m, s in ms.items():
+        if any(a is not None for a in s["aal_per_step"]):
+            ax.plot(range(1, len(s["aal_per_step"]) + 1), s["aal_per_step"], "o-", label=m)
+    ax.set_title(f"{name}: AAL per GRPO step")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("AAL")
+    ax.legend(fontsize=7)
+
+
+def _time_panel(ax, name: str, ms: dict) -> None:
+    names = list(ms)
+    bottom = [0.0] * len(names)
+    for part in ("gen_s", "draft_train_s", "train_s"):
+        vals = [ms[m][part] / max(ms[m]["steps"], 1) for m in names]
+        ax.bar(names, vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_title(f"{name}: time per GRPO step")
+    ax.set_ylabel("seconds")
+    ax.tick_params(axis="x", labelsize=7, rotation=20)
+    ax.legend(fontsize=7)
+
+
+def _rounds_panel(ax, name: str, ms: dict) -> None:
+    """AAL over the rounds of the last rollout (as in the paper's Fig. 5), over the active responses (bars)."""
+    ax2 = ax.twinx()
+    bars = False
+    for m, s in ms.items():
+        if not s.get("rounds"):
+            continue
+        tr = s["rounds"][-1]["active_aal"]
+        if not tr:
+            continue
+        w = 8
+        aal = [a for _, a in tr]
+        ax.plot([statistics.mean(aal[max(0, i - w + 1):i + 1]) for i in range(len(aal))], label=m)
+        if not bars:  # the number of active responses of the first drafting method
+            ax2.bar(range(len(tr)), [n for n, _ in tr], color="0.85", width=1.0)
+            bars = True
+    ax.set_zorder(ax2.get_zorder() + 1)
+    ax.patch.set_visible(False)
+    ax.set_title(f"{name}: AAL over rounds of the last rollout (moving average of 8)")
+    ax.set_xlabel("verification round")
+    ax2.set_ylabel("active responses (bars)")
+    ax.legend(fontsize=7)
+
+
+def _reward_panel(ax, name: str, ms: dict) -> None:
+    """How far the policy moved: reward, and k3 KL to the starting policy (dashed)."""
+    ax2 = ax.twinx()
+    for m, s in ms.items():
+        steps = range(1, len(s["reward_per_step"]) + 1)
+        line = ax.plot(steps, s["reward_per_step"], "o-", ms=3, label=m)[0]
+        if any(k is not None for k in s.get("kl_per_step", [])):
+            ax2.plot(steps, s["kl_per_step"], "--", color=line.get_color())
+    ax.set_title(f"{name}: reward (solid) and KL to the starting policy (dashed)")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("mean reward")
+    ax2.set_ylabel("KL (k3) to the start")
+    ax.legend(fontsize=7)

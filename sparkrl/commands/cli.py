@@ -1,30 +1,93 @@
 """Command line: builds a config from flags and calls the library. The library never parses argv.
 
-Flags are generated from the config dataclasses (`config.py`): field `max_new_tokens` becomes
-`--max-new-tokens`, its docstring the help text, booleans get `--x / --no-x`.
+Flags are generated from the config dataclasses (`config.py`, and here the settings of the commands only
+the command line runs: generate, analyze, export): field `max_new_tokens` becomes `--max-new-tokens`, its
+docstring the help text, booleans get `--x / --no-x`.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect
 import json
 import sys
+import textwrap
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
-
 from sparkrl.commands.analysis import run as run_analysis
-from sparkrl.commands.bench import bench
+from sparkrl.commands.bench import BenchConfig, bench
 from sparkrl.train.assemble import make_drafting
-from sparkrl.config import (AnalyzeConfig, BenchConfig, ExportConfig, GenerateConfig, PretrainConfig, RunConfig, build,
-                            choices, field_docs, leaf_fields)
+from sparkrl.config import (Checked, DraftConfig, ModelConfig, PretrainConfig, RunConfig, SamplingConfig, at_least,
+                            build, choices, option, require)
 from sparkrl.train.data import chat_prompt_ids, read_prompts_file
+from sparkrl.engine.records import RoundStats
 from sparkrl.errors import UserError, output_error
 from sparkrl.machine import set_threads
 from sparkrl.train.precision import rollout_copy, rollout_dtype
 from sparkrl.train.pretrain import pretrain
 from sparkrl.engine.rollout import response_generators
-from sparkrl.train.trainer import export_run, train
+from sparkrl.train.rundir import export_run
+from sparkrl.train.trainer import train
 from sparkrl.model.weights import load_model
+
+
+@dataclass(frozen=True)
+class GenerateConfig(Checked):
+    prompt: str = ""
+    """One prompt text."""
+    prompts_file: str = ""
+    """A file with one prompt per line (or a .jsonl with a 'prompt' field per row)."""
+    n: int = at_least(1, 1)
+    """Responses per prompt."""
+    seed: int = 0
+    """Sampling seed; response j of prompt i uses its own generator derived from it."""
+    raw: bool = False
+    """Tokenize the prompt as is (no chat template, no special tokens)."""
+    json: bool = False
+    """Print one JSON object per response."""
+    model: ModelConfig = ModelConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    draft: DraftConfig = DraftConfig()
+
+    def validate(self):
+        require(bool(self.prompt) != bool(self.prompts_file), "give exactly one of --prompt TEXT or --prompts-file FILE")
+
+
+@dataclass(frozen=True)
+class AnalyzeConfig(Checked):
+    logs: str = option("", required=True)
+    """Round logs to analyse (from --round-log), comma-separated, e.g. a baseline and a SPARK run."""
+    labels: str = ""
+    """Names of the logs in the results, comma-separated (default: the file names)."""
+    out: str = option("", required=True)
+    """Output directory: analysis.json and analysis.png."""
+    stages: int = at_least(1, 1)
+    """Also analyse each log in this many consecutive parts by training step (3: the paper's early,
+    middle and late stages; analysis_stages.png)."""
+    bootstrap: int = at_least(0, 1000)
+    """Bootstrap resamples of the prompt groups for the 95 percent intervals of each ratio (0: none)."""
+
+    def validate(self):
+        require(bool(self.logs), "--logs is required: one or more round logs written with --round-log")
+        require(bool(self.out), "--out is required: the directory for analysis.json and the plots")
+
+
+@dataclass(frozen=True)
+class ExportConfig(Checked):
+    run: str = option("", positional=True)
+    """A `sparkrl train` output folder (its latest checkpoint is exported), or one of its checkpoints/step-N folders."""
+    out: str = option("", required=True)
+    """The Hugging Face model folder to write (config.json, model.safetensors, tokenizer files)."""
+
+    def validate(self):
+        require(bool(self.run), "give the run folder to export: sparkrl export RUN_DIR --out DIR")
+        require(bool(self.out), "--out is required: the Hugging Face model folder to write")
+
+
 
 COMMANDS = {
     "train": (RunConfig, "GRPO training (rollouts, rewards, policy updates, checkpoints)"),
@@ -34,6 +97,32 @@ COMMANDS = {
     "analyze": (AnalyzeConfig, "paper section-2 miss statistics (Fig. 2, Fig. 4) of round logs from --round-log"),
     "export": (ExportConfig, "write a trained policy as a Hugging Face model folder (transformers loads it)"),
 }
+
+
+@cache
+def field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings (the string literal under each field) of a dataclass; a `same_as` field without
+    one has its source field's."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = " ".join(b.value.value.split())
+    for f in dataclasses.fields(cls):
+        if "same_as" in f.metadata and f.name not in docs:
+            source, name = f.metadata["same_as"]
+            docs[f.name] = field_docs(source)[name]
+    return docs
+
+
+def leaf_fields(cls, prefix: tuple = ()):
+    """Yield (path, field, owner class) for every non-dataclass field, depth first."""
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default):
+            yield from leaf_fields(type(f.default), prefix + (f.name,))
+        else:
+            yield prefix + (f.name,), f, cls
 
 
 def _add_flags(parser: argparse.ArgumentParser, cls) -> None:
@@ -93,8 +182,8 @@ def run_generate(cfg: GenerateConfig) -> None:
     gens = response_generators(cfg.seed, len(prompts), cfg.n)
     d = make_drafting(cfg.draft, lm.model, rollout, cfg.sampling.temperature, cfg.seed)
     r = d.engine.generate(lm.model, prompts, cfg.sampling, lm.eos_ids, gens, group_size=cfg.n, sampler=rollout.sampler)
-    if d.drafter is not None and cfg.draft.round_log:
-        r.append_round_log(cfg.draft.round_log, spark=d.spark is not None, seed=cfg.seed)
+    if cfg.draft.round_log and r.stats.depth:  # the outcomes of a speculative rollout
+        r.append_round_log(cfg.draft.round_log, spark=d.adapts, seed=cfg.seed)
     for i, toks in enumerate(r.tokens):
         text = tok.decode(toks, skip_special_tokens=True)
         if cfg.json:
@@ -108,14 +197,30 @@ def run_generate(cfg: GenerateConfig) -> None:
           f"{s.policy_forwards} policy forwards", file=sys.stderr)
     if s.depth:
         depth = " ".join(f"{a:.2f}" for a in s.accept_at_depth)
-        a = s.adapter
         sizes = ", ".join(f"{k}: {v}" for k, v in s.sizes.items())
+        spark = ""
+        if d.adapts:
+            a = SparkFigures.of(s)
+            spark = f", SPARK {a.seconds:.2f}s ({a.contexts} feedback contexts, {plural(a.rows, 'row')} of B)"
         print(f"sparkrl: drafting: aal {s.aal:.2f}, {s.rounds} rounds ({s.tree_rounds} with a tree, by nodes,depth "
               f"{{{sizes}}}), "
               f"acceptance per depth [{depth}], "
-              f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s accept+commit {s.accept_s:.2f}s"
-              + (f", SPARK {a['spark_s']:.2f}s ({a['spark_contexts']} feedback contexts, {plural(a['spark_rows'], 'row')} of B)"
-                 if "spark_contexts" in a else ""), file=sys.stderr)
+              f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s accept+commit {s.accept_s:.2f}s{spark}", file=sys.stderr)
+
+
+@dataclass
+class SparkFigures:
+    """SPARK's figures of a rollout it adapted, read from `RoundStats.adapter` (`Spark.metrics`: a dict, as
+    metrics.jsonl keeps it)."""
+
+    seconds: float
+    contexts: int  # feedback contexts
+    rows: int  # rows of B the corrections tracked
+
+    @classmethod
+    def of(cls, stats: RoundStats) -> "SparkFigures":
+        a = stats.adapter
+        return cls(a["spark_s"], a["spark_contexts"], a["spark_rows"])
 
 
 def plural(n: int, word: str) -> str:
@@ -124,22 +229,22 @@ def plural(n: int, word: str) -> str:
 
 def run_train(cfg: RunConfig) -> None:
     s = train(cfg)
-    if not s["main"]:  # under torchrun: the summary once, from rank 0
+    if not s.main:  # under torchrun: the summary once, from rank 0
         return
-    lines = [f"sparkrl: trained {plural(s['steps_run'], 'step')} -> {s['out']}",
-             f"  generation {s['gen_s']:.1f}s ({plural(s['gen_tokens'], 'token')}), policy updates {s['train_s']:.1f}s"
-             + (f", drafter training {s['draft_train_s']:.1f}s" if s["rounds"] else "")]
-    if s["rounds"]:  # speculative rollouts
-        est = s["gen_ar_estimate_s"]
-        lines.append(f"  drafting: {s['committed'] / max(s['row_rounds'], 1):.2f} tokens per verification round "
-                     f"(AAL), {s['tree_rounds'] / s['rounds']:.0%} of {plural(int(s['rounds']), 'round')} drafted"
-                     + (f"; generation {s['gen_s']:.1f}s against an estimated {est:.1f}s autoregressive "
-                        f"({est / max(s['gen_s'], 1e-9):.2f}x)" if est else ""))
-    if "reward_first" in s:
-        lines.append(f"  reward {s['reward_first']:.3f} (first step) -> {s['reward_last']:.3f} (last), "
-                     f"accuracy {s['accuracy_last']:.2f}, {s['gen_tok_per_s']:.1f} generated tok/s")
-    lines.append(f"  metrics: {s['out']}/metrics.jsonl  checkpoints: {s['out']}/checkpoints/  "
-                 f"model (Hugging Face): {s['out']}/model/")
+    lines = [f"sparkrl: trained {plural(s.steps_run, 'step')} -> {s.out}",
+             f"  generation {s.gen_s:.1f}s ({plural(s.gen_tokens, 'token')}), policy updates {s.train_s:.1f}s"
+             + (f", drafter training {s.draft_train_s:.1f}s" if s.rounds else "")]
+    if s.rounds:  # speculative rollouts
+        est = s.gen_ar_estimate_s
+        lines.append(f"  drafting: {s.committed / max(s.row_rounds, 1):.2f} tokens per verification round "
+                     f"(AAL), {s.tree_rounds / s.rounds:.0%} of {plural(s.rounds, 'round')} drafted"
+                     + (f"; generation {s.gen_s:.1f}s against an estimated {est:.1f}s autoregressive "
+                        f"({est / max(s.gen_s, 1e-9):.2f}x)" if est else ""))
+    if s.steps_run:
+        lines.append(f"  reward {s.reward_first:.3f} (first step) -> {s.reward_last:.3f} (last), "
+                     f"accuracy {s.accuracy_last:.2f}, {s.gen_tok_per_s:.1f} generated tok/s")
+    lines.append(f"  metrics: {s.out}/metrics.jsonl  checkpoints: {s.out}/checkpoints/  "
+                 f"model (Hugging Face): {s.out}/model/")
     print("\n".join(lines), file=sys.stderr)
 
 

@@ -10,7 +10,7 @@ with its own SPARK correction B_g). Per call:
 
   1. First call: the trainer-level checks (`check_trainer`), then the engine is built from the model
      TRL trains: a sparkrl `Transformer` with the same Hugging Face parameter names, its rollout copy
-     (`precision.RolloutCopy`), the drafter, SPARK and the budget (`build.make_drafting`: the drafter
+     (`precision.RolloutCopy`), the drafter, SPARK and the budget (`assemble.make_drafting`: the drafter
      shipped for the default model, a checkpoint, or a fresh one).
   2. Weight sync: when the trained model changed since the last call (TRL's global step or the
      parameters' in-place version counters moved), its parameters are copied in place into the
@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from sparkrl.train.assemble import make_drafting
+from sparkrl.train.assemble import Drafting, NoDrafting, make_drafting
 from sparkrl.config import SamplingConfig, TRLConfig
 from sparkrl.train.data import Problem
 from sparkrl.train.distributed import SINGLE, World
@@ -174,7 +174,7 @@ class SparkRollout:
             sampling_config(args)
         self.policy: Transformer | None = None  # the engine's copy of the trained model (built at the first call)
         self.rollout: RolloutCopy | None = None  # what samples (the copy itself, or a cast copy of it)
-        self.drafting = self.draft_trainer = None
+        self.drafting: Drafting | NoDrafting = NoDrafting()  # the drafter and its training (built at the first call)
         self.world = SINGLE
         self.calls = self.prompts_seen = 0
         self.synced: tuple | None = None  # (model, global step, parameter versions) last copied
@@ -197,7 +197,6 @@ class SparkRollout:
         self.rollout = rollout_copy(policy, dt, self.cfg.cpu_kernels)
         sampling = sampling_config(trainer.args)
         self.drafting = make_drafting(self.cfg.draft, policy, self.rollout, sampling.temperature, self.cfg.seed)
-        self.draft_trainer = self.drafting.trainer(self.cfg.draft)
         acc = trainer.accelerator
         if acc.num_processes > 1:
             self.world = World(acc.process_index, acc.num_processes, acc.device)
@@ -259,14 +258,16 @@ class SparkRollout:
                                              sampler=self.rollout.sampler)
 
     def train_drafter(self, parts: list[Rollout]) -> dict:
-        """The drafter's online step on this call's responses (see the module doc, step 5)."""
-        t = self.draft_trainer
-        if t is None:
-            return {}
-        t0, s0 = time.perf_counter(), t.seconds
+        """The drafter's online step on this call's responses (see the module doc, step 5; nothing without a
+        drafter, whose `learn` never reads `draft_batches`)."""
+        return self.drafting.learn(self.draft_batches(parts), self.world)
+
+    def draft_batches(self, parts: list[Rollout]):
+        """The drafter loss's micro-batches of this call's responses (`Drafting.observe`'s arguments), each from
+        a no-grad forward of the engine's copy of the policy, made as they are read."""
         policy, d = self.policy, self.drafting
-        d.drafter.bind(policy)
-        taps = tuple(d.drafter.feature_layers)
+        d.bind(policy)
+        taps = d.feature_layers
         total = int(self.world.sum(torch.tensor(sum(r.num_tokens for r in parts))))
         mb, seen = self.cfg.micro_batch, 0
         for r in parts:
@@ -279,18 +280,12 @@ class SparkRollout:
                 with torch.no_grad():
                     out = policy(toks, taps=taps)
                 h = at_positions(out.hidden, pos)  # (b, R+1, d)
-                t.observe(toks.gather(1, pos), {k: at_positions(v, pos) for k, v in out.taps.items()}, h,
-                          policy.logits(h), mask, float(mask.sum()) / max(total, 1), [gens[j] for j in chunk])
-        grad_A = d.spark.take_grad(self.world.sum) if d.spark is not None else None
-        t.seconds = s0 + time.perf_counter() - t0  # the features' forward counts as draft training
-        stats = t.step(grad_A, self.world)
-        d.rollout.refresh()
-        return stats
+                yield (toks.gather(1, pos), {k: at_positions(v, pos) for k, v in out.taps.items()}, h,
+                       policy.logits(h), mask, float(mask.sum()) / max(total, 1), [gens[j] for j in chunk])
 
     def discard_adaptation(self) -> dict:
         """Evaluation rollouts train nothing: SPARK's A gradient of the rollout is dropped."""
-        if self.drafting is not None and self.drafting.spark is not None:
-            self.drafting.spark.take_grad(self.world.sum)
+        self.drafting.drop_adaptation(self.world)
         return {}
 
     def log(self, trainer, parts: list[Rollout], extra: dict) -> None:
@@ -299,7 +294,7 @@ class SparkRollout:
         gen_s = sum(r.gen_s for r in parts)
         tokens = sum(r.num_tokens for r in parts)
         m = {"gen_s": gen_s, "gen_tok_per_s": tokens / max(gen_s, 1e-9), **extra}
-        if self.drafting.drafter is not None:
+        if st.depth:  # speculative rollouts
             m.update(aal=st.aal, rounds=st.rounds, drafted_frac=st.tree_rounds / max(st.rounds, 1), draft_s=st.draft_s,
                      verify_s=st.verify_s, accept_s=st.accept_s, spark_s=st.adapter.get("spark_s", 0.0))
         for k, v in m.items():

@@ -100,16 +100,14 @@ def target_probs(target_logits: torch.Tensor, vocab_ids: torch.Tensor) -> torch.
     return torch.exp(target_logits[..., vocab_ids].float() - lse)
 
 
-def expected_length(stats: dict, key: str = "acc") -> float:
-    """Expected tokens per round of one drafted path with per-depth acceptance probabilities acc_1,
-    acc_2, ... (independent, as an estimate): 1 + acc_1 + acc_1 acc_2 + ... (the 1: the policy's token).
-    key "tree": with the acceptance probabilities tree_1, tree_2, ... of a tree level's best children
-    along the path (an EAGLE3-style tree's estimate, `eagle3.draft_loss`)."""
-    total, alive, d = 1.0, 1.0, 1
-    while f"{key}_{d}" in stats:
-        alive *= stats[f"{key}_{d}"]
+def expected_length(acceptance: list[float]) -> float:
+    """Expected tokens per round of one drafted path whose depth d is accepted with probability acceptance[d - 1]
+    (independently, as an estimate): 1 + a_1 + a_1 a_2 + ... (the 1: the policy's token). With a tree level's
+    best children's acceptance along the path, an EAGLE3-style tree's estimate (`pretrain.evaluate`)."""
+    total, alive = 1.0, 1.0
+    for a in acceptance:
+        alive *= a
         total += alive
-        d += 1
     return total
 
 

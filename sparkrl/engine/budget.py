@@ -23,30 +23,25 @@ drafter bookkeeping) for AR and four tree sizes (`timed_sizes`) at 1, 8 and 64 r
 machine, model, thread count, tree shape and kernels (cached under the user cache dir; about half a minute for
 the default model here, with a progress bar), fits the tree rounds' seconds linearly in nodes and depth per
 row count and evaluates the fit at every size (`smoothed`: one size's timing is as noisy as sizes differ), keeps
-every size non-decreasing in rows (`nondecreasing`), and interpolates. The timed
-rounds run on a text the policy sampled itself (sampling's cost depends on the nucleus's width, and
-random tokens make it thousands of tokens wide). Each accepted draft walks one more level (the LM head
-and the target distribution on B rows, timed too), so every timed round is first brought to no accepted
-draft (`at_zero`) and the prediction adds the levels of the acceptance the budget expects. (It timed only
-the verify forward and the drafting until it was measured that the rest is 20-30% of a round and made
-trees look cheaper than they are. It kept the median round with the drafts that round happened to accept,
-0 or 1 at one row, which moved each size's prediction by +-4% at random: against tree rounds timed in
-rollouts at one response, `bench/round_costs.py`, the 1-node tree came out 6-9% cheaper than it ran and the
-4-node trees up to 7% dearer, and the budget preferred the 1-node tree, measured 1.13-1.14x of AR, to 4-node
-trees of depth 1-3 at 1.15-1.27x; those timings brought to none put the 1-node tree within 1-3%.)
+every size non-decreasing in rows (`nondecreasing`), and interpolates. Whole rounds, because what follows the
+verify forward is a fifth to a third of a round: the forward and the drafting alone make trees look cheaper
+than they are. The timed rounds run on a text the policy sampled itself (sampling's cost depends on the
+nucleus's width, and random tokens make it thousands of tokens wide). Each accepted draft walks one more level
+(the LM head and the target distribution on B rows, timed too), so every timed round is first brought to no
+accepted draft (`at_zero`) and the prediction adds the levels of the acceptance the budget expects; the drafts
+a timed round happens to accept (0 or 1 at one row) would otherwise move a size's prediction at random by as
+much as sizes differ.
 
 The acceptance estimates only move in rounds that draft, so once a run of unlucky rounds pushes an
 estimate just below break-even the budget would stay autoregressive for good, however well the
-drafter does (measured: with the shipped drafter at one response trees every round ran at 1.08x of
-AR while the budget drafted 30 of 889 rounds, 0.99x). So a tree predicted within `EXPLORE_MARGIN` of
+drafter does. So a tree predicted within `EXPLORE_MARGIN` of
 an autoregressive step per token is drafted again after `EXPLORE_EVERY` declined rounds, any other best tree
 after `PROBE_EVERY`, per row the last drafted round verified (at most `LONGEST_WAIT` rounds): a round over B
 rows tells B rows' acceptance, and the estimates need fresh rows at a steady rate per round (acceptance drifts
 with the prompts and the policy), not per row. At one response at most 1/EXPLORE_EVERY of the rounds lose at
 most that margin; at many, an exploration also pays the drafter's catch-up on every AR round since the last
-drafted one (at 64 rows: 147 ms after about 64 of them, an AR round 114 ms, a 1-node tree round 1.6 AR rounds;
-exploring every 8th round, the budget drafted 30 of 252 rounds at 64 rows and ran at 0.87x of AR). The
-estimates likewise weigh a verified round by its rows.
+drafted one. The estimates likewise weigh a verified round by its rows. The measurements behind these choices:
+docs/experiments/speculation-budget.md.
 """
 
 from __future__ import annotations
@@ -72,13 +67,11 @@ EXPLORE_MARGIN = 1.15  # a tree predicted within 15% of an AR step per committed
 EXPLORE_EVERY = 8  # ... is drafted again after 8 declined rounds per row its last drafted round verified
 LONGEST_WAIT = 512  # declined rounds at most (4 rollouts of 128 tokens): estimates go stale as the policy moves
 PROBE_EVERY = 64  # any other best tree after 64 per row: one response's rounds accept 0 to depth drafts, so a few
-# unlucky ones could rate every tree past the margin, and with no drafted round no estimate moves again (measured
-# twice: 0 of 1,016 rounds drafted at one response; in another run 4-node depth-1 trees every round ran 1.12x of AR).
-# At most 1/64 of the rounds lose what a tree costs beyond an AR step
+# unlucky ones could rate every tree past the margin, and with no drafted round no estimate moves again. At most
+# 1/64 of the rounds lose what a tree costs beyond an AR step
 CONTEXT = 192  # committed tokens per row while timing (a typical mid-rollout length)
-PRIOR_ROWS = 4  # the optimistic prior acceptance weighs as much as this many verified rows: blended in as
-# 1 / (1 - momentum) = 10 (a running average from the prior) it kept large trees overrated for dozens of rounds
-# (16 nodes at depth 5 in two runs: 1.69 and 1.55 drafts expected, 0.71 and 0.82 accepted); replaced by the first
+PRIOR_ROWS = 4  # the optimistic prior acceptance weighs as much as this many verified rows: weighed as a running
+# average's 1 / (1 - momentum) = 10, it keeps large trees overrated for dozens of rounds; replaced by the first
 # round seen, one unlucky round at one response (0 or 1 drafts) could rate every tree too low to be tried again
 FEW_ROWS, FEW_REPEATS = 8, 3  # up to 8 rows, where trees can pay and rounds are short, 3x the repeats: one
 # size's rounds spread by 10-20% here, as much as the sizes that decide between trees and AR differ
@@ -138,12 +131,21 @@ def _size(key) -> Size:
 
 
 @dataclass
+class Timings:
+    """Engine rounds timed for the cost model (`speculative.time_rounds`)."""
+
+    rounds: dict[Size, list[list[tuple[float, float]]]]  # per size, per row count: the timed rounds as (seconds,
+    # drafts accepted per row)
+    level: list[float]  # per row count: the seconds one more accepted level adds (LM head, nucleus and a sample)
+
+
+@dataclass
 class CostModel:
     rows: tuple[int, ...]
     rounds: dict[Size, list[float]]  # size (nodes, depth; AR = (0, 0)) -> seconds of one whole engine round,
     # per row count: drafting, the drafter's catch-up, verification, acceptance walk, commit
-    accepted: dict[Size, list[float]]  # drafts accepted per row that those seconds are for (0 from `measure`;
-    # caches and checkpoints before ENGINE 13: the median timed round's)
+    accepted: dict[Size, list[float]]  # drafts accepted per row that those seconds are for (0 from `measure`,
+    # which brings every timed round to none; a cost model read from an older checkpoint may hold others)
     level: list[float]  # seconds one more accepted level adds per round (the LM head, nucleus and sample on B rows)
 
     def seconds(self, B: int, size: Size, accepted: float | None = None) -> float:
@@ -168,8 +170,8 @@ class CostModel:
                 ) -> "CostModel":
         """Time whole engine rounds on this machine (cached per machine/model/threads/shape/kernels): AR and a few
         tree sizes (`timed_sizes`) at `ROWS`, every other size fitted (`smoothed`), with a progress bar.
-        time_rounds(policy, drafter, shape, rows, sizes, context, repeats per row, progress) -> {"rounds": {size: per row
-        count, [(seconds, accepted)]}, "level": per row count} is the engine's own timing (`speculative.time_rounds`).
+        time_rounds(policy, drafter, shape, rows, sizes, context, repeats per row, progress) -> `Timings` is the engine's
+        own timing (`speculative.time_rounds`).
         kernels: what runs the policy's forwards (`cpu.accelerate.Acceleration.kernels`), part of the cache key."""
         w = policy.lm_head.weight
         path = measurement_path("rounds", str(w.device), str(w.dtype), policy.args.__dict__, drafter.kind,
@@ -185,9 +187,9 @@ class CostModel:
               file=sys.stderr, flush=True)
         with tqdm(total=total, desc="budget timing", unit="round", file=sys.stderr, leave=False) as bar:
             got = time_rounds(policy, drafter, shape, ROWS, sizes, CONTEXT, reps, bar.update)
-        timed = {s: [at_zero(r, lv) for r, lv in zip(got["rounds"][s], got["level"])] for s in sizes}
+        timed = {s: [at_zero(r, lv) for r, lv in zip(got.rounds[s], got.level)] for s in sizes}
         cost = cls(ROWS, nondecreasing(smoothed(timed, tree_sizes(shape))), {s: [0.0] * len(ROWS)
-                                                                           for s in [AR] + tree_sizes(shape)}, got["level"])
+                                                                           for s in [AR] + tree_sizes(shape)}, got.level)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({**cost.to_dict(), "timed": {_key(s): v for s, v in timed.items()}}))
         return cost
@@ -215,7 +217,7 @@ def at_zero(rounds: list[tuple[float, float]], level: float) -> float:
 def nondecreasing(rounds: dict[Size, list[float]]) -> dict[Size, list[float]]:
     """Each size's seconds over the row counts made non-decreasing (pooled adjacent violators, least squares):
     a round over more rows costs no less, and a timing noisy in that way (an AR step timed slower at 4 rows
-    than at 8) had trees drafted between them that lost."""
+    than at 8) would draft trees between them that lose."""
     out = {}
     for size, ys in rounds.items():
         blocks = []  # [mean, count]
@@ -247,7 +249,8 @@ def smoothed(rounds: dict[Size, list[float]], sizes: list[Size] | None = None) -
 
 
 class FixedBudget:
-    """The budget of `--budget fixed`: every round drafts the full shape; nothing is timed or learned."""
+    """The budget of `--budget fixed`: every round drafts the full shape; nothing is timed, learned or saved,
+    and with no cost model there is no autoregressive estimate."""
 
     def __init__(self, shape: TreeShape):
         self.size = (shape.nodes, shape.depth)
@@ -260,6 +263,15 @@ class FixedBudget:
 
     def observe(self, size: Size, tree, acc) -> None:
         pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def figures(self, stats) -> dict:
+        return {}
 
 
 class Budget:
@@ -339,6 +351,10 @@ class Budget:
         `rollout.RoundStats`) committed: its autoregressive rounds as timed, and for every drafted round
         with B active responses and AAL a, a autoregressive steps of B rows (cost model)."""
         return stats.ar_s + sum(a * self.seconds(B, AR) for B, a in stats.active_aal)
+
+    def figures(self, stats) -> dict:
+        """A rollout's figures for metrics.jsonl: `gen_ar_estimate_s`, its `autoregressive_estimate`."""
+        return {"gen_ar_estimate_s": self.autoregressive_estimate(stats)}
 
     def observe(self, size: Size, tree, acc) -> None:
         """A verified round of `size`: its `verify.Tree` (with the builder's ranks) and `Acceptance`. Updates

@@ -29,15 +29,14 @@ from sparkrl.model.kvcache import KVCache
 from sparkrl.model.transformer import Transformer, pad_right
 from sparkrl.engine.rollout import Batch, decode_one_token, generate, prefill
 from sparkrl.engine.records import HIT, MISS, UNDRAFTED, Round, RoundStats
-from sparkrl.engine.budget import FixedBudget
+from sparkrl.engine.budget import FixedBudget, Timings
 from sparkrl.engine.sampling import SAMPLER, Sampler
 from sparkrl.engine.verify import PathLogits, accept_chain, accept_tree
 from sparkrl.engine.records import Acceptance
 
 
-PATH_ROWS = 6  # LM-head rows of one acceptance-walk call (`verify.PathLogits`): on the CPU measured, a
-# bfloat16 head product of up to 6-8 rows costs about what one row costs (BENCHMARKS, "The acceptance walk's
-# LM head along the first choices")
+PATH_ROWS = 6  # LM-head rows of one acceptance-walk call (`verify.PathLogits`): on a CPU a bfloat16 head product
+# of up to 6-8 rows costs about what one row costs
 
 
 class NoAdaptation:
@@ -249,28 +248,27 @@ def own_text(policy: Transformer, context: int, sampler: Sampler = SAMPLER) -> l
 
 @torch.no_grad()
 def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, context: int, repeats: int | dict,
-                progress=lambda n: None, text: list[int] | None = None, sampler: Sampler = SAMPLER) -> dict:
+                progress=lambda n: None, text: list[int] | None = None, sampler: Sampler = SAMPLER) -> Timings:
     """Whole engine rounds timed for the budget's cost model (`budget.CostModel.measure`): for each row
     count B in `rows`, B copies of a `context`-token text the policy sampled itself (`own_text`, or `text`), then
-    `repeats` (or `repeats[B]`) timed rounds (after one untimed) of every size (nodes, depth) in `sizes` (`budget.AR`: an autoregressive
-    round), sizes in turn, each as (seconds, drafts it accepted per row); after each autoregressive round the
-    drafter catches up untimed, as a run of them would once at its end (timed, the tree round after it paid
-    that too: a 1-node tree, always after AR, timed 1.04x a 4-node one at one row); also what one more
-    accepted level costs (LM head + the nucleus and a sample on B rows of the policy's hidden states in that
-    text). Sampling at temperature 1, top-p 0.95; random numbers from fixed generators (the global RNG is
-    left alone). progress(1) after every timed round and level (a progress bar's update).
+    `repeats` (or `repeats[B]`) timed rounds (after one untimed) of every size (nodes, depth) in `sizes`
+    (`budget.AR`: an autoregressive round), sizes in turn, each as (seconds, drafts it accepted per row); after
+    each autoregressive round the drafter catches up untimed, as a run of them would once at its end (timed, the
+    tree round after it would pay for it); also what one more accepted level costs (LM head + the nucleus and a
+    sample on B rows of the policy's hidden states in that text). Sampling at temperature 1, top-p 0.95; random
+    numbers from fixed generators (the global RNG is left alone). progress(1) after every timed round and level
+    (a progress bar's update).
 
     The text is the policy's own, not random tokens: sampling's cost depends on how wide the nucleus
-    is (top-p within 256 candidates, else 4096, else a full sort), and after random tokens the
-    default model's nucleus was 9,000-20,000 tokens wide (full sorts: 1.6x the AR round measured in
-    rollouts at 8 rows) against a median of 38 in its own text (20-115 in GSM8K rollouts)."""
+    is (top-p within 256 candidates, else 4096, else a full sort), and random tokens make the default
+    model's nucleus thousands of tokens wide where its own text's is a few dozen."""
     dev = policy.lm_head.weight.device
     reps = {B: repeats[B] if isinstance(repeats, dict) else repeats for B in rows}
     text = text or own_text(policy, context, sampler)
     hidden = policy(torch.tensor([text], device=dev)).hidden[0]  # (context, d) the policy's states in its text
     room = (max(reps.values()) + 1) * len(sizes) * (shape.depth + 1) + 2  # a timed round commits at most depth + 1
     sampling = SamplingConfig(1.0, 0.95, room)
-    out = {"rounds": {size: [] for size in sizes}, "level": []}  # rounds: per size, per B, [(seconds, accepted)]
+    out = Timings({size: [] for size in sizes}, [])
     for B in rows:
         prompts = [text] * B
         gens = [torch.Generator().manual_seed(1000 + i) for i in range(B)]
@@ -290,7 +288,7 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
                 if n == 0:  # the drafter's catch-up on the AR token, untimed: a run of AR rounds pays it once at
                     eng.state = catch_up(eng.drafter, eng.dcache, *eng.backlog.pop())  # its end, not per tree round
         for size in sizes:
-            out["rounds"][size].append(timed[size][1:])  # the first of each size warms up
+            out.rounds[size].append(timed[size][1:])  # the first of each size warms up
         h = hidden[torch.arange(context - B, context) % context]  # (B, d) the text's last B positions
         level, u = [], torch.rand(B, generator=torch.Generator().manual_seed(B), dtype=torch.float64)
         for _ in range(reps[B] + 1):
@@ -298,7 +296,7 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
             sampler.nucleus(policy.logits(h), sampling.temperature, sampling.top_p, u)
             level.append(time.perf_counter() - t)
             progress(1)
-        out["level"].append(min(level[1:]))
+        out.level.append(min(level[1:]))
     return out
 
 
@@ -355,16 +353,13 @@ class Autoregressive:
 @dataclasses.dataclass
 class Speculative:
     """Speculative rollouts with a drafter (`generate_speculative`): the drafter, the shape it proposes, the
-    budget choosing each round's size and the adapter correcting its proposals (SPARK)."""
+    budget choosing each round's size (`budget.Budget`, or `FixedBudget`: the full shape) and the adapter
+    correcting its proposals (`spark.Spark`, or `NoAdaptation`)."""
 
     drafter: object
     shape: TreeShape
-    budget: object = None  # `budget.Budget` or `FixedBudget` (the default)
-    adapter: object = None  # `spark.Spark` or `NoAdaptation` (the default)
-
-    def __post_init__(self):
-        self.budget = self.budget or FixedBudget(self.shape)
-        self.adapter = self.adapter or NoAdaptation()
+    budget: object
+    adapter: object
 
     def generate(self, policy: Transformer, prompts: list[list[int]], sampling: SamplingConfig,
                  eos_ids: tuple[int, ...], generators: list[torch.Generator], group_size: int = 1, progress=None,

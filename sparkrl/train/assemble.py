@@ -1,5 +1,5 @@
 """Objects from configs: the drafter, SPARK, the budget, the draft trainer and the rollout engine a
-`DraftConfig` asks for.
+`DraftConfig` asks for, behind one `Drafting` (or, for --draft none, `NoDrafting`, which does nothing).
 
 Used by the entry points (trainer, CLI commands, bench, TRL adapter); the engine and the library below never
 read configs of other components. A draft checkpoint is read once (`read_checkpoint`) and serves
@@ -11,34 +11,35 @@ from __future__ import annotations
 
 import sys
 import functools
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 
 import torch
 
-from sparkrl.engine.budget import Budget, CostModel
+from sparkrl.engine.budget import Budget, CostModel, FixedBudget
 from sparkrl.config import DraftConfig
 from sparkrl.train.checkpoint import drafter_source
+from sparkrl.train.distributed import SINGLE, World
 from sparkrl.train.draft_train import DraftTrainer
 from sparkrl.drafters import KINDS, find_checkpoint, load_drafter
 from sparkrl.drafters.base import read_checkpoint
 from sparkrl.model.transformer import Transformer
+from sparkrl.engine.records import RoundStats
 from sparkrl.engine.spark import Projection, Spark
-from sparkrl.engine.speculative import Autoregressive, Speculative, time_rounds
+from sparkrl.engine.speculative import Autoregressive, NoAdaptation, Speculative, time_rounds
 from sparkrl.train.precision import RolloutCopy, rollout_copy
 
 
 def resolve_checkpoint(cfg: DraftConfig, policy: Transformer) -> tuple[str | None, dict | None]:
     """The draft checkpoint --draft-checkpoint names for this policy (`find_checkpoint`) and its
     contents, read once ((None, None): a freshly initialised drafter)."""
-    source = find_checkpoint(cfg.draft_checkpoint, cfg.draft, policy) if cfg.draft != "none" else None
+    source = find_checkpoint(cfg.draft_checkpoint, cfg.draft, policy)
     return source, read_checkpoint(drafter_source(source)) if source else None
 
 
 def make_drafter(cfg: DraftConfig, policy: Transformer, seed: int = 0, resolved: tuple | None = None):
-    """The drafter, on the policy's device, bound to it (None for --draft none). resolved: the
-    already resolved draft checkpoint (`resolve_checkpoint`; resolved here when not given)."""
-    if cfg.draft == "none":
-        return None
+    """The --draft drafter (eagle3 or dflash), on the policy's device, bound to it. resolved: the already
+    resolved draft checkpoint (`resolve_checkpoint`; resolved here when not given)."""
     source, ck = resolved or resolve_checkpoint(cfg, policy)
     if source:
         d = load_drafter(ck, policy.args, cfg.draft, source)
@@ -61,7 +62,7 @@ def make_spark(cfg: DraftConfig, policy: Transformer, drafter, temperature: floa
     checkpoint when it holds one (a GRPO run's checkpoint does), else from the policy's output
     projection (QR)."""
     sc = cfg.spark_config
-    if drafter is None or not sc.spark:
+    if not sc.spark:
         return None, None
     proj = Projection.for_policy(policy, sc.spark_rank)
     source, ck = resolved or resolve_checkpoint(cfg, policy)
@@ -71,49 +72,155 @@ def make_spark(cfg: DraftConfig, policy: Transformer, drafter, temperature: floa
     return proj, Spark.from_config(sc, proj.A, drafter.vocab_ids.numel(), temperature)
 
 
-def make_budget(cfg: DraftConfig, rollout: RolloutCopy, drafter) -> Budget | None:
-    """The per-round speculation budget for the rollout policy `rollout` (None: always the full proposal)."""
-    if drafter is None or cfg.budget == "fixed":
-        return None
+def make_budget(cfg: DraftConfig, rollout: RolloutCopy, drafter) -> Budget | FixedBudget:
+    """The per-round speculation budget for the rollout policy `rollout` (`FixedBudget`: always the full proposal)."""
+    if cfg.budget == "fixed":
+        return FixedBudget(cfg.shape())
     cost = CostModel.measure(rollout.model, drafter, cfg.shape(), functools.partial(time_rounds, sampler=rollout.sampler),
                              kernels=rollout.kernels)
     return Budget(cost, cfg.shape(), adaptive=cfg.budget == "adaptive")
 
 
+class NoDrafting:
+    """Autoregressive rollouts (--draft none): `Drafting`'s calls, each doing nothing, as there is no drafter to
+    bind, train, adapt, checkpoint or time."""
+
+    engine = Autoregressive()
+    adapts = False  # SPARK corrects no drafter
+    feature_layers: tuple[int, ...] = ()
+
+    def bind(self, policy) -> None:
+        pass
+
+    def observe(self, *batch) -> None:
+        pass
+
+    def learn(self, batches, world: World = SINGLE) -> dict:
+        return {}
+
+    def step(self, world: World = SINGLE) -> dict:
+        return {}
+
+    def drop_adaptation(self, world: World = SINGLE) -> None:
+        pass
+
+    def budget_state(self) -> dict:
+        return {}
+
+    def state_dict(self, budgets: list[dict] | None = None) -> dict:
+        return {}
+
+    def load_state_dict(self, ck: dict, world: World = SINGLE) -> None:
+        pass
+
+    def figures(self, stats: RoundStats) -> dict:
+        return {}
+
+
 @dataclass
 class Drafting:
-    """Everything speculative rollouts need (each part None when not asked for): the drafter (master
-    weights, trained), its rollout copy (`precision.RolloutCopy`, in the rollout policy's dtype and
-    bound to it), SPARK's projection and state, the budget."""
+    """Speculative rollouts and the drafter's online training: the drafter (master weights, trained), its
+    rollout copy (`precision.RolloutCopy`, in the rollout policy's dtype and bound to it), SPARK's projection
+    and state (None without --spark), the budget, the engine and the drafter's trainer (learning A too,
+    unless --spark-frozen-a)."""
 
-    drafter: object = None
-    rollout: RolloutCopy | None = None
-    projection: Projection | None = None
-    spark: Spark | None = None
-    budget: Budget | None = None
-    engine: object = field(default_factory=Autoregressive)  # what generates rollouts: `Autoregressive`, `Speculative`
+    drafter: object
+    rollout: RolloutCopy
+    projection: Projection | None
+    spark: Spark | None
+    budget: Budget | FixedBudget
+    engine: Speculative
+    trainer: DraftTrainer
 
-    def trainer(self, cfg: DraftConfig) -> DraftTrainer | None:
-        """The drafter's online trainer (learning A too, unless --spark-frozen-a)."""
-        if self.drafter is None:
-            return None
-        sc = cfg.spark_config
-        return DraftTrainer(self.drafter, cfg.draft_lr, projection=self.projection, projection_lr=sc.spark_lr,
-                            learn_projection=not sc.spark_frozen_a)
+    @property
+    def adapts(self) -> bool:
+        """Whether SPARK corrects the drafter during rollouts."""
+        return self.spark is not None
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The policy layers whose hidden states the drafter's training reads."""
+        return tuple(self.drafter.feature_layers)
+
+    def bind(self, policy) -> None:
+        """The trained drafter's head follows the policy it learns from (before the policy's update)."""
+        self.drafter.bind(policy)
+
+    def observe(self, tokens, taps, hidden, logits, mask, weight: float, generators) -> None:
+        """One micro-batch's gradient of the drafter's online loss (`DraftTrainer.observe`)."""
+        self.trainer.observe(tokens, taps, hidden, logits, mask, weight, generators)
+
+    def learn(self, batches, world: World = SINGLE) -> dict:
+        """`observe` each of `batches` (made as they are read: their policy forward counts as draft training
+        time), then `step`."""
+        t0, s0 = time.perf_counter(), self.trainer.seconds
+        for batch in batches:
+            self.trainer.observe(*batch)
+        self.trainer.seconds = s0 + time.perf_counter() - t0
+        return self.step(world)
+
+    def step(self, world: World = SINGLE) -> dict:
+        """The draft optimizer step, with SPARK's A gradient of the rollout, then the drafter's rollout copy
+        refreshed; returns the step's figures (`DraftTrainer.step`: draft_*, draft_train_s)."""
+        figures = self.trainer.step(self.spark.take_grad(world.sum) if self.spark is not None else None, world)
+        self.rollout.refresh()
+        return figures
+
+    def drop_adaptation(self, world: World = SINGLE) -> None:
+        """Discard SPARK's A gradient of a rollout that trains nothing (an evaluation)."""
+        if self.spark is not None:
+            self.spark.take_grad(world.sum)
+
+    def budget_state(self) -> dict:
+        """This rank's budget estimates ({}: a fixed budget learns none)."""
+        return self.budget.state_dict()
+
+    def state_dict(self, budgets: list[dict] | None = None) -> dict:
+        """Its checkpoint entries: draft (the drafter, A and their optimizer), spark_carry (--spark-carry's
+        corrections), budget (its cost model and estimates) and budget_of_ranks (`budgets`: every rank's,
+        from several ranks)."""
+        out = {"draft": self.trainer.state_dict()}
+        if self.spark is not None and self.spark.carry:
+            out["spark_carry"] = self.spark.state_dict()
+        if budget := self.budget.state_dict():
+            out["budget"] = budget
+            if budgets and len(budgets) > 1:
+                out["budget_of_ranks"] = budgets
+        return out
+
+    def load_state_dict(self, ck: dict, world: World = SINGLE) -> None:
+        """Resume from a checkpoint's entries (`state_dict`); a rank takes its own budget when the run had as
+        many ranks."""
+        self.trainer.load_state_dict(ck["draft"])
+        if self.spark is not None and "spark_carry" in ck:
+            self.spark.load_state_dict(ck["spark_carry"])
+        if "budget" in ck:
+            ranks = ck.get("budget_of_ranks", [])
+            self.budget.load_state_dict(ranks[world.rank] if len(ranks) == world.size else ck["budget"])
+        self.rollout.refresh()
+
+    def figures(self, stats: RoundStats) -> dict:
+        """The budget's figures of a rollout for metrics.jsonl (`Budget.figures`: the autoregressive estimate)."""
+        return self.budget.figures(stats)
 
 
 def make_drafting(cfg: DraftConfig, policy: Transformer, rollout: RolloutCopy, temperature: float,
-                  seed: int = 0) -> Drafting:
-    """The drafter, SPARK, the budget and the engine, with the draft checkpoint read once. policy: the master
-    weights (what the drafter trains against); rollout: the policy's rollout copy (`rollout_copy`: what
-    samples), whose dtype and kernels the drafter's rollout copy, the cost model and the budget follow."""
+                  seed: int = 0) -> Drafting | NoDrafting:
+    """The drafter, SPARK, the budget, the engine and the draft trainer, with the draft checkpoint read once.
+    policy: the master weights (what the drafter trains against); rollout: the policy's rollout copy
+    (`rollout_copy`: what samples), whose dtype and kernels the drafter's rollout copy, the cost model and the
+    budget follow."""
+    if cfg.draft == "none":
+        return NoDrafting()
     resolved = resolve_checkpoint(cfg, policy)  # once: the shipped-drafter lookup reads a file and the policy
     drafter = make_drafter(cfg, policy, seed, resolved)
-    if drafter is None:
-        return Drafting()
     copy = rollout_copy(drafter, rollout.model.lm_head.weight.dtype, rollout.cpu_kernels,
                         attention32=rollout.kernels.get("attention") == str(torch.float32))
     copy.model.bind(rollout.model)
     projection, spark = make_spark(cfg, policy, drafter, temperature, resolved)
     budget = make_budget(cfg, rollout, copy.model)
-    return Drafting(drafter, copy, projection, spark, budget, Speculative(copy.model, cfg.shape(), budget, spark))
+    sc = cfg.spark_config
+    trainer = DraftTrainer(drafter, cfg.draft_lr, projection=projection, projection_lr=sc.spark_lr,
+                           learn_projection=not sc.spark_frozen_a)
+    return Drafting(drafter, copy, projection, spark, budget,
+                    Speculative(copy.model, cfg.shape(), budget, spark or NoAdaptation()), trainer)

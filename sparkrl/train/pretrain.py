@@ -219,8 +219,17 @@ def evaluate(trainer: DraftTrainer, policy, seqs: list[Seq], micro_batch: int,
         sums.update({k: v * w for k, v in st.items() if k != "positions"})
         n += w
     out = {k: v / max(n, 1.0) for k, v in sums.items()}
-    trees = {"tree_expected_length": expected_length(out, "tree")} if "tree_1" in out else {}
-    return {**out, "positions": n, "expected_length": expected_length(out), **trees}
+    trees = {"tree_expected_length": expected_length(per_depth(out, "tree"))} if "tree_1" in out else {}
+    return {**out, "positions": n, "expected_length": expected_length(per_depth(out, "acc")), **trees}
+
+
+def per_depth(stats: dict, name: str) -> list[float]:
+    """A figure the drafter losses report per depth (`name`_1, `name`_2, ...: acc, the acceptance probability of a
+    drafted token; tree, of a tree level's best children) as a list, depth 1 first."""
+    out = []
+    while f"{name}_{len(out) + 1}" in stats:
+        out.append(stats[f"{name}_{len(out) + 1}"])
+    return out
 
 
 def _autocast(policy):
@@ -278,27 +287,9 @@ def _check_resume(cfg: PretrainConfig, out: Path) -> dict | None:
     return torch.load(state, map_location="cpu", weights_only=False)
 
 
-def pretrain(cfg: PretrainConfig) -> dict:
-    """Make (or reuse) the corpus, pick the draft vocabulary, train every --draft kind on the same policy
-    passes with held-out scores; returns a summary."""
-    out = Path(cfg.out)
-    resume = _check_resume(cfg, out)
-    problems = load_corpus_problems(cfg)  # bad --data or an empty corpus fails before the model loads
-    set_threads(cfg.model.threads)
-    lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
-    master, tok = lm.model, lm.tokenizer
-    dt = rollout_dtype(cfg.model.rollout_dtype, master)
-    rollout = rollout_copy(master, dt, cfg.model.cpu_kernels, cfg.model.rollout_head == "float32")
-    policy = rollout.model
-    # ^ features and targets
-    inits = {kind: load_drafter(find_checkpoint(cfg.init, kind, master, "--init"), master.args, kind)
-             for kind in cfg.kinds()} if cfg.init else {}  # a wrong --init fails before the corpus is made
-    train, test, sources = build_corpus(cfg, rollout, tok, lm.eos_ids, problems)
-    counts = Counter(t for s in train for t in s.ids)
-    V = master.args.vocab_size
-    vocab_ids = draft_vocabulary(counts, cfg.draft_vocab, V, lm.eos_ids) if 0 < cfg.draft_vocab < V else None
+def drafter_trainers(cfg: PretrainConfig, master, vocab_ids: torch.Tensor | None, inits: dict) -> dict[str, DraftTrainer]:
+    """A `DraftTrainer` per --draft kind, of a fresh drafter (seeded, on `vocab_ids`) or the kind's --init one."""
     w = master.lm_head.weight
-    fingerprint = policy_fingerprint(master)
     trainers = {}
     for kind in cfg.kinds():
         torch.manual_seed(cfg.seed)
@@ -312,92 +303,149 @@ def pretrain(cfg: PretrainConfig) -> dict:
         if kind == "dflash" and cfg.anchors > 0:  # else a fresh drafter's 8, an --init drafter's own
             drafter.anchors = cfg.anchors
         trainers[kind] = DraftTrainer(drafter.to(device=w.device, dtype=w.dtype).bind(master), lr=cfg.lr)
-    taps = tuple(sorted({i for t in trainers.values() for i in t.drafter.feature_layers}))
-    plans = [batch_plan([len(s.ids) for s in train], cfg.micro_batch, cfg.seed, e) for e in range(cfg.epochs)]
-    total = sum(map(len, plans))
-    # --feature-cache: the policy pass of a sequence read more than once is kept (held-out ones always)
-    pdt = policy.lm_head.weight.dtype
-    tag = [cfg.model.model, str(pdt), bool(rollout.kernels.get("packed")), cfg.model.cpu_kernels]
+    return trainers
+
+
+def feature_store(cfg: PretrainConfig, rollout: RolloutCopy) -> FeatureStore | None:
+    """--feature-cache: where the policy passes of sequences read more than once are kept (held-out ones always),
+    keyed on what computes them."""
+    if not cfg.feature_cache:
+        return None
+    tag = [cfg.model.model, str(rollout.model.lm_head.weight.dtype), bool(rollout.kernels.get("packed")),
+           cfg.model.cpu_kernels]
     tag += [t for t in kernel_tags(rollout) if t != "packed"]
-    store = FeatureStore(out / "features", json.dumps(tag)) if cfg.feature_cache else None
-    train_store = store if cfg.epochs > 1 else None
+    return FeatureStore(Path(cfg.out) / "features", json.dumps(tag))
+
+
+class Pretraining:
+    """A pretraining run in progress: the drafters' trainers, the policy pass that feeds them (`policy`: the
+    rollout copy), the held-out sequences, and where it stands (steps, tokens read, training seconds, the
+    records of pretrain.jsonl), resumed from `resume` (state.pt) when given."""
+
+    def __init__(self, cfg: PretrainConfig, trainers: dict[str, DraftTrainer], policy, test: list[Seq],
+                 store: FeatureStore | None, fingerprint: list[float], resume: dict | None):
+        self.cfg, self.out, self.trainers, self.policy = cfg, Path(cfg.out), trainers, policy
+        self.test, self.store, self.fingerprint = test, store, fingerprint
+        self.step, self.tokens, self.seconds, self.records = 0, 0, 0.0, []
+        if resume is not None:
+            for kind, t in trainers.items():
+                t.load_state_dict(resume["trainers"][kind])
+            self.step, self.tokens, self.seconds = resume["step"], resume["tokens"], resume.get("seconds", 0.0)
+            torch.set_rng_state(resume["rng"])  # the DFlash loss draws its anchors from it
+            log = self.out / "pretrain.jsonl"
+            records = [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
+            self.records = [r for r in records if r["step"] <= self.step]  # what came after the checkpoint is redone
+
+    def save_state(self) -> None:
+        atomic_save({"trainers": {k: t.state_dict() for k, t in self.trainers.items()}, "step": self.step,
+                     "tokens": self.tokens, "seconds": self.seconds, "rng": torch.get_rng_state()}, self.out / "state.pt")
+        (self.out / "pretrain.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.records))
+
+    def score(self) -> None:
+        """Held-out scores of every drafter (records and a line each), its snapshot, the plot."""
+        for kind, t in self.trainers.items():
+            if self.test:
+                r = {"heldout": True, "kind": kind, "step": self.step, "tokens": self.tokens,
+                     **evaluate(t, self.policy, self.test, self.cfg.micro_batch, self.store)}
+                self.records.append(r)
+                tree = f", trees {r['tree_expected_length']:.2f}" if "tree_expected_length" in r else ""
+                tqdm.write(f"{kind} held-out at step {self.step} ({self.tokens / 1e6:.2f}M tokens): expected length "
+                           f"{r['expected_length']:.2f}{tree}, top-1 {r['top1_1']:.2f}", file=sys.stderr)
+            save_safetensors(t.drafter.checkpoint(), self.out / kind / "snapshots" / f"step-{self.step:06d}.safetensors",
+                             fingerprint=self.fingerprint)
+        plot(self.records, self.out / "pretrain.png")
+
+    def train(self, plans: list[list[list[int]]], seqs: list[Seq], taps: tuple, store: FeatureStore | None) -> None:
+        """Every micro-batch of `plans` (indices into `seqs`) from the run's step on, with held-out scores and
+        state saves on their schedules; Ctrl-C saves the state and stops with one line."""
+        cfg, total = self.cfg, sum(map(len, plans))
+        if self.step == 0:
+            self.score()
+        bar = tqdm(total=total, initial=self.step, desc=f"pretrain-draft ({cfg.draft})", unit="step", file=sys.stderr)
+        try:
+            for k, mb in enumerate(b for plan in plans for b in plan):
+                if k < self.step:
+                    continue
+                self.train_step([seqs[j] for j in mb], taps, total, store)
+                bar.update(1)
+                bar.set_postfix(tokens=f"{self.tokens / 1e6:.2f}M", **{
+                    f"top1_{kind}": f"{r['top1']:.2f}" for kind, r in zip(self.trainers, self.records[-len(self.trainers):])})
+                if self.step % cfg.eval_every == 0 or self.step == total:
+                    self.score()
+                if self.step % cfg.checkpoint_every == 0 or self.step == total:
+                    self.save_state()
+        except KeyboardInterrupt:
+            self.save_state()
+            bar.close()
+            raise UserError(f"interrupted at step {self.step}; continue with the same command and --resume") from None
+        bar.close()
+
+    def train_step(self, batch: list[Seq], taps: tuple, total: int, store: FeatureStore | None) -> None:
+        """One micro-batch: one policy pass, every drafter's step on it (learning rate by `lr_at`), a record each."""
+        t0 = time.perf_counter()
+        inputs = policy_pass(self.policy, batch, taps, self.cfg.train_positions == "response", store)
+        self.tokens += sum(len(s.ids) for s in batch)
+        stats = {}
+        for kind, t in self.trainers.items():
+            for g in t.opt.param_groups:
+                g["lr"] = lr_at(self.step, total, self.cfg.lr, self.cfg.warmup)
+            with _autocast(self.policy):
+                stats[kind] = t.observe(*inputs)
+            t.step()
+        self.seconds += time.perf_counter() - t0
+        for kind, t in self.trainers.items():
+            self.records.append({"kind": kind, "step": self.step + 1, "tokens": self.tokens,
+                                 "seconds": round(self.seconds, 2), "lr": t.opt.param_groups[0]["lr"], **stats[kind]})
+        self.step += 1
+
+    def finish(self, seqs: list[Seq], steps: int) -> dict:
+        """Each drafter written (OUT/KIND/drafter.pt and .safetensors); returns the run's summary."""
+        summary = {"out": str(self.out), "sequences": len(seqs), "tokens": sum(len(s.ids) for s in seqs),
+                   "steps": steps, "draft_vocab": int(next(iter(self.trainers.values())).drafter.vocab_ids.numel()),
+                   "drafters": {}}
+        for kind, t in self.trainers.items():
+            atomic_save(t.drafter.checkpoint(), self.out / kind / "drafter.pt")
+            save_safetensors(t.drafter.checkpoint(), self.out / kind / "drafter.safetensors", fingerprint=self.fingerprint)
+            last = next((r for r in reversed(self.records) if r.get("heldout") and r["kind"] == kind), {})
+            summary["drafters"][kind] = {"path": str(self.out / kind / "drafter.safetensors"),
+                                         "heldout_expected_length": last.get("expected_length"),
+                                         "heldout_top1": last.get("top1_1"),
+                                         "heldout_tree_expected_length": last.get("tree_expected_length")}
+        return summary
+
+
+def pretrain(cfg: PretrainConfig) -> dict:
+    """Make (or reuse) the corpus, pick the draft vocabulary, train every --draft kind on the same policy
+    passes with held-out scores; returns a summary."""
+    out = Path(cfg.out)
+    resume = _check_resume(cfg, out)
+    problems = load_corpus_problems(cfg)  # bad --data or an empty corpus fails before the model loads
+    set_threads(cfg.model.threads)
+    lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
+    master, tok = lm.model, lm.tokenizer
+    dt = rollout_dtype(cfg.model.rollout_dtype, master)
+    rollout = rollout_copy(master, dt, cfg.model.cpu_kernels, cfg.model.rollout_head == "float32")
+    policy = rollout.model  # what gives the drafters their features and targets
+    inits = {kind: load_drafter(find_checkpoint(cfg.init, kind, master, "--init"), master.args, kind)
+             for kind in cfg.kinds()} if cfg.init else {}  # a wrong --init fails before the corpus is made
+    train, test, sources = build_corpus(cfg, rollout, tok, lm.eos_ids, problems)
+    counts = Counter(t for s in train for t in s.ids)
+    V = master.args.vocab_size
+    vocab_ids = draft_vocabulary(counts, cfg.draft_vocab, V, lm.eos_ids) if 0 < cfg.draft_vocab < V else None
+    fingerprint = policy_fingerprint(master)
+    trainers = drafter_trainers(cfg, master, vocab_ids, inits)
+    taps = tuple(sorted({i for t in trainers.values() for i in t.drafter.feature_layers}))  # one pass serves them all
+    plans = [batch_plan([len(s.ids) for s in train], cfg.micro_batch, cfg.seed, e) for e in range(cfg.epochs)]
+    store = feature_store(cfg, rollout)
+    train_store = store if cfg.epochs > 1 else None  # training sequences are read again only in later epochs
     if train_store is not None:
-        train_store.check_space(sum(len(s.ids) for s in train), (len(taps) + 1) * master.args.hidden_size, pdt)
-    step, tokens, elapsed = 0, 0, 0.0
-    if resume is not None:
-        for kind, t in trainers.items():
-            t.load_state_dict(resume["trainers"][kind])
-        step, tokens, elapsed = resume["step"], resume["tokens"], resume.get("seconds", 0.0)
-        torch.set_rng_state(resume["rng"])  # the DFlash loss draws its anchors from it
-    else:
+        train_store.check_space(sum(len(s.ids) for s in train), (len(taps) + 1) * master.args.hidden_size,
+                                policy.lm_head.weight.dtype)
+    if resume is None:
         (out / "config.json").write_text(json.dumps({"config": to_dict(cfg), "corpus_sequences": len(train),
                                                      "corpus_tokens": sum(len(s.ids) for s in train), "sources": sources,
                                                      "heldout_sequences": len(test),
                                                      "policy_dtype": str(policy.lm_head.weight.dtype)}, indent=2))
-    log_path = out / "pretrain.jsonl"
-    records = [json.loads(l) for l in log_path.read_text().splitlines()] if resume is not None and log_path.exists() else []
-    records = [r for r in records if r["step"] <= step]  # what came after the checkpoint is redone
-
-    def save_state():
-        atomic_save({"trainers": {k: t.state_dict() for k, t in trainers.items()}, "step": step, "tokens": tokens,
-                     "seconds": elapsed, "rng": torch.get_rng_state()}, out / "state.pt")
-        log_path.write_text("".join(json.dumps(r) + "\n" for r in records))
-
-    def score():
-        for kind, t in trainers.items():
-            if test:
-                r = {"heldout": True, "kind": kind, "step": step, "tokens": tokens,
-                     **evaluate(t, policy, test, cfg.micro_batch, store)}
-                records.append(r)
-                tree = f", trees {r['tree_expected_length']:.2f}" if "tree_expected_length" in r else ""
-                tqdm.write(f"{kind} held-out at step {step} ({tokens / 1e6:.2f}M tokens): expected length "
-                           f"{r['expected_length']:.2f}{tree}, top-1 {r['top1_1']:.2f}", file=sys.stderr)
-            save_safetensors(t.drafter.checkpoint(), out / kind / "snapshots" / f"step-{step:06d}.safetensors",
-                             fingerprint=fingerprint)
-        plot(records, out / "pretrain.png")
-
-    if step == 0:
-        score()
-    bar = tqdm(total=total, initial=step, desc=f"pretrain-draft ({cfg.draft})", unit="step", file=sys.stderr)
-    try:
-        for k, mb in enumerate(b for plan in plans for b in plan):
-            if k < step:
-                continue
-            t0 = time.perf_counter()
-            batch = policy_pass(policy, [train[j] for j in mb], taps, cfg.train_positions == "response",
-                                train_store)
-            tokens += sum(len(train[j].ids) for j in mb)
-            stats = {}
-            for kind, t in trainers.items():
-                for g in t.opt.param_groups:
-                    g["lr"] = lr_at(step, total, cfg.lr, cfg.warmup)
-                with _autocast(policy):
-                    stats[kind] = t.observe(*batch)
-                t.step()
-            elapsed += time.perf_counter() - t0
-            for kind, t in trainers.items():
-                records.append({"kind": kind, "step": step + 1, "tokens": tokens, "seconds": round(elapsed, 2),
-                                "lr": t.opt.param_groups[0]["lr"], **stats[kind]})
-            step += 1
-            bar.update(1)
-            bar.set_postfix(tokens=f"{tokens / 1e6:.2f}M", **{f"top1_{kind}": f"{r['top1']:.2f}"
-                                                              for kind, r in zip(trainers, records[-len(trainers):])})
-            if step % cfg.eval_every == 0 or step == total:
-                score()
-            if step % cfg.checkpoint_every == 0 or step == total:
-                save_state()
-    except KeyboardInterrupt:
-        save_state()
-        bar.close()
-        raise UserError(f"interrupted at step {step}; continue with the same command and --resume") from None
-    bar.close()
-    summary = {"out": str(out), "sequences": len(train), "tokens": sum(len(s.ids) for s in train), "steps": total,
-               "draft_vocab": int(next(iter(trainers.values())).drafter.vocab_ids.numel()), "drafters": {}}
-    for kind, t in trainers.items():
-        atomic_save(t.drafter.checkpoint(), out / kind / "drafter.pt")
-        save_safetensors(t.drafter.checkpoint(), out / kind / "drafter.safetensors", fingerprint=fingerprint)
-        last = next((r for r in reversed(records) if r.get("heldout") and r["kind"] == kind), {})
-        summary["drafters"][kind] = {"path": str(out / kind / "drafter.safetensors"),
-                                     "heldout_expected_length": last.get("expected_length"), "heldout_top1": last.get("top1_1"),
-                                     "heldout_tree_expected_length": last.get("tree_expected_length")}
-    return summary
+    run = Pretraining(cfg, trainers, policy, test, store, fingerprint, resume)
+    run.train(plans, train, taps, train_store)
+    return run.finish(train, sum(map(len, plans)))

@@ -13,27 +13,24 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import os
 import signal
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from sparkrl import __version__
-from sparkrl.train.assemble import make_drafting
-from sparkrl.train.checkpoint import (checkpoints_at, list_checkpoints, load_checkpoint, load_latest, remove_stale,
-                                save_checkpoint, set_rng_state)
+from sparkrl.train.assemble import Drafting, NoDrafting, make_drafting
+from sparkrl.train.checkpoint import load_latest, save_checkpoint, set_rng_state
 from sparkrl.config import RunConfig, to_dict
 from sparkrl.train.data import build_prompts, load_problems
 from sparkrl.train.distributed import SINGLE, World
-from sparkrl.train.draft_train import DraftTrainer, row_generators
-from sparkrl.errors import UserError, enough_space, writable_dir
+from sparkrl.train.draft_train import row_generators
+from sparkrl.errors import UserError, enough_space
 from sparkrl.model.export import export_model
 from sparkrl.train.grpo import grpo_loss, group_advantages, mismatch
 from sparkrl.cpu.accelerate import accelerate
@@ -46,52 +43,7 @@ from sparkrl.engine.rollout import response_generators
 from sparkrl.engine.records import Rollout, RoundStats
 from sparkrl.train.sharding import sharding
 from sparkrl.model.weights import load_model, resolve_model_path
-
-# Settings that may change between a run and its resumption (they do not change the maths).
-# A checkpoint holds whole tensors whatever --shard-policy wrote it.
-_RESUMABLE = {"steps", "resume", "checkpoint_every", "keep_checkpoints", "threads", "out", "shard_policy"}
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def prepare_out_dir(cfg: RunConfig) -> dict:
-    """Refuse to mix runs: an out dir with checkpoints needs --resume and the same settings. Returns
-    what the resumed run resolved at its start ({} for a new run): e.g. the measured rollout dtype."""
-    out = writable_dir(cfg.out)
-    for p in remove_stale(out):
-        print(f"sparkrl: removed {p}, left by an interrupted checkpoint write", file=sys.stderr)
-    if any((out / "checkpoints").glob("step-*.pt")):
-        raise UserError(f"{out}/checkpoints holds step-N.pt files of an older sparkrl, which this one does not read; "
-                        "continue that run with the sparkrl that wrote it, or choose a new --out")
-    has_ckpt = bool(list_checkpoints(out))
-    if has_ckpt and not cfg.resume:
-        raise UserError(f"{out} already holds checkpoints of a run; pass --resume to continue it, or choose a new --out")
-    saved = out / "config.json"
-    resolved = {}
-    if cfg.resume and has_ckpt and saved.exists():
-        before = json.loads(saved.read_text())
-        resolved = before.get("resolved", {})
-        old = _flat(before["config"])
-        new = _flat(to_dict(cfg))
-        diff = [k for k in new if k.split(".")[-1] not in _RESUMABLE and old.get(k) != new[k]]
-        if diff:
-            k = diff[0]
-            raise UserError(f"--resume with different settings than the run in {out}: {k} was {old.get(k)!r}, "
-                            f"now {new[k]!r} ({len(diff)} differ); use the run's settings or a new --out")
-    out.mkdir(parents=True, exist_ok=True)
-    write_run_config(cfg, resolved)
-    return resolved
-
-
-def write_run_config(cfg: RunConfig, resolved: dict) -> None:
-    """DIR/config.json: the settings, what was resolved from them at the start (`resolved`), versions."""
-    (Path(cfg.out) / "config.json").write_text(json.dumps({"config": to_dict(cfg), "resolved": resolved,
-                                                           "sparkrl": __version__, "torch": torch.__version__}, indent=2))
+from sparkrl.train.rundir import append_metrics, export_run, prepare_out_dir, truncate_steps, write_run_config
 
 
 class DataOrder:
@@ -145,21 +97,36 @@ def at_positions(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return t.gather(1, pos[..., None].expand(-1, -1, t.shape[-1]))
 
 
+def _forward(model: Transformer, toks, pos, targets, temperature: float, autocast, taps: tuple = ()):
+    """A policy forward over right-padded responses (`response_batch`): the response tokens' log-probabilities
+    (b, R), the hidden states at `pos` (b, R+1, d) and, with taps (the drafter's feature layers), the logits
+    there and the tapped layers at `pos` (else None and {})."""
+    R = targets.shape[1]
+    with autocast:
+        out = model(toks, taps=taps)
+    h = at_positions(out.hidden, pos)  # (b, R+1, d)
+    if not taps:
+        return model.token_logprobs(h[:, :R], targets, temperature)[0], h, None, {}
+    # the drafter's loss reads the policy's logits at all R+1 positions (the last one's target is a dummy)
+    logp, logits = model.token_logprobs(h, F.pad(targets, (0, 1)), temperature, keep_logits=True)
+    return logp[:, :R], h, logits, {i: at_positions(t, pos) for i, t in out.taps.items()}
+
+
 def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Rollout, adv: torch.Tensor,
-                  cfg: RunConfig, draft_trainer: DraftTrainer | None = None, total: int | None = None,
+                  cfg: RunConfig, drafting: Drafting | NoDrafting = NoDrafting(), total: int | None = None,
                   draft_generators: list[torch.Generator] | None = None) -> dict:
     """Gradients of one GRPO update on a rollout, accumulated over micro-batches; `apply_update`
     then steps the optimizer (the policy does not change here).
 
-    With a draft trainer, each micro-batch's policy features (taps of this same forward, taken
-    before the policy changes) also feed the drafter's online loss: no extra policy forward.
+    Each micro-batch's policy features (taps of this same forward, taken before the policy changes) also
+    feed the drafter's online loss (`Drafting.observe`; nothing without a drafter): no extra policy forward.
 
     total: the response tokens of the whole step's batch, the divisor of the token-level mean (default:
     this rollout's; a data-parallel rank passes the sum over all ranks, so its gradient and figures
     are its share of the whole batch's). draft_generators: one per response, for the drafter loss's
     randomness (`draft_train.row_generators`).
     """
-    g = cfg.grpo
+    g, T = cfg.grpo, cfg.sampling.temperature
     device = policy.lm_head.weight.device
     rows = [r for r in range(len(rollout.tokens)) if rollout.tokens[r]]
     total = sum(len(rollout.tokens[r]) for r in rows) if total is None else total
@@ -174,27 +141,14 @@ def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Ro
         R = targets.shape[1]
         rollout_logp = torch.tensor([rollout.logp[r] + [0.0] * (R - len(rollout.logp[r])) for r in mb])  # (b, R)
         rollout_logp = rollout_logp.to(device)
-        taps = tuple(draft_trainer.drafter.feature_layers) if draft_trainer else ()
-
-        def forward(model, taps=()):
-            with autocast:
-                out = model(toks, taps=taps)
-            h = at_positions(out.hidden, pos)  # (b, R+1, d)
-            if not taps:
-                return model.token_logprobs(h[:, :R], targets, cfg.sampling.temperature)[0], h, None, {}
-            # the drafter's loss reads the policy's logits at all R+1 positions (the last one's target is a dummy)
-            logp, logits = model.token_logprobs(h, F.pad(targets, (0, 1)), cfg.sampling.temperature, keep_logits=True)
-            return logp[:, :R], h, logits, {i: at_positions(t, pos) for i, t in out.taps.items()}
-
         ref_logp = None
         if ref is not None:
             with torch.no_grad():
-                ref_logp = forward(ref)[0]
-        logp, h, logits, tapped = forward(policy, taps)
+                ref_logp = _forward(ref, toks, pos, targets, T, autocast)[0]
+        logp, h, logits, tapped = _forward(policy, toks, pos, targets, T, autocast, drafting.feature_layers)
         mask_r = mask[:, :R]
-        if draft_trainer is not None:
-            draft_trainer.observe(toks.gather(1, pos), tapped, h, logits, mask, float(mask_r.sum()) / total,
-                                  [draft_generators[r] for r in mb] if draft_generators else None)
+        drafting.observe(toks.gather(1, pos), tapped, h, logits, mask, float(mask_r.sum()) / total,
+                         [draft_generators[r] for r in mb] if draft_generators else None)
         parts = grpo_loss(logp, logp.detach(), ref_logp, adv[mb].to(device), mask_r, g.clip_eps, g.kl_beta, total,
                           rollout_logp, g.tis_cap)
         parts.loss.backward()
@@ -274,12 +228,9 @@ class GRPORun:
         if world.is_main:
             write_run_config(cfg, {**resolved, "rollout_dtype": dt, **attention, **kernels})
         with world.main_first():  # rank 0 times the machine for the budget (cached), the others read its timing
-            d = make_drafting(cfg.draft, policy, self.rollout, cfg.sampling.temperature, cfg.seed)
+            self.drafting = make_drafting(cfg.draft, policy, self.rollout, cfg.sampling.temperature, cfg.seed)
         shards.wrap(policy)  # after the rollout copy and the drafter were made from the whole policy
         self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
-        self.drafter, self.draft_rollout, self.spark, self.budget = d.drafter, d.rollout, d.spark, d.budget
-        self.engine = d.engine
-        self.drafting = d.trainer(cfg.draft)
         self.order = DataOrder(len(self.prompts.problems), cfg.grpo.prompts_per_step, cfg.seed)
         self.grader = grader or Grader()
 
@@ -292,22 +243,14 @@ class GRPORun:
                 raise UserError(f"the checkpoint in {self.cfg.out} does not fit this model (missing {missing[:3]}, "
                                 f"unexpected {unexpected[:3]}); resume with the run's --model")
             self.shards.load_optimizer_state(self.opt, ck["optimizer"])
-            if self.drafting is not None:
-                self.drafting.load_state_dict(ck["draft"])
-            if self.spark is not None and "spark_carry" in ck:
-                self.spark.load_state_dict(ck["spark_carry"])
-            if self.budget is not None and "budget" in ck:  # each rank's own, when the run had as many ranks
-                ranks = ck.get("budget_of_ranks", [])
-                self.budget.load_state_dict(ranks[self.world.rank] if len(ranks) == self.world.size else ck["budget"])
+            self.drafting.load_state_dict(ck, self.world)
             set_rng_state(ck["rng"])
             start = ck["step"]
             self.rollout.refresh()
-            if self.draft_rollout is not None:
-                self.draft_rollout.refresh()
         if self.world.is_main:  # lines past the checkpoint will be written again
-            _truncate_steps(Path(self.cfg.out) / "metrics.jsonl", start)
+            truncate_steps(Path(self.cfg.out) / "metrics.jsonl", start)
             if self.cfg.draft.round_log:
-                _truncate_steps(Path(self.cfg.draft.round_log), start)
+                truncate_steps(Path(self.cfg.draft.round_log), start)
         return start
 
     def state(self, budgets: list[dict] | None = None) -> dict:
@@ -315,25 +258,21 @@ class GRPORun:
         every rank's budget state (data-parallel: each rank's budget learns from its own rollouts);
         rank 0's alone when not given."""
         return {"policy": self.shards.weights(self.policy), "optimizer": self.shards.optimizer_state(self.opt),
-                "config": to_dict(self.cfg),
-                **({"draft": self.drafting.state_dict()} if self.drafting is not None else {}),
-                **({"spark_carry": self.spark.state_dict()} if self.spark is not None and self.spark.carry else {}),
-                **({"budget": self.budget.state_dict()} if self.budget is not None else {}),
-                **({"budget_of_ranks": budgets} if budgets and len(budgets) > 1 else {})}
+                "config": to_dict(self.cfg), **self.drafting.state_dict(budgets)}
 
     def checkpoint_if_due(self, m: dict) -> bool:
         """Write a checkpoint after the step whose metrics are m when the run's rule says so (rank 0
         writes it; every rank waits for it, and every rank resumes from it)."""
         if not self.cfg.checkpoint_due(m["step"]):
             return False
-        budgets = self.world.gather(self.budget.state_dict()) if self.budget is not None else None
+        budgets = self.world.gather(self.drafting.budget_state())
         state = self.state(budgets)  # a sharded policy's tensors are gathered from every rank
         if self.world.is_main:
             save_checkpoint(self.cfg.out, m["step"], state, self.cfg.keep_checkpoints)
         self.world.barrier()
         return True
 
-    def step(self, step: int, progress=None, on_commit=None) -> dict:
+    def step(self, step: int, progress=None, on_commit=lambda m: None) -> dict:
         """GRPO step `step` (0-based): rollout, rewards, one policy update (and the draft step).
 
         The optimizer steps, the metrics line and `on_commit(metrics)` (e.g. a checkpoint) land in
@@ -343,61 +282,98 @@ class GRPORun:
         idx = self.order.batch(step)[mine.start:mine.stop]
         gens = response_generators(cfg.seed, len(idx), G, offset=step * cfg.grpo.prompts_per_step + mine.start)
         batch_prompts = [self.prompts.prompt_ids[i] for i in idx]
-        policy = self.rollout.model
-        rollout = self.engine.generate(policy, batch_prompts, cfg.sampling, self.lm.eos_ids, gens, G, progress,
-                                       self.rollout.sampler)
-        if self.drafter is not None:  # the trained drafter's head follows the policy it learns from (before the update)
-            self.drafter.bind(self.rollout.model if self.shards.sharded else self.policy)  # whole, not sharded
+        rollout = self.drafting.engine.generate(self.rollout.model, batch_prompts, cfg.sampling, self.lm.eos_ids, gens,
+                                                G, progress, self.rollout.sampler)
+        self.drafting.bind(self.rollout.model if self.shards.sharded else self.policy)  # whole, not sharded
         texts = self.lm.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
         scores = [self.grader.score(t, self.prompts.problems[idx[r // G]].answer) for r, t in enumerate(texts)]
         rewards = torch.tensor([s.reward for s in scores])
         t0 = time.perf_counter()
         total = int(world.sum(torch.tensor(rollout.num_tokens)))  # the loss is a token mean over the whole step's batch
-        draft_gens = row_generators(cfg.seed, step, range(mine.start * G, mine.stop * G)) if self.drafting else None
+        draft_gens = row_generators(cfg.seed, step, range(mine.start * G, mine.stop * G))
         upd = policy_update(self.policy, self.ref, self.opt, rollout, group_advantages(rewards, G), cfg, self.drafting,
                             total, draft_gens)
         with deferred_sigint():
             self.shards.reduce_grads(self.policy)  # every rank's share of the batch: the whole batch's gradient
             upd.update(apply_update(self.policy, self.opt, cfg.grpo.max_grad_norm))
             self.rollout.refresh()  # the rollout copy follows the master weights
-            if self.drafting is not None:
-                upd.update(self.drafting.step(self.spark.take_grad(world.sum) if self.spark is not None else None, world))
-                self.draft_rollout.refresh()
+            upd.update(self.drafting.step(world))
             upd["train_s"] = time.perf_counter() - t0 - upd.get("draft_train_s", 0.0)
-            if self.budget is not None:
-                upd["gen_ar_estimate_s"] = self.budget.autoregressive_estimate(rollout.stats)
+            upd.update(self.drafting.figures(rollout.stats))
             rollout, scores, upd = gather_step(world, rollout, scores, upd)  # the whole batch's, on every rank
-            rewards = torch.tensor([s.reward for s in scores])
-            ar_estimate = upd.pop("gen_ar_estimate_s", None)
-            m = {
-                "step": step + 1,
-                "reward_mean": float(rewards.mean()),
-                "reward_std": float(rewards.std()),
-                "accuracy": sum(s.accuracy for s in scores) / len(scores),
-                "format": sum(s.format for s in scores) / len(scores),
-                "gen_s": rollout.gen_s,
-                "train_s": upd.pop("train_s"),
-                "draft_train_s": upd.pop("draft_train_s", 0.0),
-                "gen_tokens": rollout.num_tokens,
-                "gen_tok_per_s": rollout.num_tokens / max(rollout.gen_s, 1e-9),
-                "response_len_mean": rollout.num_tokens / len(rollout.tokens),
-                "truncated_frac": rollout.finish_reason.count("length") / len(rollout.tokens),
-                **upd,
-                **rollout.stats.to_metrics(),
-                **({"gen_ar_estimate_s": ar_estimate} if ar_estimate is not None else {}),
-            }
+            m = step_metrics(step, rollout, scores, upd)
             if world.is_main:
-                _append_metrics(cfg.out, m)
+                append_metrics(cfg.out, m)
                 if cfg.draft.round_log:
-                    rollout.append_round_log(cfg.draft.round_log, step=step + 1, spark=self.spark is not None)
-            if on_commit is not None:
-                on_commit(m)
+                    rollout.append_round_log(cfg.draft.round_log, step=step + 1, spark=self.drafting.adapts)
+            on_commit(m)
         self.last_rollout = rollout
         return m
 
 
-def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
-    """Run GRPO per `cfg`; returns a summary. Resumable, interruptible with Ctrl-C. At the end the
+def step_metrics(step: int, rollout: Rollout, scores: list, upd: dict) -> dict:
+    """The metrics line of GRPO step `step` (0-based) from its whole batch's rollout, scores and update figures
+    (`upd`, emptied here: the policy's and the drafter's update, their times, the budget's figures)."""
+    rewards = torch.tensor([s.reward for s in scores])
+    return {
+        "step": step + 1,
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "accuracy": sum(s.accuracy for s in scores) / len(scores),
+        "format": sum(s.format for s in scores) / len(scores),
+        "gen_s": rollout.gen_s,
+        "train_s": upd.pop("train_s"),
+        "draft_train_s": upd.pop("draft_train_s", 0.0),
+        "gen_tokens": rollout.num_tokens,
+        "gen_tok_per_s": rollout.num_tokens / max(rollout.gen_s, 1e-9),
+        "response_len_mean": rollout.num_tokens / len(rollout.tokens),
+        "truncated_frac": rollout.finish_reason.count("length") / len(rollout.tokens),
+        **upd,
+        **rollout.stats.to_metrics(),
+    }
+
+
+@dataclass
+class Summary:
+    """What `train` returns (and `sparkrl train` prints): this process's totals over the steps it ran, and the
+    rewards of the first and the last of them."""
+
+    out: str  # the run's folder
+    main: bool  # whether this process reports (rank 0 under torchrun)
+    steps_run: int = 0
+    gen_s: float = 0.0
+    train_s: float = 0.0
+    draft_train_s: float = 0.0
+    gen_tokens: int = 0
+    rounds: int = 0  # verification rounds (0: autoregressive rollouts)
+    tree_rounds: int = 0  # rounds that drafted
+    committed: int = 0  # tokens committed by them, over row_rounds rounds of a response
+    row_rounds: int = 0
+    gen_ar_estimate_s: float = 0.0  # the budget's estimate of autoregressive generation (0: none)
+    reward_first: float = 0.0
+    reward_last: float = 0.0
+    accuracy_last: float = 0.0
+
+    def add(self, m: dict) -> None:
+        """A step's metrics line."""
+        if not self.steps_run:
+            self.reward_first = m["reward_mean"]
+        self.steps_run += 1
+        for k in SUMMED:
+            setattr(self, k, getattr(self, k) + m.get(k, 0))
+        self.reward_last, self.accuracy_last = m["reward_mean"], m["accuracy"]
+
+    @property
+    def gen_tok_per_s(self) -> float:
+        return self.gen_tokens / max(self.gen_s, 1e-9)
+
+
+SUMMED = ("gen_s", "train_s", "draft_train_s", "gen_tokens", "rounds", "tree_rounds", "committed",
+          "row_rounds", "gen_ar_estimate_s")  # the metrics a `Summary` adds up
+
+
+def train(cfg: RunConfig, grader: Grader | None = None) -> Summary:
+    """Run GRPO per `cfg`; returns its `Summary`. Resumable, interruptible with Ctrl-C. At the end the
     policy is exported as a Hugging Face folder, DIR/model.
 
     grader: scores responses (default: `Grader()`, the paper's R_acc + 0.2 R_fmt).
@@ -411,14 +387,13 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> dict:
         world.close()
 
 
-def _train(run: GRPORun) -> dict:
+def _train(run: GRPORun) -> Summary:
     cfg, main = run.cfg, run.world.is_main
     start = saved_step = run.resume()
     if cfg.resume and main:
         print(f"sparkrl: resuming {cfg.out} from step {start}" if start else
               f"sparkrl: --resume: no checkpoint in {cfg.out}/checkpoints yet; starting from step 0", file=sys.stderr)
-    totals = {"steps": 0, **{k: 0.0 for k in SUMMED}}
-    first = last = None
+    summary = Summary(cfg.out, main)
     watch = RateWatch()
     bar = tqdm(total=cfg.steps, initial=start, unit="step", desc="grpo", dynamic_ncols=True, file=sys.stderr,
                disable=not main)
@@ -438,11 +413,8 @@ def _train(run: GRPORun) -> dict:
                 bar.refresh() if made[0] % 256 < n else None
 
             m = run.step(step, progress, checkpoint)
-            first, last = first or m, m
-            totals["steps"] += 1
+            summary.add(m)
             watch.observe(m["gen_tok_per_s"])
-            for k in SUMMED:
-                totals[k] += m.get(k, 0.0)
             bar.update(1)
             drafting = {"tok_per_round": f"{m['aal']:.2f}", "drafted": f"{m['tree_rounds']}/{m['rounds']}"} \
                 if "aal" in m else {}
@@ -450,7 +422,7 @@ def _train(run: GRPORun) -> dict:
                             tok_s=f"{m['gen_tok_per_s']:.0f}", **drafting, refresh=True)
     except KeyboardInterrupt:
         bar.close()
-        done = last["step"] if last else start
+        done = start + summary.steps_run
         if main:  # other ranks may be gone: no collective here, rank 0's budget estimates only
             if done > saved_step and not run.shards.sharded:  # a sharded policy needs every rank: its last one stands
                 save_checkpoint(cfg.out, done, run.state(), cfg.keep_checkpoints)
@@ -465,11 +437,7 @@ def _train(run: GRPORun) -> dict:
         export_run(cfg.out, str(Path(cfg.out) / "model"))
     elif main:
         export_model(run.policy, run.lm.path, Path(cfg.out) / "model")
-    return _summary(cfg, totals, first, last, main)
-
-
-SUMMED = ("gen_s", "train_s", "draft_train_s", "gen_tokens", "rounds", "tree_rounds", "committed",
-          "row_rounds", "gen_ar_estimate_s")
+    return summary
 
 
 def check_data_parallel(cfg: RunConfig) -> None:
@@ -512,47 +480,3 @@ def merge_rollouts(parts: list[Rollout]) -> Rollout:
     stats = RoundStats.merge([p.stats for p in parts], concurrent=True)
     return Rollout(cat("prompt_ids"), parts[0].group_size, cat("tokens"), cat("finish_reason"),
                    max(p.gen_s for p in parts), stats, cat("outcome"), cat("round_of"), cat("logp"))
-
-
-def export_run(run_dir: str, out: str) -> tuple[int, Path]:
-    """Export a run's latest checkpoint (or the checkpoints/step-N folder given) as a Hugging Face folder;
-    returns (its step, the folder)."""
-    if Path(out).exists() and not Path(out).is_dir():
-        raise UserError(f"--out {out} is a file, not a folder; pass a folder (new or existing)")
-    writable_dir(Path(out).absolute().parent, "the folder of --out")  # the export is written beside it, then renamed
-    steps = checkpoints_at(run_dir)
-    if not steps:
-        raise UserError(f"{run_dir} holds no checkpoint: pass a `sparkrl train --out` folder or one of its "
-                        "checkpoints/step-N folders")
-    ck = load_checkpoint(steps[-1])
-    lm = load_model(ck["config"]["model"]["model"], with_tokenizer=False)
-    lm.model.to(next(iter(ck["policy"].values())).dtype)
-    missing, unexpected = lm.model.load_weights(ck["policy"])
-    if missing or unexpected:
-        raise UserError(f"{steps[-1]} does not fit {ck['config']['model']['model']} (missing {missing[:3]}, "
-                        f"unexpected {unexpected[:3]})")
-    return ck["step"], export_model(lm.model, lm.path, Path(out))
-
-
-def _append_metrics(out: str, m: dict) -> None:
-    with open(Path(out) / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(m) + "\n")
-
-
-def _truncate_steps(path: Path, step: int) -> None:
-    """Drop the JSONL records (metrics, round log) of steps past `step`, atomically."""
-    if not path.exists():
-        return
-    keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(l + "\n" for l in keep))
-    os.replace(tmp, path)
-
-
-def _summary(cfg: RunConfig, totals: dict, first: dict | None, last: dict | None, main: bool) -> dict:
-    s = {"out": cfg.out, "main": main, "steps_run": int(totals["steps"]), **{k: totals[k] for k in SUMMED}}
-    s["gen_tokens"] = int(s["gen_tokens"])
-    if first:
-        s.update(reward_first=first["reward_mean"], reward_last=last["reward_mean"],
-                 accuracy_last=last["accuracy"], gen_tok_per_s=totals["gen_tokens"] / max(totals["gen_s"], 1e-9))
-    return s

@@ -1,0 +1,101 @@
+"""A GRPO run's folder: config.json (the resolved settings; a resumed run must match them), metrics.jsonl
+(one line per step), the trimming of lines a resumed run writes again, and the export of its latest
+checkpoint as a Hugging Face model folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from sparkrl import __version__
+from sparkrl.config import RunConfig, to_dict
+from sparkrl.errors import UserError, writable_dir
+from sparkrl.model.export import export_model
+from sparkrl.model.weights import load_model
+from sparkrl.train.checkpoint import checkpoints_at, list_checkpoints, load_checkpoint, remove_stale
+
+# Settings that may change between a run and its resumption (they do not change the maths).
+# A checkpoint holds whole tensors whatever --shard-policy wrote it.
+_RESUMABLE = {"steps", "resume", "checkpoint_every", "keep_checkpoints", "threads", "out", "shard_policy"}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def prepare_out_dir(cfg: RunConfig) -> dict:
+    """Refuse to mix runs: an out dir with checkpoints needs --resume and the same settings. Returns
+    what the resumed run resolved at its start ({} for a new run): e.g. the measured rollout dtype."""
+    out = writable_dir(cfg.out)
+    for p in remove_stale(out):
+        print(f"sparkrl: removed {p}, left by an interrupted checkpoint write", file=sys.stderr)
+    if any((out / "checkpoints").glob("step-*.pt")):
+        raise UserError(f"{out}/checkpoints holds step-N.pt files of an older sparkrl, which this one does not read; "
+                        "continue that run with the sparkrl that wrote it, or choose a new --out")
+    has_ckpt = bool(list_checkpoints(out))
+    if has_ckpt and not cfg.resume:
+        raise UserError(f"{out} already holds checkpoints of a run; pass --resume to continue it, or choose a new --out")
+    saved = out / "config.json"
+    resolved = {}
+    if cfg.resume and has_ckpt and saved.exists():
+        before = json.loads(saved.read_text())
+        resolved = before.get("resolved", {})
+        old = _flat(before["config"])
+        new = _flat(to_dict(cfg))
+        diff = [k for k in new if k.split(".")[-1] not in _RESUMABLE and old.get(k) != new[k]]
+        if diff:
+            k = diff[0]
+            raise UserError(f"--resume with different settings than the run in {out}: {k} was {old.get(k)!r}, "
+                            f"now {new[k]!r} ({len(diff)} differ); use the run's settings or a new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    write_run_config(cfg, resolved)
+    return resolved
+
+
+def write_run_config(cfg: RunConfig, resolved: dict) -> None:
+    """DIR/config.json: the settings, what was resolved from them at the start (`resolved`), versions."""
+    (Path(cfg.out) / "config.json").write_text(json.dumps({"config": to_dict(cfg), "resolved": resolved,
+                                                           "sparkrl": __version__, "torch": torch.__version__}, indent=2))
+
+
+def export_run(run_dir: str, out: str) -> tuple[int, Path]:
+    """Export a run's latest checkpoint (or the checkpoints/step-N folder given) as a Hugging Face folder;
+    returns (its step, the folder)."""
+    if Path(out).exists() and not Path(out).is_dir():
+        raise UserError(f"--out {out} is a file, not a folder; pass a folder (new or existing)")
+    writable_dir(Path(out).absolute().parent, "the folder of --out")  # the export is written beside it, then renamed
+    steps = checkpoints_at(run_dir)
+    if not steps:
+        raise UserError(f"{run_dir} holds no checkpoint: pass a `sparkrl train --out` folder or one of its "
+                        "checkpoints/step-N folders")
+    ck = load_checkpoint(steps[-1])
+    lm = load_model(ck["config"]["model"]["model"], with_tokenizer=False)
+    lm.model.to(next(iter(ck["policy"].values())).dtype)
+    missing, unexpected = lm.model.load_weights(ck["policy"])
+    if missing or unexpected:
+        raise UserError(f"{steps[-1]} does not fit {ck['config']['model']['model']} (missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]})")
+    return ck["step"], export_model(lm.model, lm.path, Path(out))
+
+
+def append_metrics(out: str, m: dict) -> None:
+    """One step's metrics line, appended to out/metrics.jsonl."""
+    with open(Path(out) / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(m) + "\n")
+
+
+def truncate_steps(path: Path, step: int) -> None:
+    """Drop the JSONL records (metrics, round log) of steps past `step`, atomically."""
+    if not path.exists():
+        return
+    keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(l + "\n" for l in keep))
+    os.replace(tmp, path)
