@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from helpers import ParityGrader
 from sparkrl.commands import bench as bench_mod
 from sparkrl.commands.cli import main
 from sparkrl.config import BenchConfig, build
-from test_trainer import ParityGrader
 
 
 def _cfg(model_dir, out, **kw):
