@@ -1,7 +1,7 @@
 """What several test modules share, as plain functions and classes; the fixtures in conftest.py are built from
 them. Tiny random models and the paths of test data; a tiny policy's exact response probabilities and the
 chi-square test of sampled responses against them; a stand-in reward and a run config for training runs; a
-synthetic cost model and a scripted budget; SPARK's update in float64."""
+synthetic cost model and a scripted budget; SPARK's update in float64; a check that a saved plot was drawn."""
 
 from __future__ import annotations
 
@@ -249,3 +249,15 @@ def reference(rounds, owners_of_rows, A, k, eta, T, n_owners):
         B = B + step
     return B, gA / updates
 
+
+# --- plots -----------------------------------------------------------------------------------------------
+
+def assert_drawn(png: Path, min_height=200, min_width=400):
+    """The PNG reads back as an image of at least these pixels with something drawn on it: more than one colour,
+    and not a white page."""
+    from matplotlib.image import imread
+
+    image = imread(png)  # (H, W, 3 or 4) floats in [0, 1]
+    assert image.ndim == 3 and image.shape[0] >= min_height and image.shape[1] >= min_width, image.shape
+    rgb = image[..., :3].reshape(-1, 3)
+    assert len(torch.from_numpy(rgb).unique(dim=0)) > 1 and float(rgb.min()) < 0.5, "a blank image"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import ParityGrader, random_round, reference, run_config
+from helpers import ParityGrader, assert_drawn, random_round, reference, run_config
 from sparkrl.train.checkpoint import list_checkpoints, load_latest
 from sparkrl.config import SamplingConfig
 from sparkrl.drafters.eagle3 import Eagle3Drafter
@@ -289,12 +289,12 @@ def test_train_with_spark_learns_A_resumes_exactly_and_logs_rounds(tiny_model_di
                  "--out", str(tmp_path / "an")]) == 0
     res = json.loads((tmp_path / "an" / "analysis.json").read_text())["results"]
     assert res["train"]["rollouts"] == 3 and res["train"]["drafted_positions"] > 0
-    assert (tmp_path / "an" / "analysis.png").stat().st_size > 0
+    assert_drawn(tmp_path / "an" / "analysis.png")
     assert main(["analyze", "--logs", str(log), "--stages", "3", "--out", str(tmp_path / "st")]) == 0
     st = json.loads((tmp_path / "st" / "analysis.json").read_text())["results"]["rounds"]["stages"]
     assert [s["steps"] for s in st] == [[1, 1], [2, 2], [3, 3]]
     assert sum(s["drafted_positions"] for s in st) == res["train"]["drafted_positions"]
-    assert (tmp_path / "st" / "analysis_stages.png").stat().st_size > 0
+    assert_drawn(tmp_path / "st" / "analysis_stages.png")
 
 
 @pytest.mark.parametrize("argv,msg", [
