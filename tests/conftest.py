@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random models of each family (ours and transformers'), a tiny model folder."""
+"""Shared fixtures: a private cost cache, a tiny random Llama, a tiny model folder. The plain helpers that test
+modules import (models, exact probabilities, the chi-square test...) are in helpers.py."""
 
 from __future__ import annotations
 
@@ -8,24 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-from sparkrl.model.transformer import ModelArgs, Transformer
-
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
-
-FAMILIES = {
-    "llama": dict(model_type="llama", rope_theta=10000.0, tie_word_embeddings=False),
-    "llama-tied-bias": dict(model_type="llama", rope_theta=10000.0, tie_word_embeddings=True, attention_bias=True),
-    "llama3-rope": dict(model_type="llama", rope_theta=500000.0, tie_word_embeddings=True,
-                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-    "qwen2": dict(model_type="qwen2", rope_theta=1e6, tie_word_embeddings=False),
-    "qwen3": dict(model_type="qwen3", rope_theta=1e6, tie_word_embeddings=True, head_dim=32),
-}
+from helpers import default_tokenizer_dir, hf_model, ours_from_hf
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -46,44 +31,9 @@ def private_cost_cache(tmp_path_factory):
     patch.undo()
 
 
-def hf_model(family: str, seed: int = 0, **overrides):
-    """A transformers model of `family` with random weights (bias and norms randomised too)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    spec = {**TINY, **FAMILIES[family], **overrides}
-    cfg = AutoConfig.for_model(**spec)
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return m
-
-
-def ours_from_hf(hf) -> Transformer:
-    args = ModelArgs.from_hf(hf.config.to_dict())
-    m = Transformer(args)
-    state = dict(hf.state_dict())
-    if args.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    m.load_state_dict(state, strict=not args.tie_word_embeddings)
-    return m.eval()
-
-
 @pytest.fixture
 def tiny_llama():
     return ours_from_hf(hf_model("llama"))
-
-
-def default_tokenizer_dir() -> Path:
-    """The default model's folder (its tokenizer), or $SPARKRL_TOKENIZER where that package is not installed (a GPU
-    machine: scripts/device_check.sh)."""
-    if os.environ.get("SPARKRL_TOKENIZER"):
-        return Path(os.environ["SPARKRL_TOKENIZER"])
-    from sparkrl.model.weights import resolve_model_path
-
-    return resolve_model_path("default")
 
 
 @pytest.fixture(scope="session")
@@ -103,10 +53,3 @@ def tiny_model_dir(tmp_path_factory) -> Path:
         if f.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
             shutil.copy(src / f, out / f)
     return out
-
-
-def shared_file(rel: str) -> Path:
-    p = SHARED_DATA / rel
-    if not p.exists():
-        pytest.skip(f"{p} not present (../shared/data is only beside the repo in development and CI)")
-    return p

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
+from helpers import ParityGrader, assert_drawn
 from sparkrl.commands import bench as bench_mod
 from sparkrl.commands.cli import main
 from sparkrl.commands.bench import BenchConfig
 from sparkrl.config import build
-from test_trainer import ParityGrader
 
 
 def _cfg(model_dir, out, **kw):
@@ -54,7 +54,7 @@ def test_bench_quick_table_resume_and_plots(tiny_model_dir, tmp_path):
     md = (out / "bench.md").read_text()
     assert "| default |" in md and "paper mean" in md and "EAGLE3-style:" in md and "DFlash-style:" in md
     assert "default: +SPARK over EAGLE3-style (95% interval" in md
-    assert (out / "bench.png").stat().st_size > 0
+    assert_drawn(out / "bench.png")
     saved = json.loads((out / "bench.json").read_text())
     assert saved["machine"]["torch"] and saved["sizes"]["group_size"] == 2
     # resume continues every method to the new step count, keeping what was done

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from helpers import ROWS, Alternating, full_depth, small_policy, synthetic
 from sparkrl.engine.budget import (AR, EXPLORE_EVERY, LONGEST_WAIT, PROBE_EVERY, Budget, CostModel, PRIOR_ROWS, at_zero, kept_drafts,
                             nondecreasing, smoothed, timed_sizes, tree_sizes)
 from sparkrl.config import SamplingConfig, TreeShape
@@ -15,23 +16,6 @@ from sparkrl.drafters.tree import build_tree
 from sparkrl.engine.records import Tree
 from sparkrl.engine.rollout import generate, response_generators
 from sparkrl.engine.speculative import generate_speculative, time_rounds
-
-ROWS = (1, 2, 4, 8)
-
-
-def full_depth(by_nodes: dict, depth: int) -> dict:
-    """{node count: v} (0: autoregressive) -> {(nodes, depth): v}, each tree at its full depth min(n, depth)."""
-    return {(n, min(n, depth)) if n else AR: v for n, v in by_nodes.items()}
-
-
-def synthetic():
-    """Seconds per round by node count (0 = autoregressive) at 1, 2, 4, 8 rows for a depth-3 shape:
-    verification + drafting (0.1, 0.1, 0.2, 0.3 s); acceptance-independent (no per-level cost)."""
-    verify = {0: [1.0, 1.1, 1.3, 2.0], 1: [1.1, 1.3, 1.8, 3.0], 2: [1.2, 1.5, 2.3, 4.0], 4: [1.3, 1.9, 3.0, 6.0],
-              6: [1.5, 2.5, 4.5, 9.0]}
-    draft = [0.1, 0.1, 0.2, 0.3]
-    rounds = {n: [v + (d if n else 0.0) for v, d in zip(vs, draft)] for n, vs in verify.items()}
-    return CostModel(ROWS, full_depth(rounds, 3), full_depth({n: [0.0] * 4 for n in verify}, 3), [0.0] * 4)
 
 
 def test_tree_sizes_cover_every_depth_and_cap_the_nodes_a_depth_records():
@@ -267,16 +251,6 @@ def test_a_round_over_more_rows_waits_longer_before_the_next_exploration():
     assert b.accepted[T] == pytest.approx(0.9 ** 8 * 0.4 + (1 - 0.9 ** 8) * 4)  # as 8 rows one by one
 
 
-class Alternating(Budget):
-    """Tree and autoregressive rounds in turn."""
-
-    calls = 0
-
-    def choose(self, B):
-        self.calls += 1
-        return (self.shape.nodes, self.shape.depth) if self.calls % 2 else AR
-
-
 def test_mixed_rounds_stay_exact_greedy(tiny_llama):
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     sc = SamplingConfig(0.0, 1.0, 14)
@@ -293,7 +267,6 @@ def test_drafter_catches_up_after_autoregressive_rounds():
     """After autoregressive rounds the drafter runs their backlog in one forward: a self-drafter kept
     in sync then has every greedy chain accepted whole."""
     from sparkrl.drafters.selfdraft import SelfDrafter
-    from test_speculative import small_policy
 
     policy = small_policy(seed=3)
     shape = TreeShape(3, 1, 3)

@@ -14,7 +14,8 @@ import os
 import pytest
 import torch
 
-from conftest import hf_model, ours_from_hf
+from helpers import (ALPHA, EOS, SEEDS, V, ParityGrader, chi_square_pvalue, hf_model, ours_from_hf, random_round,
+                     reference, run_config, sequence_probs, small_policy)
 
 DEVICE = torch.device(os.environ.get("SPARKRL_CUDA_TIER_DEVICE", "cuda"))
 pytestmark = [pytest.mark.cuda,
@@ -45,11 +46,10 @@ def test_the_model_matches_transformers(family, dtype):
 
 @pytest.mark.parametrize("mode,spark", [("ar", False), ("tree", False), ("tree", True), ("chain", False),
                                         ("chain", True), ("block", False), ("block", True)])
-def test_every_kind_of_round_samples_the_policy_exactly(mode, spark):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_every_kind_of_round_samples_the_policy_exactly(mode, spark, seed):
     """Chi-square of the committed sequences against the policy's exact distribution (T 0.8, top-p 0.7), ragged
     prompts, EOS ending responses at different rounds; SPARK adapting strongly (eta 5)."""
-    from test_speculative import EOS, V, chi2_ok, exact_sequences, small_policy
-
     from sparkrl.config import SamplingConfig, TreeShape
     from sparkrl.drafters.dflash import DFlashDrafter
     from sparkrl.drafters.eagle3 import Eagle3Drafter
@@ -57,12 +57,11 @@ def test_every_kind_of_round_samples_the_policy_exactly(mode, spark):
     from sparkrl.engine.spark import Spark, init_projection
     from sparkrl.engine.speculative import generate_speculative
 
-    torch.manual_seed(0)
-    cpu = small_policy()
-    policy = small_policy().to(DEVICE)
+    cpu = small_policy(seed)
+    policy = small_policy(seed).to(DEVICE)
     prompts, G, L = [[1, 2, 3, 4], [2, 0]], 3000, 3
     sc = SamplingConfig(0.8, 0.7, L)
-    gens = response_generators(1, 2, G)
+    gens = response_generators(1 + seed, 2, G)
     if mode == "ar":
         r = generate(policy, prompts, sc, (EOS,), gens, group_size=G)
     else:
@@ -76,13 +75,11 @@ def test_every_kind_of_round_samples_the_policy_exactly(mode, spark):
             assert r.stats.adapter["spark_contexts"] > 0
     for i, prompt in enumerate(prompts):
         samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]
-        assert chi2_ok(samples, exact_sequences(cpu, prompt, L, 0.8, 0.7)) > 1e-3
+        assert chi_square_pvalue(samples, sequence_probs(cpu, prompt, L, 0.8, 0.7)) > ALPHA
 
 
 @pytest.mark.parametrize("k,T", [(4, 1.0), (16, 0.7)])
 def test_the_spark_update_equals_its_float64_reference(k, T):
-    from test_spark import random_round, reference
-
     from sparkrl.engine.spark import Spark, init_projection
 
     g = torch.Generator().manual_seed(k)
@@ -91,7 +88,7 @@ def test_the_spark_update_equals_its_float64_reference(k, T):
     spark = Spark(A.to(DEVICE), 40, k=k, eta=0.5, temperature=T)
     spark.begin(P, G)
     responses = torch.tensor([0, 2, 3, 5])
-    rounds = [random_round(9, responses, g) for _ in range(4)]
+    rounds = [random_round(9, responses, g, 40, 12) for _ in range(4)]
     on = responses.to(DEVICE)
     for row, h, z, p, w in (tuple(t.to(DEVICE) for t in r) for r in rounds):  # as the engine drives it
         spark.select(on[row])  # one batch row per context
@@ -119,12 +116,10 @@ def test_a_grpo_step_with_eagle3_drafting_and_spark(tiny_dir, tmp_path):
     device (bfloat16 rollouts on CUDA: --rollout-dtype auto)."""
     import json
 
-    from test_trainer import ParityGrader, _cfg
-
     from sparkrl.train.trainer import train
 
-    cfg = _cfg(tiny_dir, tmp_path / "r", steps=1, device=str(DEVICE), draft="eagle3", spark=True,
-               budget="fixed", tree_depth=2, tree_branch=2, tree_nodes=3)
+    cfg = run_config(tiny_dir, tmp_path / "r", steps=1, device=str(DEVICE), draft="eagle3", spark=True,
+                     budget="fixed", tree_depth=2, tree_branch=2, tree_nodes=3)
     train(cfg, grader=ParityGrader())
     m = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])
     assert m["step"] == 1 and m["gen_tokens"] > 0 and m["aal"] >= 1.0 and m["spark_contexts"] > 0

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conftest import shared_file
+from helpers import shared_file
 from sparkrl.train.data import build_prompts, generate_default, load_problems, parse_row
 from sparkrl.errors import UserError
 
@@ -81,7 +81,7 @@ def test_default_dataset_is_seeded_varied_and_exact():
 
 
 def test_prompt_limit_skip_and_truncate():
-    from conftest import default_tokenizer_dir
+    from helpers import default_tokenizer_dir
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(default_tokenizer_dir()))

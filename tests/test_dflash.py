@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
+from helpers import ALPHA, SEEDS, ParityGrader, chi_square_pvalue, run_config, small_policy
 from sparkrl.config import SamplingConfig
 from sparkrl.drafters import load_drafter
 from sparkrl.drafters.dflash import DFlashDrafter, block_logits, block_loss, build_block, sample_anchors
@@ -44,8 +44,6 @@ def test_training_blocks_equal_inference_blocks(tiny_llama):
 
 
 def test_block_loss_weights_decay_and_training_helps():
-    from test_speculative import small_policy
-
     torch.manual_seed(0)
     policy = small_policy()  # peaked distributions, so the loss can fall well below its start
     d = DFlashDrafter(policy.args, block_size=4).bind(policy)
@@ -86,17 +84,17 @@ def test_anchors_are_distinct_draws_by_weight():
     gens = lambda: [torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)]
     both, _ = sample_anchors(w, 2, gens())
     assert torch.equal(both[1:], sample_anchors(w[1:], 2, gens()[1:])[0])
-    # the first anchor is drawn with probability w / sum(w), the set without replacement
-    g = torch.Generator().manual_seed(1)
-    a = sample_anchors(w[:1].expand(20000, -1), 2, g)[0]
-    first = torch.bincount(a[:, 0], minlength=6)[[0, 2, 3, 5]]
-    assert chisquare(first.numpy(), (20000 * torch.tensor([1.0, 2, 3, 4]) / 10).numpy()).pvalue > 1e-3
-    pair = torch.bincount(a[:, 0] * 6 + a[:, 1], minlength=36).view(6, 6)
-    p = w[0].double() / w[0].sum()
-    want = p[:, None] * p[None, :] / (1 - p[:, None])  # P(first i, then j)
-    want.fill_diagonal_(0)
-    keep = want > 0
-    assert chisquare(pair[keep].numpy(), (20000 * want[keep] / want.sum()).numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_anchors_are_drawn_by_weight_without_replacement(seed):
+    """The first anchor with probability w / sum(w), the second among the rest likewise."""
+    w = torch.tensor([1.0, 0, 2, 3, 0, 4])
+    a = sample_anchors(w[None].expand(20000, -1), 2, torch.Generator().manual_seed(1 + seed))[0].tolist()
+    p = (w.double() / w.sum()).tolist()
+    assert chi_square_pvalue([i for i, _ in a], dict(enumerate(p))) > ALPHA
+    pairs = {(i, j): p[i] * p[j] / (1 - p[i]) for i in range(6) for j in range(6) if i != j}  # P(first i, then j)
+    assert chi_square_pvalue([tuple(x) for x in a], pairs) > ALPHA
 
 
 def test_held_out_scores_use_the_same_blocks_whatever_the_training_setting(tiny_llama):
@@ -159,23 +157,20 @@ def test_bad_block_size_is_one_clear_line(argv, msg, capsys, tmp_path, monkeypat
 
 def test_pretrain_and_train_with_dflash_and_spark(tiny_model_dir, tmp_path):
     from sparkrl.commands.cli import main
-    from sparkrl.config import RunConfig, build
     from sparkrl.train.trainer import train
-    from test_trainer import ParityGrader
 
     assert main(["pretrain-draft", "--model", str(tiny_model_dir), "--out", str(tmp_path / "pre"), "--draft", "dflash",
                  "--block-size", "4", "--prompts", "8", "--epochs", "1", "--max-new-tokens", "12",
                  "--draft-vocab", "64", "--default-size", "20"]) == 0
     ck = tmp_path / "pre" / "dflash" / "drafter.pt"
-    flat = dict(model=str(tiny_model_dir), out=str(tmp_path / "run"), steps=2, group_size=3, prompts_per_step=2,
-                max_new_tokens=8, default_size=20, lr=1e-3, micro_batch=4, draft="dflash", draft_checkpoint=str(ck),
-                block_size=3, budget="fixed", spark=True, spark_rank=4)
-    train(build(RunConfig, flat), grader=ParityGrader())
+    kw = dict(max_new_tokens=8, draft="dflash", draft_checkpoint=str(ck), block_size=3, budget="fixed", spark=True,
+              spark_rank=4)
+    train(run_config(tiny_model_dir, tmp_path / "run", **kw), grader=ParityGrader())
     m = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(x["aal"] == x["committed"] / x["row_rounds"] and x["spark_contexts"] > 0 and x["draft_train_s"] > 0 for x in m)
     assert len(m[0]["accept_at_depth"]) == 2
     with pytest.raises(UserError, match="larger than the drafter was trained for"):
-        train(build(RunConfig, {**flat, "out": str(tmp_path / "r2"), "block_size": 5}), grader=ParityGrader())
+        train(run_config(tiny_model_dir, tmp_path / "r2", **{**kw, "block_size": 5}), grader=ParityGrader())
     # generate, with the measured per-round budget (the default) and without SPARK
     assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--n", "3", "--max-new-tokens", "6",
                  "--draft", "dflash", "--draft-checkpoint", str(ck), "--block-size", "3", "--json"]) == 0

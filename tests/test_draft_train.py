@@ -8,18 +8,17 @@ import json
 import pytest
 import torch
 
-from conftest import hf_model, ours_from_hf
+from helpers import ParityGrader, hf_model, ours_from_hf, run_config
 from sparkrl.engine.budget import CostModel
 from sparkrl.train.assemble import make_drafter
 from sparkrl.train.checkpoint import list_checkpoints, load_latest
-from sparkrl.config import DraftConfig, RunConfig, build
+from sparkrl.config import DraftConfig
 from sparkrl.drafters.eagle3 import draft_loss
 from sparkrl.drafters import load_drafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.errors import UserError
 from sparkrl.train.trainer import train
 from sparkrl.model.weights import load_model
-from test_trainer import ParityGrader
 
 
 def test_draft_loss_decreases_and_top1_rises(tiny_llama):
@@ -157,9 +156,8 @@ def test_checkpoint_round_trip_and_mismatch_errors(tmp_path, tiny_llama):
 
 
 def _cfg(model_dir, out, **kw):
-    flat = dict(model=str(model_dir), out=str(out), steps=2, group_size=3, prompts_per_step=2, max_new_tokens=6,
-                default_size=20, lr=1e-3, micro_batch=4, draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3)
-    return build(RunConfig, {**flat, **kw})
+    """A run drafting EAGLE3-style trees."""
+    return run_config(model_dir, out, **{**dict(draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3), **kw})
 
 
 def test_train_with_drafter_writes_draft_metrics_and_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):

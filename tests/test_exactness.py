@@ -3,21 +3,17 @@ a reduced draft vocabulary, budget-mixed tree and autoregressive rounds, greedy 
 
 from __future__ import annotations
 
-import itertools
-import math
-
 import pytest
 import torch
 
-from test_budget import Alternating, synthetic
-from test_speculative import EOS, V, chi2_ok, exact_sequences, small_policy
+from helpers import (ALPHA, EOS, SEEDS, Alternating, chi_square_pvalue, exact_sequences, sequence_probs, small_policy,
+                     synthetic)
 from sparkrl.engine.budget import AR
 from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.selfdraft import SelfDrafter
 from sparkrl.engine.rollout import generate, response_generators
 from sparkrl.engine.records import HIT
-from sparkrl.engine.sampling import target_probs
 from sparkrl.engine.speculative import generate_speculative
 
 PROMPTS = [[1, 2, 3, 4], [2, 0]]  # ragged prefixes; EOS ends responses at different rounds
@@ -28,50 +24,45 @@ def stat(r, key):
     return getattr(r.stats, key)
 
 
-def exact(policy, prompt, L, temperature, top_p):
-    """`exact_sequences`, with one batched policy forward per response length instead of one per prefix."""
-    after = {}  # EOS-free prefix -> target distribution of the next token
-    prefixes = [()]
-    for _ in range(L):
-        with torch.no_grad():
-            hidden = policy(torch.tensor([prompt + list(s) for s in prefixes])).hidden[:, -1]
-        after.update(zip(prefixes, target_probs(policy.logits(hidden), temperature, top_p).tolist()))
-        prefixes = [s + (t,) for s in prefixes for t in range(V) if t != EOS]
-    out = {}
-    for seq in itertools.product(range(V), repeat=L):
-        if EOS in seq:
-            seq = seq[:seq.index(EOS) + 1]
-        out[seq] = math.prod(after[seq[:i]][seq[i]] for i in range(len(seq)))
-    return out
-
-
-def test_batched_exact_is_exact_sequences():
+def test_batched_sequence_probs_are_exact_sequences():
+    """The batched `sequence_probs` the exactness tests use against `exact_sequences`, a forward per prefix."""
     policy = small_policy()
     for prompt in PROMPTS:
         want = exact_sequences(policy, prompt, 2, 0.8, 0.7)
-        got = exact(policy, prompt, 2, 0.8, 0.7)
+        got = sequence_probs(policy, prompt, 2, 0.8, 0.7)
         assert got.keys() == want.keys()
         assert all(got[s] == pytest.approx(want[s], rel=1e-5, abs=1e-9) for s in want)
+
+
+def test_chi_square_pools_rare_outcomes_and_refuses_impossible_ones():
+    """Counts exactly as expected fit perfectly (the rare d, e, f pooled into one cell of 5 expected), counts far
+    from them do not, and one outcome of probability 0 fails whatever the rest."""
+    probs = {"a": 0.5, "b": 0.3, "c": 0.15, "d": 0.03, "e": 0.01, "f": 0.01, "g": 0.0}
+    samples = [s for s, p in probs.items() for _ in range(round(p * 100))]
+    assert chi_square_pvalue(samples, probs) == pytest.approx(1.0)
+    assert chi_square_pvalue(["a"] * 80 + ["b"] * 20, probs) < 1e-6
+    with pytest.raises(AssertionError, match="probability 0"):
+        chi_square_pvalue(samples + ["g"], probs)
 
 
 def assert_exact(r, policy, L, temperature, top_p, G):
     for i, prompt in enumerate(PROMPTS):
         samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]
-        assert chi2_ok(samples, exact(policy, prompt, L, temperature, top_p)) > 1e-3
+        assert chi_square_pvalue(samples, sequence_probs(policy, prompt, L, temperature, top_p)) > ALPHA
 
 
 @pytest.mark.parametrize("mode", ["tree", "chain"])
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.7)])
-def test_reduced_draft_vocabulary_is_exact(temperature, top_p, mode):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_reduced_draft_vocabulary_is_exact(temperature, top_p, mode, seed):
     """Tokens outside the draft vocabulary come only from the remaining p (trees) or the residual
     max(p - q, 0), q being zero there (chains)."""
-    torch.manual_seed(0)
-    policy = small_policy()
+    policy = small_policy(seed)
     drafter = Eagle3Drafter(policy.args, vocab_ids=torch.tensor(DRAFT_VOCAB))
     G, L = 3000, 3
     shape = TreeShape(depth=2, branch=2, nodes=4) if mode == "tree" else TreeShape.chain(2)
     r = generate_speculative(policy, drafter, PROMPTS, SamplingConfig(temperature, top_p, L), (EOS,),
-                             response_generators(1, 2, G), shape, group_size=G)
+                             response_generators(1 + seed, 2, G), shape, group_size=G)
     # the proposals were restricted: every accepted draft is in the draft vocabulary, and there were
     # many of them, while many committed tokens are outside it
     hits = [t for toks, outs in zip(r.tokens, r.outcome) for t, o in zip(toks, outs) if o == HIT]
@@ -102,16 +93,16 @@ class FullAutoregressiveShallow(Alternating):
 @pytest.mark.parametrize("budget", [Alternating, TwoAutoregressive, FullAutoregressiveShallow],
                          ids=["tree-ar", "ar-ar-tree", "tree-ar-shallow"])
 @pytest.mark.parametrize("mode,top_p", [("tree", 1.0), ("tree", 0.9), ("chain", 1.0), ("chain", 0.9)])
-def test_budget_mixed_rounds_are_exact_sampled(mode, top_p, budget):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_budget_mixed_rounds_are_exact_sampled(mode, top_p, budget, seed):
     """Rounds tree, autoregressive, tree or autoregressive, autoregressive, tree (L = 4): the
     autoregressive steps sample from the policy directly, the next tree round starts from their
     last token."""
-    torch.manual_seed(0)
-    policy = small_policy()
+    policy = small_policy(seed)
     G, L = 3000, 4
     shape = TreeShape(depth=2, branch=3, nodes=6) if mode == "tree" else TreeShape.chain(2)  # 3 siblings
     r = generate_speculative(policy, Eagle3Drafter(policy.args), PROMPTS, SamplingConfig(1.0, top_p, L), (EOS,),
-                             response_generators(2, 2, G), shape, group_size=G, budget=budget(synthetic(), shape))
+                             response_generators(2 + seed, 2, G), shape, group_size=G, budget=budget(synthetic(), shape))
     assert 0 < stat(r, "tree_rounds") < stat(r, "rounds")
     # in both orders round 2 is a tree round after an autoregressive one: drafts were accepted there
     assert any(k == 2 and o == HIT for rounds, outs in zip(r.round_of, r.outcome) for k, o in zip(rounds, outs))

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import FAMILIES, hf_model, ours_from_hf
+from helpers import FAMILIES, hf_model, ours_from_hf
 from sparkrl.errors import UserError
 from sparkrl.model.export import MARKER, export_model
 from sparkrl.model.weights import load_model

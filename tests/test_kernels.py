@@ -99,7 +99,8 @@ def test_gradients_take_the_plain_path_and_copies_leave_the_pack_behind(dtype):
     y = lin(x)  # gradients on: plain F.linear, bit for bit
     assert torch.equal(y, F.linear(x, lin.weight, lin.bias))
     y.float().sum().backward()
-    assert x.grad is not None and lin.weight.grad is not None
+    want = torch.autograd.grad(F.linear(x, lin.weight, lin.bias).float().sum(), (x, lin.weight, lin.bias))
+    assert all(torch.equal(got, w) for got, w in zip((x.grad, lin.weight.grad, lin.bias.grad), want))
     with torch.no_grad():
         lin(x)
     twin = copy.deepcopy(lin)
@@ -282,7 +283,8 @@ def test_weight_major_serves_only_no_gradient_forwards():
     y = lin(x)  # gradients on: plain F.linear, bit for bit
     assert torch.equal(y, F.linear(x, lin.weight, lin.bias)) and y.is_contiguous()
     y.sum().backward()
-    assert x.grad is not None and lin.weight.grad is not None
+    want = torch.autograd.grad(F.linear(x, lin.weight, lin.bias).sum(), (x, lin.weight, lin.bias))
+    assert all(torch.equal(got, w) for got, w in zip((x.grad, lin.weight.grad, lin.bias.grad), want))
 
 
 needs_native = pytest.mark.skipif(not native.available(), reason="the compiled kernels are not available here")

@@ -51,7 +51,8 @@ def test_kept_logits_are_the_models_and_carry_no_gradient(tiny_llama):
     assert torch.equal(logits, tiny_llama.logits(h).detach()) and not logits.requires_grad
     torch.testing.assert_close(lp, token_logprobs(tiny_llama.logits(h), t), rtol=0, atol=1e-5)
     lp.sum().backward()  # the kept logits do not get in the way of the gradient
-    assert h.grad is not None and tiny_llama.lm_head.weight.grad is not None
+    want = torch.autograd.grad(token_logprobs(tiny_llama.logits(h), t).sum(), (h, tiny_llama.lm_head.weight))
+    torch.testing.assert_close((h.grad, tiny_llama.lm_head.weight.grad), want, rtol=1e-4, atol=1e-5)
 
 
 def test_only_what_needs_a_gradient_gets_one(tiny_llama):
@@ -59,7 +60,9 @@ def test_only_what_needs_a_gradient_gets_one(tiny_llama):
     t = torch.randint(0, tiny_llama.args.vocab_size, (2, 3))
     tiny_llama.requires_grad_(False)
     tiny_llama.token_logprobs(h, t)[0].sum().backward()
-    assert h.grad is not None and tiny_llama.lm_head.weight.grad is None
+    assert tiny_llama.lm_head.weight.grad is None
+    want = torch.autograd.grad(token_logprobs(tiny_llama.logits(h), t).sum(), h)[0]
+    torch.testing.assert_close(h.grad, want, rtol=1e-4, atol=1e-5)
     with torch.no_grad():
         assert not tiny_llama.token_logprobs(h, t)[0].requires_grad
 

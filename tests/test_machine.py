@@ -49,10 +49,14 @@ def test_cpu_busy_sees_a_busy_process():
 
 
 def test_timings_are_cached_per_kind_of_processor(monkeypatch):
-    """Another CPU model or vector extension (say AVX512-BF16) reads other cached timings."""
-    assert machine.cpu_kind() and machine.measurement_path("x", 1) == machine.measurement_path("x", 1)
+    """A timing is cached in the cache's costs folder, one file per name and facts, and per kind of processor: its
+    model and sorted vector extensions, so another CPU model or extension (say AVX512-BF16) reads other timings."""
+    kind = machine.cpu_kind()
+    assert list(kind[1:]) == sorted(kind[1:]) and all(f.startswith(("avx", "amx", "fma")) for f in kind[1:])
     here = machine.measurement_path("x", 1)
+    assert here.parent == machine.cache_dir() / "costs" and here.name.startswith("x-") and here.suffix == ".json"
+    assert len({here, machine.measurement_path("x", 2), machine.measurement_path("y", 1)}) == 3
     monkeypatch.setattr(machine, "cpu_kind", lambda: ("AMD EPYC", "avx2", "avx512_bf16"))
     bf16 = machine.measurement_path("x", 1)
     monkeypatch.setattr(machine, "cpu_kind", lambda: ("AMD EPYC", "avx2"))
-    assert len({here, bf16, machine.measurement_path("x", 1)}) >= 2 and bf16 != machine.measurement_path("x", 1)
+    assert len({here, bf16, machine.measurement_path("x", 1)}) == 3

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import FAMILIES, hf_model, ours_from_hf
+from helpers import FAMILIES, hf_model, ours_from_hf
 from sparkrl.model import transformer as model_mod
 from sparkrl.errors import UserError
 from sparkrl.model.transformer import Attention, ModelArgs, Transformer

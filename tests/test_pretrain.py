@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from helpers import assert_drawn
 from sparkrl.config import PretrainConfig, build
 from sparkrl.train.data import Problem, held_out, load_problems, parse_row
 from sparkrl.train.precision import RolloutCopy
@@ -183,7 +184,8 @@ def test_pretrain_two_kinds_scores_held_out_and_resumes_exactly_after_a_crash(ti
         assert 1.0 <= r["expected_length"] and all(0 <= r[f"acc_{d}"] <= 1 for d in (1, 2, 3))
         assert ("tree_expected_length" in r) == (r["kind"] == "eagle3")  # the EAGLE3-style trees' estimate
         assert 1.0 <= r.get("tree_expected_length", 1.0) <= 4.0 and all(0 <= r.get(f"tree_{d}", 0) <= 1 for d in (1, 2, 3))
-    assert (out / "pretrain.png").stat().st_size > 0 and (out / "eagle3" / "snapshots" / "step-000003.safetensors").exists()
+    assert_drawn(out / "pretrain.png")
+    assert (out / "eagle3" / "snapshots" / "step-000003.safetensors").exists()
     lrs = [r["lr"] for r in recs if not r.get("heldout") and r["kind"] == "eagle3"]
     assert lrs[0] == pytest.approx(5e-4) and lrs[-1] == pytest.approx(1e-4, rel=0.2)
 

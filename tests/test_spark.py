@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import ParityGrader, assert_drawn, random_round, reference, run_config
 from sparkrl.train.checkpoint import list_checkpoints, load_latest
 from sparkrl.config import SamplingConfig
 from sparkrl.drafters.eagle3 import Eagle3Drafter
@@ -18,46 +19,6 @@ from sparkrl.engine.spark import Projection, SparseRows, Spark, init_projection,
 from sparkrl.model.weights import load_model
 
 V, D, R = 40, 12, 3
-
-
-def random_round(n, owners, g, peaked=3.0):
-    """n feedback contexts: batch row, h, z, target p (sums to <= 1, as on a reduced vocabulary), w."""
-    row = torch.randint(0, len(owners), (n,), generator=g)
-    h = torch.randn(n, D, generator=g)
-    z = torch.randn(n, V, generator=g) * peaked
-    p = torch.softmax(torch.randn(n, V, generator=g) * peaked, -1) * 0.97
-    w = torch.rand(n, generator=g) + 0.5
-    return row, h, z, p, w
-
-
-def reference(rounds, owners_of_rows, A, k, eta, T, n_owners):
-    """Eq. (5) in float64 with dense B (n_owners, V, r), one context at a time; also sum (w/W) G^A."""
-    A = A.double()
-    B = torch.zeros(n_owners, V, A.shape[1], dtype=torch.float64)
-    gA = torch.zeros_like(A)
-    updates = 0
-    for row, h, z, p, w in rounds:
-        h, z, p, w = h.double(), z.double(), p.double(), w.double()
-        own = owners_of_rows[row]
-        W = {int(o): float(w[own == o].sum()) for o in own.unique()}
-        step = torch.zeros_like(B)
-        for c in range(len(row)):
-            g = int(own[c])
-            u = A.T @ h[c]
-            q = torch.softmax((z[c] + B[g] @ u) / T, -1)
-            S = set(p[c].topk(k).indices.tolist()) | set(q.topk(k).indices.tolist())
-            delta = torch.zeros(V, dtype=torch.float64)
-            for v in S:
-                delta[v] = q[v] - p[c, v]
-            tail = (1 - sum(float(q[v]) for v in S)) - (1 - sum(float(p[c, v]) for v in S))
-            for v in S:
-                delta[v] -= tail
-            lam = float(w[c]) / W[g]
-            step[g] -= eta * lam * torch.outer(delta, u)
-            gA += lam * torch.outer(h[c], B[g].T @ delta)
-        updates += len(W)
-        B = B + step
-    return B, gA / updates
 
 
 def run_spark(spark, rounds, responses, T):
@@ -84,13 +45,13 @@ def test_update_and_A_gradient_equal_float64_reference(k, T):
     spark = Spark(A, V, k=k, eta=0.5, temperature=T)
     spark.begin(P, G)
     responses = torch.tensor([0, 2, 3, 5])  # active responses: owners (groups) 0, 1, 1, 2
-    rounds = [random_round(9, responses, g) for _ in range(4)]
+    rounds = [random_round(9, responses, g, V, D) for _ in range(4)]
     run_spark(spark, rounds, responses, T)
     B_ref, gA_ref = reference(rounds, responses // G, A, k, 0.5, T, P)
     assert torch.allclose(dense(spark, P), B_ref, atol=1e-5)
     assert torch.allclose(spark.take_grad().double(), gA_ref, atol=1e-5)
     # the correction applied to new contexts is z + B_g A^T h
-    row, h, z, _, _ = random_round(6, responses, g)
+    row, h, z, _, _ = random_round(6, responses, g, V, D)
     own = (responses // G)[row]
     want = z.double() + torch.einsum("nvr,nr->nv", B_ref[own], h.double() @ A.double())
     spark.select(responses[row])  # correct() works on batch rows: one row per context
@@ -135,7 +96,7 @@ def test_token_locality_isolation_reset_and_fixed_point():
     spark = Spark(A, V, k=3, eta=1.0)
     spark.begin(2, 2)  # owners: responses 0, 1 -> group 0; 2, 3 -> group 1
     responses = torch.arange(4)
-    row, h, z, p, w = random_round(5, responses, g)
+    row, h, z, p, w = random_round(5, responses, g, V, D)
     row = row % 2  # feedback only from group 0
     spark.select(responses)
     spark.feedback(row, h, spark.correct(z, h), p, w)
@@ -143,7 +104,7 @@ def test_token_locality_isolation_reset_and_fixed_point():
     touched = set((spark.store.keys % V).tolist())
     assert 0 < len(touched) < V and (spark.store.keys // V == 0).all()
     spark.select(responses)
-    _, h2, z2, _, _ = random_round(4, responses, g)
+    _, h2, z2, _, _ = random_round(4, responses, g, V, D)
     zc = spark.correct(z2, h2)  # rows 0..3 of the batch: groups 0, 0, 1, 1
     assert torch.equal(zc[2:], z2[2:])  # prompt isolation: group 1 untouched, bit for bit
     untouched = torch.tensor(sorted(set(range(V)) - touched))
@@ -176,7 +137,7 @@ def test_scopes_and_update_every_n_rounds():
     for scope, owners in (("response", {0, 1, 2, 3}), ("batch", {0}), ("group", {0, 1})):
         s = Spark(A, V, k=3, eta=1.0, scope=scope)
         s.begin(2, 2)
-        row, h, z, p, w = random_round(16, responses, g)
+        row, h, z, p, w = random_round(16, responses, g, V, D)
         s.select(responses)
         s.feedback(row, h, z, p, w)
         s.end_round()
@@ -184,7 +145,7 @@ def test_scopes_and_update_every_n_rounds():
     s = Spark(A, V, k=3, eta=1.0, every=3)
     s.begin(1, 4)
     for t in range(3):
-        row, h, z, p, w = random_round(4, responses, g)
+        row, h, z, p, w = random_round(4, responses, g, V, D)
         s.select(responses[row])
         s.feedback(torch.arange(4), h, s.correct(z, h), p, w)
         s.end_round()
@@ -197,7 +158,7 @@ def test_non_finite_feedback_is_skipped_and_counted():
     s = Spark(A, V, k=3, eta=1.0)
     s.begin(2, 1)
     s.select(torch.arange(2))
-    row, h, z, p, w = random_round(6, torch.arange(2), g)
+    row, h, z, p, w = random_round(6, torch.arange(2), g, V, D)
     row = torch.tensor([0, 0, 0, 1, 1, 1])
     p[4, 3] = float("nan")
     s.feedback(row, h, z, p, w)
@@ -275,18 +236,14 @@ def test_greedy_with_spark_equals_greedy(tiny_llama):
 
 
 def _train_cfg(model_dir, out, **kw):
-    from sparkrl.config import RunConfig, build
-
-    flat = dict(model=str(model_dir), out=str(out), steps=2, group_size=3, prompts_per_step=2, max_new_tokens=8,
-                default_size=20, lr=1e-3, micro_batch=4, draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3,
-                budget="fixed", spark=True, spark_rank=4, spark_lr=1e-2)
-    return build(RunConfig, {**flat, **kw})
+    """A run drafting EAGLE3-style trees with SPARK."""
+    spark = dict(max_new_tokens=8, draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3, budget="fixed",
+                 spark=True, spark_rank=4, spark_lr=1e-2)
+    return run_config(model_dir, out, **{**spark, **kw})
 
 
 def test_carried_corrections_survive_a_resume(tiny_model_dir, tmp_path):
     from sparkrl.train.trainer import train
-    from test_trainer import ParityGrader
-
     train(_train_cfg(tiny_model_dir, tmp_path / "a", steps=3, spark_carry=True), grader=ParityGrader())
     train(_train_cfg(tiny_model_dir, tmp_path / "b", steps=1, spark_carry=True), grader=ParityGrader())
     train(_train_cfg(tiny_model_dir, tmp_path / "b", steps=3, spark_carry=True, resume=True), grader=ParityGrader())
@@ -303,8 +260,6 @@ def test_train_with_spark_learns_A_resumes_exactly_and_logs_rounds(tiny_model_di
 
     from sparkrl.commands.cli import main
     from sparkrl.train.trainer import train
-    from test_trainer import ParityGrader
-
     log = tmp_path / "rounds.jsonl"
     train(_train_cfg(tiny_model_dir, tmp_path / "a", steps=3, round_log=str(log)), grader=ParityGrader())
     logb = tmp_path / "rounds_b.jsonl"
@@ -334,12 +289,12 @@ def test_train_with_spark_learns_A_resumes_exactly_and_logs_rounds(tiny_model_di
                  "--out", str(tmp_path / "an")]) == 0
     res = json.loads((tmp_path / "an" / "analysis.json").read_text())["results"]
     assert res["train"]["rollouts"] == 3 and res["train"]["drafted_positions"] > 0
-    assert (tmp_path / "an" / "analysis.png").stat().st_size > 0
+    assert_drawn(tmp_path / "an" / "analysis.png")
     assert main(["analyze", "--logs", str(log), "--stages", "3", "--out", str(tmp_path / "st")]) == 0
     st = json.loads((tmp_path / "st" / "analysis.json").read_text())["results"]["rounds"]["stages"]
     assert [s["steps"] for s in st] == [[1, 1], [2, 2], [3, 3]]
     assert sum(s["drafted_positions"] for s in st) == res["train"]["drafted_positions"]
-    assert (tmp_path / "st" / "analysis_stages.png").stat().st_size > 0
+    assert_drawn(tmp_path / "st" / "analysis_stages.png")
 
 
 @pytest.mark.parametrize("argv,msg", [

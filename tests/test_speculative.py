@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import copy
-import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from conftest import hf_model, ours_from_hf
+from helpers import ALPHA, EOS, SEEDS, V, chi_square_pvalue, sequence_probs, small_policy
 from sparkrl.config import SamplingConfig
 from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
@@ -23,53 +21,7 @@ from sparkrl.train.precision import rollout_copy
 from sparkrl.config import TreeShape
 from sparkrl.engine.rollout import generate, response_generators
 from sparkrl.engine.speculative import Backlog, catch_up, generate_speculative
-from sparkrl.engine.sampling import target_probs
 from sparkrl.engine.spark import Spark, init_projection
-
-V, EOS = 6, 5
-
-
-def small_policy(seed=0):
-    """A tiny random policy over 6 tokens with peaked, context-dependent distributions."""
-    m = ours_from_hf(hf_model("llama", seed=seed, vocab_size=V, hidden_size=32, intermediate_size=64,
-                              num_hidden_layers=2, tie_word_embeddings=False))
-    with torch.no_grad():
-        m.lm_head.weight.mul_(6.0)
-    return m
-
-
-def exact_sequences(policy, prompt, L, temperature, top_p):
-    """Probability of every response (length L, or shorter when it ends with EOS)."""
-    out = {}
-    for seq in itertools.product(range(V), repeat=L):
-        if EOS in seq:
-            seq = seq[:seq.index(EOS) + 1]
-        if seq in out:
-            continue
-        pr = 1.0
-        for i in range(len(seq)):
-            with torch.no_grad():
-                logits = policy.logits(policy(torch.tensor([prompt + list(seq[:i])])).hidden)[0, -1]
-            pr *= float(target_probs(logits[None], temperature, top_p)[0, seq[i]])
-        out[seq] = pr
-    return out
-
-
-def chi2_ok(samples, exact):
-    n = len(samples)
-    counts = {s: 0 for s in exact}
-    for s in samples:
-        assert exact.get(s, 0.0) > 0, f"impossible response {s}"
-        counts[s] += 1
-    tot = sum(exact.values())
-    big = [s for s in exact if exact[s] / tot * n >= 5]
-    small = [s for s in exact if s not in big]
-    obs = [counts[s] for s in big] + [sum(counts[s] for s in small)]
-    exp = [exact[s] / tot * n for s in big] + [sum(exact[s] for s in small) / tot * n]
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return chisquare(obs, exp).pvalue
-
 
 FAST = {(0.8, 0.7, "tree", True), (0.8, 0.7, "chain", True), (0.8, 0.7, "block", True), (1.0, 1.0, "tree", False)}
 
@@ -118,28 +70,28 @@ class EveryThirdAutoregressive:
     pytest.param(t, p, m, s, id=f"{t}-{p}-{m}-{'spark' if s else 'baseline'}",
                  marks=() if (t, p, m, s) in FAST else pytest.mark.slow)
     for t, p in [(1.0, 1.0), (0.8, 0.7)] for m in ["tree", "chain", "block"] for s in [False, True]])
-def test_rollouts_are_exact_in_ragged_batches(temperature, top_p, mode, spark):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_rollouts_are_exact_in_ragged_batches(temperature, top_p, mode, spark, seed):
     """With SPARK adapting strongly (eta 5, so the proposals change a lot), too."""
-    torch.manual_seed(0)
-    policy = small_policy()
+    policy = small_policy(seed)
     drafter = (DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args)).bind(policy)
     prompts = [[1, 2, 3, 4], [2, 0]]  # ragged prefixes; EOS ends responses at different rounds
     G, L = 3000, 3
     sc = SamplingConfig(temperature, top_p, L)
     shape = {"tree": TreeShape(2, 2, 4), "chain": TreeShape.chain(2), "block": TreeShape.block(2)}[mode]  # block size 3
     corr = Spark(init_projection(policy.lm_head.weight, 4), V, k=2, eta=5.0, temperature=temperature) if spark else None
-    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G), shape, group_size=G,
-                             spark=corr)
+    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1 + seed, 2, G), shape,
+                             group_size=G, spark=corr)
     assert r.stats.tree_rounds == r.stats.rounds and r.stats.aal > 1.0  # drafts were accepted, so verified
     if spark:  # the correction changed the proposals: which drafts hit, and for sampled chains the tokens
         assert r.stats.adapter["spark_contexts"] > 0 and len(corr.store) > 0
-        plain = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G), shape,
+        plain = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1 + seed, 2, G), shape,
                                      group_size=G)
         assert r.outcome != plain.outcome
         assert (r.tokens != plain.tokens) if mode == "chain" else (r.tokens == plain.tokens)
     for i, prompt in enumerate(prompts):
         samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]
-        assert chi2_ok(samples, exact_sequences(policy, prompt, L, temperature, top_p)) > 1e-3
+        assert chi_square_pvalue(samples, sequence_probs(policy, prompt, L, temperature, top_p)) > ALPHA
 
 
 def test_greedy_self_drafting_accepts_every_level_and_equals_greedy():
@@ -221,7 +173,8 @@ def on_kernels(module, packed=False, weight_major=False, native=False, attn32=Fa
     (torch.bfloat16, False, False, True, True),
     (torch.float32, True, False, False, False), (torch.float32, True, False, False, True)])
 @pytest.mark.parametrize("mode", ["tree", "chain", "block"])
-def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32, attn32, fast):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32, attn32, fast, seed):
     """Exactness is relative to the rollout model: a bf16 policy and drafter sample from the bf16
     policy's own distribution (computed here from the bf16 model's full-sequence forward), also on
     prepacked weights (whose products round differently from the plain ones: the reference is then
@@ -233,8 +186,7 @@ def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32, a
         pytest.skip(f"this torch/CPU cannot prepack {dtype} weights")
     if fast and not native.available():
         pytest.skip("the compiled kernels are not available here")
-    torch.manual_seed(0)
-    master = small_policy()
+    master = small_policy(seed)
     policy = on_kernels(rollout_copy(master, dtype, "plain", head_float32=head32).model, packed,
                         dtype == torch.float32, fast, attn32)
     assert policy.lm_head.native == policy.model.norm.native == fast
@@ -244,12 +196,12 @@ def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32, a
     prompts, G, L = [[1, 2, 3, 4], [2, 0]], 3000, 3
     sc = SamplingConfig(0.8, 0.7, L)
     shape = {"tree": TreeShape(2, 2, 4), "chain": TreeShape.chain(2), "block": TreeShape.block(2)}[mode]
-    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 2, G), shape, group_size=G,
-                             sampler=COMPILED_SAMPLER if fast else SAMPLER)
+    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1 + seed, 2, G), shape,
+                             group_size=G, sampler=COMPILED_SAMPLER if fast else SAMPLER)
     assert r.stats.aal > 1.0
     for i, prompt in enumerate(prompts):
         samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]
-        assert chi2_ok(samples, exact_sequences(policy, prompt, L, 0.8, 0.7)) > 1e-3
+        assert chi_square_pvalue(samples, sequence_probs(policy, prompt, L, 0.8, 0.7)) > ALPHA
 
 
 def test_catch_up_computes_draft_logits_only_at_each_rows_last_position():
@@ -269,32 +221,42 @@ def test_catch_up_computes_draft_logits_only_at_each_rows_last_position():
     assert torch.equal(state.root, tokens[torch.arange(B), n - 1])
 
 
-@pytest.mark.parametrize("mode", ["tree", "chain", "block"])
-def test_a_weight_major_head_samples_what_the_plain_head_does(mode):
-    """The LM head as a weight-major product (`kernels.weight_major_linear`: the same sums, logits as a
-    transposed view) in the policy and the drafter: trees and blocks commit the plain policy's
-    autoregressive tokens; sampled chains pass the chi-square test against the plain policy's sequence
-    probabilities."""
-    torch.manual_seed(0)
-    plain = small_policy()
+def weight_major_pair(plain, mode):
+    """A copy of `plain` whose LM head is a weight-major product (`kernels.weight_major_linear`: the same sums,
+    logits as a transposed view), and a drafter for `mode` bound to it, whose head follows the policy's."""
     policy = accelerate(copy.deepcopy(plain), "plain").model
     policy.lm_head.weight_major = True
     drafter = (DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args)).bind(policy)
-    assert drafter._head[0].weight_major  # the drafter's head follows the policy's
-    shape = {"tree": TreeShape(3, 2, 6), "chain": TreeShape.chain(2), "block": TreeShape.block(3)}[mode]
-    if mode == "chain":
-        prompts, G, L = [[1, 2, 3, 4]], 3000, 3
-        sc = SamplingConfig(0.8, 0.7, L)
-        r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1, 1, G), shape,
-                                 group_size=G)
-        assert r.stats.aal > 1.0
-        assert chi2_ok([tuple(t) for t in r.tokens], exact_sequences(plain, prompts[0], L, 0.8, 0.7)) > 1e-3
-        return
+    assert drafter._head[0].weight_major
+    return policy, drafter
+
+
+@pytest.mark.parametrize("mode", ["tree", "block"])
+def test_a_weight_major_head_commits_the_plain_heads_tokens(mode):
+    """Trees and blocks on a weight-major LM head commit the plain policy's autoregressive tokens."""
+    torch.manual_seed(0)
+    plain = small_policy()
+    policy, drafter = weight_major_pair(plain, mode)
+    shape = TreeShape(3, 2, 6) if mode == "tree" else TreeShape.block(3)
     prompts, G = [[1, 2, 3, 4], [2, 0]], 40
     sc = SamplingConfig(1.0, 0.9, 12)
     ar = generate(plain, prompts, sc, (EOS,), response_generators(4, 2, G), group_size=G).tokens
     r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(4, 2, G), shape, group_size=G)
     assert r.stats.aal > 1.0 and r.tokens == ar
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_weight_major_head_samples_what_the_plain_head_does(seed):
+    """Sampled chains on a weight-major LM head pass the chi-square test against the plain policy's sequence
+    probabilities."""
+    plain = small_policy(seed)
+    policy, drafter = weight_major_pair(plain, "chain")
+    prompts, G, L = [[1, 2, 3, 4]], 3000, 3
+    sc = SamplingConfig(0.8, 0.7, L)
+    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1 + seed, 1, G), TreeShape.chain(2),
+                             group_size=G)
+    assert r.stats.aal > 1.0
+    assert chi_square_pvalue([tuple(t) for t in r.tokens], sequence_probs(plain, prompts[0], L, 0.8, 0.7)) > ALPHA
 
 
 @pytest.mark.skipif(not native.available(), reason="the compiled kernels are not available here")

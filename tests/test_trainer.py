@@ -13,31 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import ParityGrader, run_config
 from sparkrl.train.checkpoint import list_checkpoints, load_checkpoint, load_latest
 from sparkrl.cpu.kernels import is_packed, packable
 from sparkrl.commands.cli import main
-from sparkrl.config import build, RunConfig
 from sparkrl.errors import UserError
-from sparkrl.train.rewards import Score
 from sparkrl.train.trainer import DataOrder, train
 
 TIMING = {"gen_s", "train_s", "draft_train_s", "gen_tok_per_s"}
-
-
-class ParityGrader:
-    """A stand-in reward that random tiny models do earn: the parity of the response's length."""
-
-    def score(self, text, answer):
-        return Score(float(len(text) % 2), 0.0)
-
-    def close(self):
-        pass
-
-
-def _cfg(model_dir, out, **kw):
-    flat = dict(model=str(model_dir), out=str(out), steps=2, group_size=3, prompts_per_step=2, max_new_tokens=6,
-                default_size=20, lr=1e-3, micro_batch=4)
-    return build(RunConfig, {**flat, **kw})
 
 
 def _metrics(out):
@@ -49,7 +32,7 @@ def _policy(out):
 
 
 def test_train_writes_contract_files(tiny_model_dir, tmp_path):
-    s = train(_cfg(tiny_model_dir, tmp_path / "run"), grader=ParityGrader())
+    s = train(run_config(tiny_model_dir, tmp_path / "run"), grader=ParityGrader())
     assert s.steps_run == 2
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())
     assert cfg["config"]["grpo"]["group_size"] == 3
@@ -65,9 +48,9 @@ def test_train_writes_contract_files(tiny_model_dir, tmp_path):
 
 
 def test_resume_continues_exactly(tiny_model_dir, tmp_path):
-    train(_cfg(tiny_model_dir, tmp_path / "a", steps=3), grader=ParityGrader())
-    train(_cfg(tiny_model_dir, tmp_path / "b", steps=1), grader=ParityGrader())
-    train(_cfg(tiny_model_dir, tmp_path / "b", steps=3, resume=True), grader=ParityGrader())
+    train(run_config(tiny_model_dir, tmp_path / "a", steps=3), grader=ParityGrader())
+    train(run_config(tiny_model_dir, tmp_path / "b", steps=1), grader=ParityGrader())
+    train(run_config(tiny_model_dir, tmp_path / "b", steps=3, resume=True), grader=ParityGrader())
     a, b = _policy(tmp_path / "a"), _policy(tmp_path / "b")
     assert a["step"] == b["step"] == 3
     for k in a["policy"]:
@@ -81,19 +64,19 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path):
 
 
 def test_resume_refuses_other_settings_and_fresh_run_refuses_old_dir(tiny_model_dir, tmp_path):
-    train(_cfg(tiny_model_dir, tmp_path / "r", steps=1), grader=ParityGrader())
+    train(run_config(tiny_model_dir, tmp_path / "r", steps=1), grader=ParityGrader())
     with pytest.raises(UserError, match="already holds checkpoints.*--resume"):
-        train(_cfg(tiny_model_dir, tmp_path / "r", steps=2), grader=ParityGrader())
+        train(run_config(tiny_model_dir, tmp_path / "r", steps=2), grader=ParityGrader())
     with pytest.raises(UserError, match="group_size was 3, now 4"):
-        train(_cfg(tiny_model_dir, tmp_path / "r", steps=2, resume=True, group_size=4), grader=ParityGrader())
+        train(run_config(tiny_model_dir, tmp_path / "r", steps=2, resume=True, group_size=4), grader=ParityGrader())
 
 
 def test_a_killed_checkpoint_write_leaves_nothing_after_the_next_start(tiny_model_dir, tmp_path):
-    train(_cfg(tiny_model_dir, tmp_path / "r", steps=1), grader=ParityGrader())
+    train(run_config(tiny_model_dir, tmp_path / "r", steps=1), grader=ParityGrader())
     stale = tmp_path / "r" / "checkpoints" / ".tmp-abc123"  # what a kill during save_checkpoint leaves
     stale.mkdir()
     (stale / "policy.safetensors").write_bytes(b"x" * 1000)
-    train(_cfg(tiny_model_dir, tmp_path / "r", steps=2, resume=True), grader=ParityGrader())
+    train(run_config(tiny_model_dir, tmp_path / "r", steps=2, resume=True), grader=ParityGrader())
     assert [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()] == ["step-000002"]
 
 
@@ -241,7 +224,7 @@ def test_help_groups_flags_marks_required_and_hides_training_flags_from_generate
 
 def test_round_log_of_autoregressive_rollouts_is_analysable(tiny_model_dir, tmp_path):
     log = tmp_path / "rounds.jsonl"
-    train(_cfg(tiny_model_dir, tmp_path / "r", steps=1, round_log=str(log)), grader=ParityGrader())
+    train(run_config(tiny_model_dir, tmp_path / "r", steps=1, round_log=str(log)), grader=ParityGrader())
     rec = json.loads(log.read_text().splitlines()[0])
     assert len(rec["responses"]) == 6 and all(set(r["outcome"]) == {-1} for r in rec["responses"])  # all undrafted
     assert main(["analyze", "--logs", str(log), "--out", str(tmp_path / "an")]) == 0
@@ -255,7 +238,7 @@ def test_bfloat16_rollouts_of_float32_weights(tiny_model_dir, tmp_path):
     from sparkrl.train.trainer import GRPORun
 
     kw = dict(rollout_dtype="bfloat16", draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3, budget="fixed")
-    run = GRPORun(_cfg(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
+    run = GRPORun(run_config(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
     assert run.rollout.copied and run.rollout.model.lm_head.weight.dtype == torch.bfloat16
     assert run.policy.lm_head.weight.dtype == torch.float32
     assert run.drafting.rollout.model.fc.weight.dtype == torch.bfloat16 and run.drafting.drafter.fc.weight.dtype == torch.float32
@@ -266,9 +249,9 @@ def test_bfloat16_rollouts_of_float32_weights(tiny_model_dir, tmp_path):
     for a, b in zip(run.drafting.rollout.model.parameters(), run.drafting.drafter.parameters()):
         assert torch.equal(a, b.to(torch.bfloat16))
     assert 0 < m["rollout_logp_abs_mean"] <= m["rollout_logp_abs_max"] and m["rollout_kl"] >= 0
-    train(_cfg(tiny_model_dir, tmp_path / "a", steps=3, **kw), grader=ParityGrader())
-    train(_cfg(tiny_model_dir, tmp_path / "b", steps=1, **kw), grader=ParityGrader())
-    train(_cfg(tiny_model_dir, tmp_path / "b", steps=3, resume=True, **kw), grader=ParityGrader())
+    train(run_config(tiny_model_dir, tmp_path / "a", steps=3, **kw), grader=ParityGrader())
+    train(run_config(tiny_model_dir, tmp_path / "b", steps=1, **kw), grader=ParityGrader())
+    train(run_config(tiny_model_dir, tmp_path / "b", steps=3, resume=True, **kw), grader=ParityGrader())
     strip = lambda ms: [{k: v for k, v in x.items() if k not in TIMING and not k.endswith("_s")} for x in ms]
     assert strip(_metrics(tmp_path / "a")) == strip(_metrics(tmp_path / "b"))
 
@@ -277,7 +260,7 @@ def test_weight_major_cpu_kernels_are_used_unpacked_and_unmeasured(tiny_model_di
     import sparkrl.train.trainer as trainer_mod
     from sparkrl.cpu.kernels import CpuLinear as Linear
 
-    run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "x", steps=1, rollout_dtype="float32",
+    run = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "x", steps=1, rollout_dtype="float32",
                                    cpu_kernels="weight-major"), grader=ParityGrader())
     run.grader.close()
     layers = [m for m in run.rollout.model.modules() if isinstance(m, Linear)]
@@ -298,7 +281,7 @@ def test_packed_float32_rollouts_sample_from_the_updated_policy_and_the_referenc
 
     kw = dict(rollout_dtype="float32", cpu_kernels="packed", draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3,
               budget="fixed")
-    run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
+    run = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
     assert run.rollout.model is run.policy and run.policy.lm_head.packed and run.ref.lm_head.packed
     assert run.drafting.rollout.model._head[0].packed
     toks = torch.randint(0, run.policy.args.vocab_size, (2, 7))
@@ -325,28 +308,29 @@ def test_packed_bfloat16_rollouts_with_a_float32_head_follow_the_updates_and_res
 
     kw = dict(rollout_dtype="bfloat16", cpu_kernels="packed", rollout_head="float32", draft="eagle3", tree_depth=2,
               tree_branch=2, tree_nodes=3, budget="fixed")
-    run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
-    assert run.rollout.model.lm_head.packed and run.drafting.rollout.model.fc.packed and run.rollout.model.head32
-    assert run.drafting.rollout.model._head[0].packed and not is_packed(run.policy) and not is_packed(run.drafting.drafter)
+    run = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
+    assert run.rollout.model.lm_head.packed and run.draft_rollout.model.fc.packed and run.rollout.model.head32
+    assert run.draft_rollout.model._head[0].packed and not is_packed(run.policy) and not is_packed(run.drafter)
     run.step(0)
     run.grader.close()
     for a, b in zip(run.rollout.model.parameters(), run.policy.parameters()):  # refreshed: repacked at next use
         assert torch.equal(a, b.to(torch.bfloat16))
     assert torch.equal(run.rollout.model.head32[0], run.policy.lm_head.weight)  # the float32 head too
-    train(_cfg(tiny_model_dir, tmp_path / "a", steps=3, **kw), grader=ParityGrader())
+    train(run_config(tiny_model_dir, tmp_path / "a", steps=3, **kw), grader=ParityGrader())
     assert json.loads((tmp_path / "a" / "config.json").read_text())["resolved"]["packed_kernels"] is True
-    train(_cfg(tiny_model_dir, tmp_path / "b", steps=1, **kw), grader=ParityGrader())
-    train(_cfg(tiny_model_dir, tmp_path / "b", steps=3, resume=True, **kw),
+    train(run_config(tiny_model_dir, tmp_path / "b", steps=1, **kw), grader=ParityGrader())
+    train(run_config(tiny_model_dir, tmp_path / "b", steps=3, resume=True, **kw),
           grader=ParityGrader())
     strip = lambda ms: [{k: v for k, v in x.items() if k not in TIMING and not k.endswith("_s")} for x in ms]
     assert strip(_metrics(tmp_path / "a")) == strip(_metrics(tmp_path / "b"))  # resumed exactly
-    again = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "b", steps=4, resume=True, **kw), grader=ParityGrader())
+    again = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "b", steps=4, resume=True, **kw),
+                                grader=ParityGrader())
     again.grader.close()
     assert again.rollout.model.lm_head.packed  # the start's choice, not this (patched) measurement
 
 
 def test_bfloat16_autocast_update_trains(tiny_model_dir, tmp_path):
-    s = train(_cfg(tiny_model_dir, tmp_path / "r", steps=2, train_dtype="bfloat16", draft="eagle3", tree_depth=2,
+    s = train(run_config(tiny_model_dir, tmp_path / "r", steps=2, train_dtype="bfloat16", draft="eagle3", tree_depth=2,
                    tree_branch=2, tree_nodes=3, budget="fixed"), grader=ParityGrader())
     assert s.steps_run == 2
     m = _metrics(tmp_path / "r")
@@ -356,11 +340,11 @@ def test_bfloat16_autocast_update_trains(tiny_model_dir, tmp_path):
 def test_resume_keeps_the_rollout_dtype_its_start_resolved(tiny_model_dir, tmp_path, monkeypatch):
     import sparkrl.train.trainer as trainer_mod
 
-    train(_cfg(tiny_model_dir, tmp_path / "r", steps=1), grader=ParityGrader())
+    train(run_config(tiny_model_dir, tmp_path / "r", steps=1), grader=ParityGrader())
     first = json.loads((tmp_path / "r" / "config.json").read_text())["resolved"]["rollout_dtype"]
     other = "bfloat16" if first == "float32" else "float32"
     monkeypatch.setattr(trainer_mod, "rollout_dtype", lambda *a: getattr(torch, other))  # another machine's measure
-    run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "r", steps=2, resume=True), grader=ParityGrader())
+    run = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "r", steps=2, resume=True), grader=ParityGrader())
     assert str(run.rollout.model.lm_head.weight.dtype) == f"torch.{first}"
 
 
@@ -376,10 +360,11 @@ def test_bfloat16_rollouts_attend_in_float32_where_measured_and_resume_keeps_the
     monkeypatch.setattr(trainer_mod, "float32_attention", lambda *a: True)  # this machine's measurement
     kw = dict(rollout_dtype="bfloat16", draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3, budget="fixed",
               cpu_kernels="weight-major")
-    train(_cfg(tiny_model_dir, tmp_path / "r", steps=1, **kw), grader=ParityGrader())
+    train(run_config(tiny_model_dir, tmp_path / "r", steps=1, **kw), grader=ParityGrader())
     assert json.loads((tmp_path / "r" / "config.json").read_text())["resolved"]["float32_attention"] is True
     monkeypatch.setattr(trainer_mod, "float32_attention", lambda *a: False)  # another machine's
-    run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "r", steps=2, resume=True, **kw), grader=ParityGrader())
+    run = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "r", steps=2, resume=True, **kw),
+                              grader=ParityGrader())
     run.grader.close()
     assert attn(run.rollout.model) == attn(run.drafting.rollout.model) == {torch.float32}
     assert attn(run.policy) == attn(run.drafting.drafter) == {None}
@@ -393,7 +378,7 @@ def test_auto_cpu_kernels_run_the_compiled_kernels_and_record_it(tiny_model_dir,
 
     if not native.available():
         pytest.skip("the compiled kernels are not available here")
-    run = trainer_mod.GRPORun(_cfg(tiny_model_dir, tmp_path / "r", steps=1, rollout_dtype="float32"),
+    run = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "r", steps=1, rollout_dtype="float32"),
                               grader=ParityGrader())
     run.grader.close()
     model = run.rollout.model
@@ -407,7 +392,7 @@ def test_checkpoints_of_an_older_format_are_refused_not_ignored(tiny_model_dir, 
     (tmp_path / "r" / "checkpoints").mkdir(parents=True)
     (tmp_path / "r" / "checkpoints" / "step-000001.pt").write_bytes(b"old")
     with pytest.raises(UserError, match="older sparkrl"):
-        train(_cfg(tiny_model_dir, tmp_path / "r", steps=2, resume=True), grader=ParityGrader())
+        train(run_config(tiny_model_dir, tmp_path / "r", steps=2, resume=True), grader=ParityGrader())
 
 
 def test_a_step_written_twice_replaces_the_first(tmp_path):

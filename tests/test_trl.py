@@ -18,7 +18,7 @@ from sparkrl.errors import UserError  # noqa: E402
 from sparkrl.train.data import build_prompts, load_problems  # noqa: E402
 from sparkrl.train.rewards import Grader  # noqa: E402
 from sparkrl.commands.trl_rollout import SparkRollout, consecutive_groups, math_reward, problem_dataset, tokenize  # noqa: E402
-from conftest import default_tokenizer_dir, hf_model  # noqa: E402
+from helpers import default_tokenizer_dir, hf_model  # noqa: E402
 
 PROMPTS = ["What is 2+2?", "Name a colour.", "Count to three.", "Say hi.", "Add 5 and 7.", "Spell cat."]
 
