@@ -309,8 +309,8 @@ def test_packed_bfloat16_rollouts_with_a_float32_head_follow_the_updates_and_res
     kw = dict(rollout_dtype="bfloat16", cpu_kernels="packed", rollout_head="float32", draft="eagle3", tree_depth=2,
               tree_branch=2, tree_nodes=3, budget="fixed")
     run = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
-    assert run.rollout.model.lm_head.packed and run.draft_rollout.model.fc.packed and run.rollout.model.head32
-    assert run.draft_rollout.model._head[0].packed and not is_packed(run.policy) and not is_packed(run.drafter)
+    assert run.rollout.model.lm_head.packed and run.drafting.rollout.model.fc.packed and run.rollout.model.head32
+    assert run.drafting.rollout.model._head[0].packed and not is_packed(run.policy) and not is_packed(run.drafting.drafter)
     run.step(0)
     run.grader.close()
     for a, b in zip(run.rollout.model.parameters(), run.policy.parameters()):  # refreshed: repacked at next use
