@@ -123,13 +123,14 @@ def accelerate(module: nn.Module, choice: str = "auto", float32_attention: bool 
                 break
     w = next(module.parameters())
     cpu = w.device.type == "cpu"
-    pack(module, choice == "packed" and packable(w.dtype, w.device))
-    use_weight_major(module, choice == "weight-major" and cpu)
+    packed = choice == "packed" and packable(w.dtype, w.device)
+    weight_major = choice == "weight-major" and cpu
     compiled = choice == "auto" and cpu and native.available()
+    pack(module, packed)
+    use_weight_major(module, weight_major)
     use_native(module, compiled)
     use_float32_attention(module, float32_attention)
-    kernels = {"packed": choice == "packed" and packable(w.dtype, w.device), "weight_major": choice == "weight-major"
-               and cpu, "attention": str(torch.float32 if float32_attention else None),
+    kernels = {"packed": packed, "weight_major": weight_major, "attention": str(torch.float32 if float32_attention else None),
                **({"native": native.digest(), "ops": native.digest()} if compiled else {})}
     return Acceleration(module, COMPILED_SAMPLER if compiled else SAMPLER, kernels)
 
