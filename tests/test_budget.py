@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from helpers import ROWS, Alternating, full_depth, small_policy, synthetic
-from sparkrl.engine.budget import (AR, EXPLORE_EVERY, LONGEST_WAIT, PROBE_EVERY, Budget, CostModel, PRIOR_ROWS, at_zero, kept_drafts,
-                            nondecreasing, smoothed, timed_sizes, tree_sizes)
+from sparkrl.engine.budget import (AR, EXPLORE_EVERY, LONGEST_WAIT, PROBE_EVERY, Budget, CostModel, PRIOR_ROWS, at_zero,
+                            kept_drafts, nondecreasing, round_work, smoothed, timed_sizes, timing_work, tree_sizes)
 from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.tree import build_tree
@@ -135,6 +135,16 @@ def test_cost_model_times_whole_engine_rounds_once_and_caches_them(tiny_llama, t
     assert len(list((tmp_path / "costs").glob("rounds-*.json"))) == 1
     monkeypatch.setattr(engine, "time", None)  # cached: nothing is timed again
     assert CostModel.measure(tiny_llama, d, shape, time_rounds) == cm
+
+
+def test_the_timing_progress_adds_up_to_the_work_announced(tiny_llama):
+    """The progress bar's total (`timing_work`) is what `time_rounds` reports, so its ETA ends at the end."""
+    d = Eagle3Drafter(tiny_llama.args).bind(tiny_llama)
+    shape, reps, done = TreeShape(2, 2, 3), {1: 2, 3: 1}, []
+    sizes = [AR, (1, 1), (3, 2)]
+    time_rounds(tiny_llama, d, shape, (1, 3), sizes, 24, reps, done.append)
+    assert sum(done) == timing_work((1, 3), sizes, 24, reps)
+    assert done.count(round_work(3, (3, 2))) == 1 and round_work(3, (3, 2)) > round_work(1, (3, 2))
 
 
 def test_a_few_sizes_are_timed_and_the_fit_gives_every_other_one():

@@ -20,8 +20,8 @@ verified one contains, a lower bound for the others). Running averages of those 
 The cost model times whole rounds of the engine itself (`speculative.time_rounds`: drafting, the
 drafter's catch-up, the verify forward, the acceptance walk, commit; an autoregressive round with its
 drafter bookkeeping) for AR and four tree sizes (`timed_sizes`) at 1, 8 and 64 rows at start-up, once per
-machine, model, thread count, tree shape and kernels (cached under the user cache dir; about half a minute for
-the default model here, with a progress bar), fits the tree rounds' seconds linearly in nodes and depth per
+machine, model, thread count, tree shape and kernels (cached under the user cache dir; 25 s for the default model
+here, with a progress bar and its ETA), fits the tree rounds' seconds linearly in nodes and depth per
 row count and evaluates the fit at every size (`smoothed`: one size's timing is as noisy as sizes differ), keeps
 every size non-decreasing in rows (`nondecreasing`), and interpolates. Whole rounds, because what follows the
 verify forward is a fifth to a third of a round: the forward and the drafting alone make trees look cheaper
@@ -59,7 +59,7 @@ from sparkrl.machine import measurement_path
 
 ROWS = (1, 8, 64)  # row counts the cost model times; rounds over other counts are interpolated (a round's cost is
 # close to linear in its rows between them)
-ENGINE = 14  # part of the timing cache's key: bumped whenever a round's work or its timing changes
+ENGINE = 15  # part of the timing cache's key: bumped whenever a round's work or its timing changes
 GAIN = 0.9  # a tree is chosen when predicted at least 10% faster per committed token than an AR step: the
 # cost model's error (measured at 8 rows: 1-node trees predicted 1.08x ran at 0.96x) must not turn a
 # predicted gain into a loss
@@ -73,8 +73,10 @@ CONTEXT = 192  # committed tokens per row while timing (a typical mid-rollout le
 PRIOR_ROWS = 4  # the optimistic prior acceptance weighs as much as this many verified rows: weighed as a running
 # average's 1 / (1 - momentum) = 10, it keeps large trees overrated for dozens of rounds; replaced by the first
 # round seen, one unlucky round at one response (0 or 1 drafts) could rate every tree too low to be tried again
-FEW_ROWS, FEW_REPEATS = 8, 3  # up to 8 rows, where trees can pay and rounds are short, 3x the repeats: one
-# size's rounds spread by 10-20% here, as much as the sizes that decide between trees and AR differ
+REPEATS = {1: 9, 8: 6, 64: 1}  # timed rounds of each size per row count. At 1 and 8 rows, where trees can pay and
+# a round takes 40-420 ms here, one size's rounds spread by 10-20%, as much as the sizes that decide between trees
+# and AR differ; at 64 rows a round takes 0.25-3 s and two timings of a size differ by 0-8%, which the fit over
+# the sizes (`smoothed`) pools. About 25 s in all for the default model here.
 
 Size = tuple[int, int]  # (nodes, depth) of a round's tree; AR = (0, 0), an autoregressive round
 AR: Size = (0, 0)
@@ -166,13 +168,14 @@ class CostModel:
                    {_size(k): v for k, v in d["accepted"].items()}, d["level"])
 
     @classmethod
-    def measure(cls, policy, drafter, shape: TreeShape, time_rounds, repeats: int = 3, kernels: dict | None = None
-                ) -> "CostModel":
+    def measure(cls, policy, drafter, shape: TreeShape, time_rounds, repeats: int | None = None,
+                kernels: dict | None = None) -> "CostModel":
         """Time whole engine rounds on this machine (cached per machine/model/threads/shape/kernels): AR and a few
         tree sizes (`timed_sizes`) at `ROWS`, every other size fitted (`smoothed`), with a progress bar.
         time_rounds(policy, drafter, shape, rows, sizes, context, repeats per row, progress) -> `Timings` is the engine's
         own timing (`speculative.time_rounds`).
-        kernels: what runs the policy's forwards (`cpu.accelerate.Acceleration.kernels`), part of the cache key."""
+        repeats: timed rounds per size at every row count (default `REPEATS`). kernels: what runs the policy's
+        forwards (`cpu.accelerate.Acceleration.kernels`), part of the cache key."""
         w = policy.lm_head.weight
         path = measurement_path("rounds", str(w.device), str(w.dtype), policy.args.__dict__, drafter.kind,
                                 int(drafter.vocab_ids.numel()), shape.__dict__, ROWS, CONTEXT,
@@ -180,12 +183,12 @@ class CostModel:
         if path.exists():
             return cls.from_dict(json.loads(path.read_text()))
         sizes = [AR] + timed_sizes(shape)
-        reps = {B: FEW_REPEATS * repeats if B <= FEW_ROWS else repeats for B in ROWS}
-        total = sum((n + 1) * (len(sizes) + 1) for n in reps.values())  # timed rounds and levels, warm-ups included
+        reps = dict(REPEATS) if repeats is None else {B: repeats for B in ROWS}
         print(f"sparkrl: timing the policy and the drafter for the speculation budget ({len(sizes)} round sizes at "
-              f"{', '.join(map(str, ROWS))} rows; once, cached in {path.parent}; --budget fixed skips it)",
-              file=sys.stderr, flush=True)
-        with tqdm(total=total, desc="budget timing", unit="round", file=sys.stderr, leave=False) as bar:
+              f"{', '.join(map(str, ROWS))} rows), once: cached in {path.parent} for next time; --budget fixed "
+              f"skips it", file=sys.stderr, flush=True)
+        with tqdm(total=timing_work(ROWS, sizes, CONTEXT, reps), desc="budget timing", file=sys.stderr, leave=False,
+                  bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}, about {remaining} left") as bar:
             got = time_rounds(policy, drafter, shape, ROWS, sizes, CONTEXT, reps, bar.update)
         timed = {s: [at_zero(r, lv) for r, lv in zip(got.rounds[s], got.level)] for s in sizes}
         cost = cls(ROWS, nondecreasing(smoothed(timed, tree_sizes(shape))), {s: [0.0] * len(ROWS)
@@ -193,6 +196,23 @@ class CostModel:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({**cost.to_dict(), "timed": {_key(s): v for s, v in timed.items()}}))
         return cost
+
+
+ROUND_OVERHEAD = 8  # a round's fixed cost in verified tokens' worth (measured here: an AR round over 1 row costs
+# a third of a 16-node tree's, over 64 rows a tenth)
+
+
+def round_work(B: int, size: tuple[int, int]) -> int:
+    """A round's expected cost in verified tokens' worth, for a progress bar whose ETA holds: rounds over 64
+    rows take 10-50x those over 1."""
+    return ROUND_OVERHEAD + B * (size[0] + 1)
+
+
+def timing_work(rows, sizes, context: int, repeats: dict) -> int:
+    """The work `time_rounds` reports to its progress callback in all (`round_work` units)."""
+    own = (context - 1) * round_work(1, AR)
+    return own + sum(repeats[B] * sum(round_work(B, s) for s in sizes) + (repeats[B] + 2) * round_work(B, AR)
+                     for B in rows)  # the timed rounds; the warm-up round and the levels, AR rounds' worth
 
 
 def timed_sizes(shape: TreeShape) -> list[Size]:

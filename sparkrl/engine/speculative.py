@@ -29,7 +29,7 @@ from sparkrl.model.kvcache import KVCache
 from sparkrl.model.transformer import Transformer, pad_right
 from sparkrl.engine.rollout import Batch, decode_one_token, generate, prefill
 from sparkrl.engine.records import HIT, MISS, UNDRAFTED, Round, RoundStats
-from sparkrl.engine.budget import FixedBudget, Timings
+from sparkrl.engine.budget import FixedBudget, Timings, round_work
 from sparkrl.engine.sampling import SAMPLER, Sampler
 from sparkrl.engine.verify import PathLogits, accept_chain, accept_tree
 from sparkrl.engine.records import Acceptance
@@ -239,10 +239,10 @@ class Speculation:
 
 
 @torch.no_grad()
-def own_text(policy: Transformer, context: int, sampler: Sampler = SAMPLER) -> list[int]:
+def own_text(policy: Transformer, context: int, sampler: Sampler = SAMPLER, progress=None) -> list[int]:
     """`context` tokens the policy samples itself from token 0 (T 1, top-p 0.95, a fixed generator)."""
     own = generate(policy, [[0]], SamplingConfig(1.0, 0.95, context - 1), (), [torch.Generator().manual_seed(0)],
-                   sampler=sampler)
+                   progress=progress, sampler=sampler)
     return [0] + own.tokens[0]
 
 
@@ -250,52 +250,53 @@ def own_text(policy: Transformer, context: int, sampler: Sampler = SAMPLER) -> l
 def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, context: int, repeats: int | dict,
                 progress=lambda n: None, text: list[int] | None = None, sampler: Sampler = SAMPLER) -> Timings:
     """Whole engine rounds timed for the budget's cost model (`budget.CostModel.measure`): for each row
-    count B in `rows`, B copies of a `context`-token text the policy sampled itself (`own_text`, or `text`), then
-    `repeats` (or `repeats[B]`) timed rounds (after one untimed) of every size (nodes, depth) in `sizes`
-    (`budget.AR`: an autoregressive round), sizes in turn, each as (seconds, drafts it accepted per row); after
-    each autoregressive round the drafter catches up untimed, as a run of them would once at its end (timed, the
-    tree round after it would pay for it); also what one more accepted level costs (LM head + the nucleus and a
-    sample on B rows of the policy's hidden states in that text). Sampling at temperature 1, top-p 0.95; random
-    numbers from fixed generators (the global RNG is left alone). progress(1) after every timed round and level
-    (a progress bar's update).
+    count B in `rows`, one prefill of a `context`-token text the policy sampled itself (`own_text`, or `text`)
+    copied to B rows, one untimed autoregressive round (the first round over a new row count pays one-off costs;
+    later ones time as the rest, measured), then `repeats` (or `repeats[B]`) timed rounds of every size
+    (nodes, depth) in `sizes` (`budget.AR`: an autoregressive round), sizes in turn, each as (seconds, drafts it
+    accepted per row); after each autoregressive round the drafter catches up untimed, as a run of them would
+    once at its end (timed, the tree round after it would pay for it); also what one more accepted level costs
+    (LM head + the nucleus and a sample on B rows of the policy's hidden states in that text). Sampling at
+    temperature 1, top-p 0.95; random numbers from fixed generators (the global RNG is left alone).
+    progress(work) as the text is sampled and after every round and level, in `round_work` units
+    (`timing_work` in all).
 
     The text is the policy's own, not random tokens: sampling's cost depends on how wide the nucleus
     is (top-p within 256 candidates, else 4096, else a full sort), and random tokens make the default
     model's nucleus thousands of tokens wide where its own text's is a few dozen."""
     dev = policy.lm_head.weight.device
     reps = {B: repeats[B] if isinstance(repeats, dict) else repeats for B in rows}
-    text = text or own_text(policy, context, sampler)
+    text = text or own_text(policy, context, sampler, lambda n: progress(n * round_work(1, (0, 0))))
     hidden = policy(torch.tensor([text], device=dev)).hidden[0]  # (context, d) the policy's states in its text
     room = (max(reps.values()) + 1) * len(sizes) * (shape.depth + 1) + 2  # a timed round commits at most depth + 1
     sampling = SamplingConfig(1.0, 0.95, room)
     out = Timings({size: [] for size in sizes}, [])
     for B in rows:
-        prompts = [text] * B
         gens = [torch.Generator().manual_seed(1000 + i) for i in range(B)]
         eng = Speculation(policy, drafter.bind(policy), sampling, shape, gens, NoAdaptation(), sampler)
-        eng.start(prompts, 1, ())
-        timed = {size: [] for size in sizes}
-        for _ in range(reps[B] + 1):  # sizes interleaved, so a machine that changes speed skews no size
-            for n, d in sizes:
-                t = time.perf_counter()
-                if n == 0:
-                    eng.autoregressive_round()
-                    a = 0.0
-                else:
-                    a = eng.speculative_round(n, d)[2].n_accepted.double().mean().item()  # host sync
-                timed[n, d].append((time.perf_counter() - t, a))
-                progress(1)
-                if n == 0:  # the drafter's catch-up on the AR token, untimed: a run of AR rounds pays it once at
-                    eng.state = catch_up(eng.drafter, eng.dcache, *eng.backlog.pop())  # its end, not per tree round
+        eng.start([text], B, ())  # one prefill, copied to the B rows (as a group's prompt is)
+        timed = {size: [] for size in [(0, 0)] + list(sizes)}
+        for size in [(0, 0)] + [s for _ in range(reps[B]) for s in sizes]:  # sizes interleaved, so a machine
+            n, d = size  # that changes speed skews no size; the first round warms up
+            t = time.perf_counter()
+            if n == 0:
+                eng.autoregressive_round()
+                a = 0.0
+            else:
+                a = eng.speculative_round(n, d)[2].n_accepted.double().mean().item()  # host sync
+            timed[size].append((time.perf_counter() - t, a))
+            progress(round_work(B, size))
+            if n == 0:  # the drafter's catch-up on the AR token, untimed: a run of AR rounds pays it once at
+                eng.state = catch_up(eng.drafter, eng.dcache, *eng.backlog.pop())  # its end, not per tree round
         for size in sizes:
-            out.rounds[size].append(timed[size][1:])  # the first of each size warms up
+            out.rounds[size].append(timed[size][1:] if size == (0, 0) else timed[size])
         h = hidden[torch.arange(context - B, context) % context]  # (B, d) the text's last B positions
         level, u = [], torch.rand(B, generator=torch.Generator().manual_seed(B), dtype=torch.float64)
         for _ in range(reps[B] + 1):
             t = time.perf_counter()
             sampler.nucleus(policy.logits(h), sampling.temperature, sampling.top_p, u)
             level.append(time.perf_counter() - t)
-            progress(1)
+            progress(round_work(B, (0, 0)))
         out.level.append(min(level[1:]))
     return out
 
