@@ -149,3 +149,22 @@ def test_default_model_export_matches_transformers(tmp_path):
     x = torch.tensor([ids])
     with torch.no_grad():
         assert _rel_err(hf(x).logits, lm.model.logits(lm.model(x).hidden)) < 1e-4
+
+
+def test_weights_known_to_be_a_checkpoints_are_linked_not_written_twice(tiny_model_dir, tmp_path):
+    """A training run's last checkpoint holds the exported weights: the export hard-links that file (one copy on
+    disk) when its tensors match, and writes its own when they do not (another dtype, another file format)."""
+    from safetensors.torch import save_file
+
+    policy = load_model(str(tiny_model_dir), with_tokenizer=False).model
+    ck = tmp_path / "policy.safetensors"
+    save_file({k: v.contiguous() for k, v in policy.weights().items()}, str(ck), metadata={"format": "pt"})
+    out = export_model(policy, tiny_model_dir, tmp_path / "linked", same_as=ck)
+    assert (out / "model.safetensors").stat().st_ino == ck.stat().st_ino
+    again = load_model(str(out), with_tokenizer=False).model
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in policy.state_dict().items())
+    out = export_model(policy, tiny_model_dir, tmp_path / "bf16", dtype=torch.bfloat16, same_as=ck)
+    assert (out / "model.safetensors").stat().st_ino != ck.stat().st_ino
+    save_file({k: v.contiguous() for k, v in policy.weights().items()}, str(ck))  # no "format": "pt"
+    out = export_model(policy, tiny_model_dir, tmp_path / "other", same_as=ck)
+    assert (out / "model.safetensors").stat().st_ino != ck.stat().st_ino

@@ -45,6 +45,9 @@ def test_train_writes_contract_files(tiny_model_dir, tmp_path):
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-000002"]
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step-000002").iterdir()) == \
         ["policy.safetensors", "state.pt"]
+    # the exported model is the last checkpoint's weights file, linked: stored once
+    weights = tmp_path / "run" / "model" / "model.safetensors"
+    assert weights.stat().st_ino == (tmp_path / "run" / "checkpoints" / "step-000002" / "policy.safetensors").stat().st_ino
 
 
 def test_resume_continues_exactly(tiny_model_dir, tmp_path):
@@ -174,6 +177,7 @@ def test_cli_train_shows_drafting_resumes_aloud_and_exports(tiny_model_dir, tmp_
     assert main(argv + ["--steps", "1"]) == 0
     err = capsys.readouterr().err
     assert "trained 1 step ->" in err and "tokens per verification round (AAL), 100% of" in err
+    assert "first step -> last: reward " in err and ", format " in err and " in all" in err
     assert main(argv + ["--steps", "2", "--resume"]) == 0
     assert "resuming " + str(out) + " from step 1" in capsys.readouterr().err
     assert main(["export", str(out), "--out", str(tmp_path / "hf")]) == 0

@@ -223,6 +223,18 @@ class SparkFigures:
         return cls(a["spark_s"], a["spark_contexts"], a["spark_rows"])
 
 
+def disk_use(path: Path) -> str:
+    """The bytes under `path` as "1.6 GB", a file hard-linked twice counted once (the run's model folder shares
+    its weights with the last checkpoint)."""
+    seen, total = set(), 0
+    for f in path.rglob("*") if path.is_dir() else []:
+        st = f.lstat()
+        if f.is_file() and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
+    return f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.1f} MB"
+
+
 def plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
@@ -241,10 +253,14 @@ def run_train(cfg: RunConfig) -> None:
                      + (f"; generation {s.gen_s:.1f}s against an estimated {est:.1f}s autoregressive "
                         f"({est / max(s.gen_s, 1e-9):.2f}x)" if est else ""))
     if s.steps_run:
-        lines.append(f"  reward {s.reward_first:.3f} (first step) -> {s.reward_last:.3f} (last), "
-                     f"accuracy {s.accuracy_last:.2f}, {s.gen_tok_per_s:.1f} generated tok/s")
-    lines.append(f"  metrics: {s.out}/metrics.jsonl  checkpoints: {s.out}/checkpoints/  "
-                 f"model (Hugging Face): {s.out}/model/")
+        a, b = s.first, s.last
+        lines.append(f"  first step -> last: reward {a['reward_mean']:.3f} -> {b['reward_mean']:.3f}, accuracy "
+                     f"{a['accuracy']:.2f} -> {b['accuracy']:.2f}, format {a['format']:.2f} -> {b['format']:.2f}; "
+                     f"{s.gen_tok_per_s:.1f} generated tok/s")
+    out = Path(s.out)
+    lines.append(f"  metrics: {out / 'metrics.jsonl'}  checkpoints: {out / 'checkpoints'}/ "
+                 f"({disk_use(out / 'checkpoints')})  model (Hugging Face): {out / 'model'}/ ({disk_use(out / 'model')}); "
+                 f"{disk_use(out)} in all")
     print("\n".join(lines), file=sys.stderr)
 
 

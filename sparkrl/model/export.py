@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sparkrl.errors import UserError
@@ -38,6 +39,7 @@ _COPY_PREFIXES = ("tokenizer", "special_tokens_map", "chat_template", "generatio
 _COPY_SUFFIXES = (".tiktoken",)
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -104,12 +106,32 @@ def _state(policy: Transformer, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return state
 
 
-def export_model(policy: Transformer, source: Path, out: Path, *, dtype: torch.dtype | None = None) -> Path:
+def _linked(same_as: Path, state: dict[str, torch.Tensor], target: Path) -> bool:
+    """Hard-link `same_as` at `target` if it holds `state`'s tensors (names, dtypes, shapes) with the metadata
+    an export writes; False (nothing done) when it does not or the file system cannot link."""
+    try:
+        with safe_open(str(same_as), "pt") as f:
+            if f.metadata() != {"format": "pt"} or set(f.keys()) != set(state):
+                return False
+            for k, v in state.items():
+                s = f.get_slice(k)
+                if list(s.get_shape()) != list(v.shape) or s.get_dtype() != _SAFETENSORS_DTYPES.get(v.dtype):
+                    return False
+        os.link(same_as, target)
+    except OSError:
+        return False
+    return True
+
+
+def export_model(policy: Transformer, source: Path, out: Path, *, dtype: torch.dtype | None = None,
+                 same_as: Path | None = None) -> Path:
     """Write `policy` as a Hugging Face model folder at `out` (replacing a previous export); returns `out`.
 
     source: the policy's own model folder (`weights.resolve_model_path(name)`): its config.json and its
     tokenizer / chat-template / generation-config files are carried over. dtype: the saved dtype
-    (default: the policy's, that of its LM head).
+    (default: the policy's, that of its LM head). same_as: a safetensors file the caller knows holds exactly
+    these weights (a training run's last checkpoint): hard-linked as the weights file when its tensors' names,
+    dtypes and shapes match, which saves writing and storing them twice; written as usual otherwise.
     """
     source, out = Path(source), Path(out)
     if out.exists() and source.exists() and out.resolve() == source.resolve():
@@ -125,7 +147,9 @@ def export_model(policy: Transformer, source: Path, out: Path, *, dtype: torch.d
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
     old = None
     try:
-        save_file(_state(policy, dtype), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        state = _state(policy, dtype)
+        if not (same_as and _linked(Path(same_as), state, tmp / WEIGHTS)):
+            save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         for p in copies:
             shutil.copyfile(p, tmp / p.name)

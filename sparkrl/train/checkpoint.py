@@ -102,7 +102,8 @@ def save_checkpoint(out: str | Path, step: int, state: dict, keep: int) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=d, prefix=".tmp-"))
     try:
         state = dict(state)
-        save_file({k: v.detach().contiguous() for k, v in state.pop("policy").items()}, str(tmp / POLICY))
+        save_file({k: v.detach().contiguous() for k, v in state.pop("policy").items()}, str(tmp / POLICY),
+                  metadata={"format": "pt"})  # as `export.export_model` writes it, which can then link this file
         torch.save({"step": step, "rng": rng_state(), **state}, tmp / STATE)
         for f in (POLICY, STATE):
             _fsync(tmp / f)

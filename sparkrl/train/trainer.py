@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from sparkrl.train.assemble import Drafting, NoDrafting, make_drafting
-from sparkrl.train.checkpoint import load_latest, save_checkpoint, set_rng_state
+from sparkrl.train.checkpoint import POLICY, list_checkpoints, load_latest, save_checkpoint, set_rng_state
 from sparkrl.config import RunConfig, to_dict
 from sparkrl.train.data import build_prompts, load_problems
 from sparkrl.train.distributed import SINGLE, World
@@ -350,24 +350,24 @@ class Summary:
     committed: int = 0  # tokens committed by them, over row_rounds rounds of a response
     row_rounds: int = 0
     gen_ar_estimate_s: float = 0.0  # the budget's estimate of autoregressive generation (0: none)
-    reward_first: float = 0.0
-    reward_last: float = 0.0
-    accuracy_last: float = 0.0
+    first: dict = field(default_factory=dict)  # the first step's mean reward, accuracy and format rate (`LEARNING`)
+    last: dict = field(default_factory=dict)  # the last step's
 
     def add(self, m: dict) -> None:
         """A step's metrics line."""
         if not self.steps_run:
-            self.reward_first = m["reward_mean"]
+            self.first = {k: m[k] for k in LEARNING}
         self.steps_run += 1
         for k in SUMMED:
             setattr(self, k, getattr(self, k) + m.get(k, 0))
-        self.reward_last, self.accuracy_last = m["reward_mean"], m["accuracy"]
+        self.last = {k: m[k] for k in LEARNING}
 
     @property
     def gen_tok_per_s(self) -> float:
         return self.gen_tokens / max(self.gen_s, 1e-9)
 
 
+LEARNING = ("reward_mean", "accuracy", "format")  # what a `Summary` shows from its first step to its last
 SUMMED = ("gen_s", "train_s", "draft_train_s", "gen_tokens", "rounds", "tree_rounds", "committed",
           "row_rounds", "gen_ar_estimate_s")  # the metrics a `Summary` adds up
 
@@ -435,8 +435,10 @@ def _train(run: GRPORun) -> Summary:
     bar.close()
     if main and run.shards.sharded:  # the last step's checkpoint holds the whole policy
         export_run(cfg.out, str(Path(cfg.out) / "model"))
-    elif main:
-        export_model(run.policy, run.lm.path, Path(cfg.out) / "model")
+    elif main:  # the last checkpoint holds these very weights when it is of the last step: linked, not copied
+        saved = list_checkpoints(cfg.out)
+        last = saved[-1] / POLICY if saved and saved_step == cfg.steps else None
+        export_model(run.policy, run.lm.path, Path(cfg.out) / "model", same_as=last)
     return summary
 
 
