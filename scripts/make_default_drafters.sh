@@ -7,7 +7,8 @@
 # on the third's with 64 training blocks per sequence (both reuse those runs' corpus and stored policy
 # passes); their bf16 weights are copied into the package (the DFlash-style drafter's online training
 # setting reset to 8 blocks per sequence). Resumable: rerun with RESUME=--resume. Needs ../shared/data
-# (GSM8K and MATH training files); about 6.5 hours on a 2-core CPU.
+# (GSM8K and MATH training files); about 6.5 hours on a 2-core CPU. ONLY=eagle3 makes (and copies) the EAGLE3-style
+# drafter alone (about 6 hours).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EAGLE=${EAGLE:-runs/policy_only}
@@ -25,6 +26,14 @@ COMMON="--model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --
 .venv/bin/sparkrl pretrain-draft --model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 125 \
     --checkpoint-every 25 --micro-batch 8 --out "$CONT3" --draft eagle3 --init "$CONT/eagle3/drafter.safetensors" \
     --seed 2 --prompts 2000 --no-solutions --lr 3e-4 --warmup 25 --epochs 2 ${RESUME:-}
+cp "$CONT3/eagle3/drafter.safetensors" sparkrl/drafters/shipped/smollm2-135m-instruct-eagle3.safetensors
+cp "$EAGLE/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3.png
+cp "$CONT/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3-continued.png
+cp "$CONT3/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3-continued2.png
+if [ "${ONLY:-}" = eagle3 ]; then
+    echo "sparkrl: shipped EAGLE3-style drafter updated from $CONT3 (continued from $CONT, from $EAGLE)"
+    exit 0
+fi
 .venv/bin/sparkrl pretrain-draft $COMMON --out "$SHIP" --draft eagle3,dflash --prompts 512 --max-solutions 2000 ${RESUME:-}
 # the DFlash-style drafter continued on the corpora (and stored policy passes) of $CONT and $CONT3
 mkdir -p "$DFL2" "$DFL3"
@@ -38,10 +47,6 @@ done
 .venv/bin/sparkrl pretrain-draft --model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 125 \
     --checkpoint-every 25 --micro-batch 8 --out "$DFL3" --draft dflash --init "$DFL2/dflash/drafter.safetensors" \
     --seed 2 --prompts 2000 --no-solutions --lr 3e-4 --warmup 25 --epochs 1 --anchors 64 ${RESUME:-}
-cp "$CONT3/eagle3/drafter.safetensors" sparkrl/drafters/shipped/smollm2-135m-instruct-eagle3.safetensors
-cp "$EAGLE/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3.png
-cp "$CONT/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3-continued.png
-cp "$CONT3/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3-continued2.png
 # online GRPO training goes on with a drafter's own blocks per sequence: the shipped one trains with 8, as a fresh one
 .venv/bin/python - "$DFL3/dflash/drafter.safetensors" sparkrl/drafters/shipped/smollm2-135m-instruct-dflash.safetensors <<'PY'
 import sys

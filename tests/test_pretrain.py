@@ -235,13 +235,13 @@ def test_pretrain_continues_from_a_drafter_with_its_vocabulary(tiny_model_dir, t
     given = read_checkpoint(init)["state"]
     assert all(torch.equal(start[k], given[k]) for k in given) and again["draft_vocab"] == 64
     end = read_checkpoint(again["drafters"]["eagle3"]["path"])["state"]
-    assert not torch.equal(end["fuse.weight"], given["fuse.weight"])  # and it trained
+    assert not torch.equal(end["fc.weight"], given["fc.weight"])  # and it trained
     recs = [json.loads(l) for l in (tmp_path / "b" / "pre" / "pretrain.jsonl").read_text().splitlines()]
     assert json.loads((tmp_path / "b" / "pre" / "config.json").read_text())["config"]["feature_loss"] == 0.0
     assert all(r["feat"] > 0 for r in recs if not r.get("heldout"))  # reported, though not trained on
     # the drafter keeps the loss it was trained with (online training goes on with it); older files: 2
     assert load_drafter(again["drafters"]["eagle3"]["path"], args).feature_weight == 0
-    older = {**read_checkpoint(init), "settings": {}}  # a file from before the setting was saved
+    older = {**read_checkpoint(init), "settings": {"layout": "eagle3"}}  # from before the setting was saved
     assert load_drafter(older, args).feature_weight == 2
     kept = pretrain(_cfg(tmp_path / "c", tiny_model_dir, data, draft="eagle3",
                          init=again["drafters"]["eagle3"]["path"]))

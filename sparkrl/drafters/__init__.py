@@ -53,7 +53,9 @@ def load_drafter(path: str | Path | dict, policy_args: ModelArgs, kind: str | No
                         "another checkpoint")
     if ck["kind"] not in KINDS:
         raise UserError(f"{path} holds a drafter of kind {ck['kind']!r}; this sparkrl knows {', '.join(KINDS)}")
-    d = KINDS[ck["kind"]](policy_args, tuple(ck["feature_layers"]), ck["state"]["vocab_ids"], **ck.get("settings", {}))
+    cls = KINDS[ck["kind"]]
+    settings = {**getattr(cls, "LEGACY", {}), **ck.get("settings", {})}
+    d = cls(policy_args, tuple(ck["feature_layers"]), ck["state"]["vocab_ids"], **settings)
     want = d.signature()
     for k, v in ck["policy"].items():
         if want.get(k) != v:

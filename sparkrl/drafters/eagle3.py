@@ -1,10 +1,17 @@
 """EAGLE-3-style drafter (Li et al. 2025; the paper's "EAGLE3-style" setup, via FastGRPO).
 
 One decoder layer of the policy's own engine (`model.Stack`; the setting `num_layers` gives more). Its input
-at position i fuses the embedding of token i+1 with a feature for position i: at committed positions the
+at position i pairs the embedding of token i+1 with a feature for position i: at committed positions the
 policy's hidden states of a low, a middle and a high layer, concatenated and projected to d (`fc`); at drafted
 tree nodes, where the policy has not run yet, the drafter's own output at the parent (EAGLE's feature
-recurrence). It shares the policy's embedding and output head (not trained here); the head can be restricted
+recurrence). Two layouts join them (the `layout` setting):
+
+  * `eagle3` (EAGLE-3's own, the default for new drafters): the first layer's attention reads
+    cat(input_layernorm(embedding), hidden_norm(feature)), 2d wide, and the feature is its residual
+    (`Eagle3Layer`). vLLM's `eagle3` method, SGLang and `speculators` run this layout, so a drafter moves
+    between them and sparkrl (`export_draft`);
+  * `fused` (sparkrl's earlier one, which the drafters made before it keep): a linear 2d -> d of the
+    concatenated embedding and feature in front of a standard decoder layer. It shares the policy's embedding and output head (not trained here); the head can be restricted
 to a draft vocabulary of the most frequent tokens (`vocab_ids` maps back). At every drafted context it exposes
 `h` (the normed feature entering the head) and `z` (the logits): what SPARK corrects.
 
@@ -13,9 +20,8 @@ with EAGLE-3's training-time test; the feature weight is a setting (0: EAGLE-3's
 predicts token i+2: its pre-norm output is regressed on the policy's final normed hidden state at i+1, and its
 distribution over the draft vocabulary is pulled towards the policy's at i+1.
 
-Departures from EAGLE-3: the fusion is a linear 2d -> d in front of a standard decoder layer (so the policy's
-layer code serves unchanged); the feature target is the policy's final normed hidden state at the next
-position (EAGLE-1's).
+Departure from EAGLE-3: the feature term of the loss; its target is the policy's final normed hidden state at
+the next position (EAGLE-1's).
 """
 
 from __future__ import annotations
@@ -30,29 +36,59 @@ from sparkrl.drafters.base import SharedHeadDrafter, target_probs
 from sparkrl.engine.records import DraftStep
 from sparkrl.drafters.tree import propose
 from sparkrl.model.kvcache import KVCache
-from sparkrl.model.transformer import Linear, ModelArgs, Stack
+from sparkrl.model.transformer import DecoderLayer, Linear, ModelArgs, RMSNorm, Stack
 
 KIND = "eagle3"
+LAYOUTS = ("eagle3", "fused")
+
+
+class Eagle3Layer(DecoderLayer):
+    """EAGLE-3's first decoder layer. Its input x (B, T, 2d) is cat(embedding, feature): the attention reads
+    cat(input_layernorm(embedding), hidden_norm(feature)) with 2d-wide q/k/v projections, and the feature is the
+    residual. The rest is a standard decoder layer (vLLM's `llama_eagle3.py` computes the same)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        d, a = args.hidden_size, self.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(a, name, Linear(2 * d, getattr(a, name).out_features, bias=args.qkv_bias))
+        self.hidden_norm = RMSNorm(d, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer, cache, ctx):
+        emb, feat = x.chunk(2, dim=-1)
+        h = torch.cat([self.input_layernorm(emb), self.hidden_norm(feat)], dim=-1)
+        x = feat + self.self_attn(h, cos, sin, layer, cache, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Eagle3Drafter(SharedHeadDrafter):
     kind = KIND
+    LEGACY = {"layout": "fused"}  # the settings a checkpoint that does not record them was made with
 
     def __init__(self, policy_args: ModelArgs, feature_layers: tuple[int, ...] | None = None,
-                 vocab_ids: torch.Tensor | None = None, feature_weight: float = 2.0, num_layers: int = 1):
+                 vocab_ids: torch.Tensor | None = None, feature_weight: float = 2.0, num_layers: int = 1,
+                 layout: str = "eagle3"):
         super().__init__(policy_args, feature_layers, vocab_ids)
+        if layout not in LAYOUTS:
+            raise ValueError(f"EAGLE3-style layout {layout!r}: one of {', '.join(LAYOUTS)}")
         self.feature_weight = feature_weight  # of the feature term in `draft_loss`; saved with the
         # checkpoint, so online training goes on with the loss the drafter was pretrained with
         self.num_layers = num_layers  # decoder layers (EAGLE-3: one)
+        self.layout = layout
         d = policy_args.hidden_size
-        self.fuse = Linear(2 * d, d, bias=False)
         self.stack = Stack(dataclasses.replace(policy_args, num_layers=num_layers))
+        if layout == "eagle3":
+            self.stack.layers[0] = Eagle3Layer(self.stack.args)
+        else:
+            self.fuse = Linear(2 * d, d, bias=False)
 
     def forward(self, tokens: torch.Tensor, feats: torch.Tensor, cache: KVCache | None = None, *,
                 tree_mask=None, depth=None, mask=None, past=None, head: bool = True) -> DraftStep:
         """tokens (B, T) (next tokens, policy ids), feats (B, T, d) -> DraftStep at these positions
         (head=False: without the logits; mask, past: training forwards, see `model.Stack.forward`)."""
-        x = self.fuse(torch.cat([self.embed(tokens).to(feats.dtype), feats], dim=-1))
+        x = torch.cat([self.embed(tokens).to(feats.dtype), feats], dim=-1)
+        if self.layout == "fused":
+            x = self.fuse(x)
         last = self.num_layers - 1
         out = self.stack(x, cache, tree_mask=tree_mask, depth=depth, taps=(last,), mask=mask, past=past)
         return DraftStep(out.hidden, out.taps[last], self.logits(out.hidden) if head else None)
@@ -68,7 +104,7 @@ class Eagle3Drafter(SharedHeadDrafter):
         cache.commit(n_keep=lens - 1)
 
     def settings(self) -> dict:
-        return {"feature_weight": self.feature_weight, "num_layers": self.num_layers}
+        return {"feature_weight": self.feature_weight, "num_layers": self.num_layers, "layout": self.layout}
 
     propose = propose  # trees or sampled chains (drafters/tree.py)
 

@@ -296,6 +296,8 @@ def drafter_trainers(cfg: PretrainConfig, master, vocab_ids: torch.Tensor | None
         settings = {"block_size": cfg.block_size} if kind == "dflash" else {}
         if cfg.draft_layers:
             settings["num_layers"] = cfg.draft_layers
+        if kind == "eagle3":
+            settings["layout"] = cfg.draft_layout
         # --init: continued pretraining, from the checkpoint's weights and draft vocabulary
         drafter = inits[kind] if kind in inits else KINDS[kind](master.args, vocab_ids=vocab_ids, **settings)
         if kind == "eagle3" and cfg.feature_loss >= 0:  # else a fresh drafter's 2, an --init drafter's own
