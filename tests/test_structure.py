@@ -11,8 +11,9 @@ ROOT = Path(__file__).resolve().parents[1] / "sparkrl"
 # Optional or heavy dependencies that may be imported where they are used (each only costs when needed).
 # FSDP2 (torch.distributed.fsdp / .tensor): about a second of start-up, needed only by --shard-policy fsdp.
 # torch.utils.cpp_extension: the compiled kernels' build (setuptools and the compiler tooling), loaded when first wanted
+# vllm: an optional extra (sparkrl[vllm]), 10 s to import, only for --engine vllm and its plugin
 LAZY_OK = {"matplotlib", "transformers", "datasets", "pyarrow", "math_verify", "huggingface_hub",
-           "torch.distributed.fsdp", "torch.distributed.tensor", "torch.utils.cpp_extension"}
+           "torch.distributed.fsdp", "torch.distributed.tensor", "torch.utils.cpp_extension", "vllm"}
 
 
 def lazy_ok(module: str) -> bool:
@@ -27,6 +28,7 @@ LAYERS = [
     {"model"},  # the Transformer, weights, export, log-probabilities: the reference semantics
     {"engine"},  # sampling, verification, AR and speculative rounds, budget, SPARK, records
     {"drafters", "cpu"},  # what proposes tokens; the CPU speed layer
+    {"vllm"},  # sparkrl's drafters in vLLM: their export, the plugin
     {"train"},  # GRPO, data, trainer, draft training, checkpoints, ranks, assembly of a rollout
     {"commands"},  # the command line, bench, analysis, TRL adapter
     {"__main__"},  # python -m sparkrl

@@ -16,6 +16,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from functools import cache
+from typing import Literal
 from pathlib import Path
 
 from sparkrl.commands.analysis import run as run_analysis
@@ -30,7 +31,7 @@ from sparkrl.machine import set_threads
 from sparkrl.train.precision import rollout_copy, rollout_dtype
 from sparkrl.train.pretrain import pretrain
 from sparkrl.engine.rollout import response_generators
-from sparkrl.train.rundir import export_run
+from sparkrl.train.rundir import export_drafter, export_run
 from sparkrl.train.trainer import train
 from sparkrl.model.weights import load_model
 
@@ -88,6 +89,24 @@ class ExportConfig(Checked):
         require(bool(self.out), "--out is required: the Hugging Face model folder to write")
 
 
+@dataclass(frozen=True)
+class ExportDraftConfig(Checked):
+    drafter: str = option("", positional=True)
+    """The EAGLE3-style drafter: a `sparkrl train --out` folder (its latest checkpoint's drafter) or one of its
+    checkpoints/step-N folders, a `pretrain-draft` drafter file, or 'default' (the one shipped for the default
+    model)."""
+    model: str = ""
+    """The policy the drafter serves, whose output head and config the export takes ('' : a run's own policy at
+    that checkpoint, else 'default')."""
+    out: str = option("", required=True)
+    """The folder to write: config.json, model.safetensors (EAGLE-3's names), sparkrl_draft.json."""
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """The weights' dtype (vLLM runs the drafter in the policy's)."""
+
+    def validate(self):
+        require(bool(self.drafter), "give the drafter to export: sparkrl export-draft RUN_DIR|FILE|default --out DIR")
+        require(bool(self.out), "--out is required: the folder to write the vLLM drafter checkpoint to")
+
 
 COMMANDS = {
     "train": (RunConfig, "GRPO training (rollouts, rewards, policy updates, checkpoints)"),
@@ -96,6 +115,7 @@ COMMANDS = {
     "bench": (BenchConfig, "reproduce the paper's Table 1 (or, with --ablations, Table 2) on this machine"),
     "analyze": (AnalyzeConfig, "paper section-2 miss statistics (Fig. 2, Fig. 4) of round logs from --round-log"),
     "export": (ExportConfig, "write a trained policy as a Hugging Face model folder (transformers loads it)"),
+    "export-draft": (ExportDraftConfig, "write an EAGLE3-style drafter as the checkpoint vLLM's eagle3 method loads"),
 }
 
 
@@ -295,6 +315,12 @@ def run_export(cfg: ExportConfig) -> None:
           file=sys.stderr)
 
 
+def run_export_draft(cfg: ExportDraftConfig) -> None:
+    what, out = export_drafter(cfg.drafter, cfg.model, cfg.out, cfg.dtype)
+    print(f"sparkrl: exported {what} -> {out} (vLLM: speculative_config={{\"method\": \"eagle3\", \"model\": "
+          f"\"{out}\", \"num_speculative_tokens\": 3}})", file=sys.stderr)
+
+
 def run_bench(cfg: BenchConfig) -> None:
     res = bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     print((Path(cfg.out) / "bench.md").read_text(), end="")
@@ -306,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cmd, cfg = parse(sys.argv[1:] if argv is None else argv)
         {"train": run_train, "generate": run_generate, "pretrain-draft": run_pretrain, "analyze": run_analyze,
-         "bench": run_bench, "export": run_export}[cmd](cfg)
+         "bench": run_bench, "export": run_export,
+         "export-draft": run_export_draft}[cmd](cfg)
     except UserError as e:
         print(f"sparkrl: error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """A GRPO run's folder: config.json (the resolved settings; a resumed run must match them), metrics.jsonl
-(one line per step), the trimming of lines a resumed run writes again, and the export of its latest
-checkpoint as a Hugging Face model folder."""
+(one line per step), the trimming of lines a resumed run writes again, and the exports of its latest
+checkpoint: the policy as a Hugging Face model folder, the drafter as vLLM's EAGLE-3 checkpoint."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ from sparkrl.config import RunConfig, to_dict
 from sparkrl.errors import UserError, writable_dir
 from sparkrl.model.export import export_model
 from sparkrl.model.weights import load_model
-from sparkrl.train.checkpoint import checkpoints_at, list_checkpoints, load_checkpoint, remove_stale
+from sparkrl.drafters import find_checkpoint, load_drafter
+from sparkrl.drafters.base import read_checkpoint
+from sparkrl.train.checkpoint import checkpoints_at, drafter_source, list_checkpoints, load_checkpoint, remove_stale
+from sparkrl.vllm.export import export_draft
 
 # Settings that may change between a run and its resumption (they do not change the maths).
 # A checkpoint holds whole tensors whatever --shard-policy wrote it.
@@ -65,13 +68,9 @@ def write_run_config(cfg: RunConfig, resolved: dict) -> None:
                                                            "sparkrl": __version__, "torch": torch.__version__}, indent=2))
 
 
-def export_run(run_dir: str, out: str) -> tuple[int, Path]:
-    """Export a run's latest checkpoint (or the checkpoints/step-N folder given) as a Hugging Face folder;
-    returns (its step, the folder)."""
-    if Path(out).exists() and not Path(out).is_dir():
-        raise UserError(f"--out {out} is a file, not a folder; pass a folder (new or existing)")
-    writable_dir(Path(out).absolute().parent, "the folder of --out")  # the export is written beside it, then renamed
-    steps = checkpoints_at(run_dir)
+def run_policy(run_dir: str, steps: list[Path]):
+    """The policy of a run's checkpoint `steps[-1]` (a `weights.LoadedModel`, without its tokenizer), and the
+    checkpoint."""
     if not steps:
         raise UserError(f"{run_dir} holds no checkpoint: pass a `sparkrl train --out` folder or one of its "
                         "checkpoints/step-N folders")
@@ -82,7 +81,43 @@ def export_run(run_dir: str, out: str) -> tuple[int, Path]:
     if missing or unexpected:
         raise UserError(f"{steps[-1]} does not fit {ck['config']['model']['model']} (missing {missing[:3]}, "
                         f"unexpected {unexpected[:3]})")
+    return lm, ck
+
+
+def check_out_folder(out: str) -> None:
+    """--out of an export: a folder (new or existing) whose parent takes the temporary it is written through."""
+    if Path(out).exists() and not Path(out).is_dir():
+        raise UserError(f"--out {out} is a file, not a folder; pass a folder (new or existing)")
+    writable_dir(Path(out).absolute().parent, "the folder of --out")  # the export is written beside it, then renamed
+
+
+def export_run(run_dir: str, out: str) -> tuple[int, Path]:
+    """Export a run's latest checkpoint (or the checkpoints/step-N folder given) as a Hugging Face folder;
+    returns (its step, the folder)."""
+    check_out_folder(out)
+    lm, ck = run_policy(run_dir, checkpoints_at(run_dir))
     return ck["step"], export_model(lm.model, lm.path, Path(out))
+
+
+def export_drafter(source: str, model: str, out: str, dtype: str = "bfloat16") -> tuple[str, Path]:
+    """Write an EAGLE3-style drafter as the checkpoint vLLM's `eagle3` method loads (`vllm.export.export_draft`):
+    a GRPO run's (its latest checkpoint's drafter, with the policy it served then), or a drafter checkpoint
+    (`--draft-checkpoint`'s values: default, a file) serving `model`. Returns (what was exported, the folder)."""
+    check_out_folder(out)
+    steps = checkpoints_at(source) if Path(source).is_dir() else []
+    if steps:
+        lm, ck = run_policy(source, steps)
+        what = f"the drafter of {steps[-1]}"
+        if "draft" not in ck or not isinstance(ck["draft"], dict) or "drafter" not in ck["draft"]:
+            raise UserError(f"{steps[-1]} holds no drafter: the run trained with --draft none")
+    else:
+        lm = load_model(model or "default", with_tokenizer=False)
+        what = find_checkpoint(source, "eagle3", lm.model, flag="the drafter")
+        if what is None:
+            raise UserError(f"no drafter named by {source!r}: pass a drafter file, a run folder, or 'default'")
+    d = load_drafter(read_checkpoint(drafter_source(what)), lm.model.args, "eagle3", what).bind(lm.model)
+    config = json.loads((lm.path / "config.json").read_text())
+    return what, export_draft(d.to(lm.model.lm_head.weight.dtype), lm.model, config, Path(out), getattr(torch, dtype))
 
 
 def append_metrics(out: str, m: dict) -> None:

@@ -1,0 +1,146 @@
+"""vLLM-CPU (the sparkrl[vllm] extra) running sparkrl's exported EAGLE3-style drafter: greedy speculative tokens
+equal greedy autoregressive ones, and sampled ones (temperature 1, top-p 0.95) follow the policy's distribution,
+a chi-square test that fails with vLLM-CPU 0.32's own expand kernel and passes with sparkrl's plugin.
+
+One engine per kind for the whole module, in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the test can
+switch the plugin's fix off and on between requests), on the exactness tests' tiny policy (6 tokens, peaked)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+from helpers import EOS, V, chi_square_pvalue, hf_model, ours_from_hf
+from sparkrl.config import SamplingConfig
+from sparkrl.drafters.eagle3 import Eagle3Drafter, draft_loss
+from sparkrl.engine.rollout import generate
+from sparkrl.engine.sampling import target_probs
+from sparkrl.vllm import plugin
+from sparkrl.vllm.export import export_draft
+
+vllm = pytest.importorskip("vllm", reason="vLLM is the sparkrl[vllm] extra (scripts/setup.sh installs it)")
+
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+       "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+PROMPT = [1, 3, 2, 0]
+SAMPLES = 3000
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(the policy's folder, its exported random drafter's folder, the policy as sparkrl runs it)."""
+    root = tmp_path_factory.mktemp("vllm")
+    hf = hf_model("llama", vocab_size=V, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1,  # head_dim 64: vLLM-CPU attention wants 32 or more
+                  tie_word_embeddings=False, eos_token_id=EOS, bos_token_id=0, pad_token_id=0)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(6.0)  # peaked distributions, as the exactness tests' small_policy
+    hf.save_pretrained(root / "policy")
+    policy = ours_from_hf(hf)
+    drafter = trained_drafter(policy)
+    export_draft(drafter, policy, hf.config.to_dict(), root / "draft", dtype=torch.float32)
+    return root / "policy", root / "draft", policy
+
+
+def trained_drafter(policy, steps: int = 150):
+    """An EAGLE3-style drafter trained for a few seconds on the policy's own samples, so that vLLM accepts some of
+    its drafts (and the tests reach the acceptance path, not only the rejections)."""
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(policy.args, feature_layers=(0, 1)).bind(policy)
+    gens = [torch.Generator().manual_seed(i) for i in range(32)]
+    toks = torch.tensor([PROMPT + list(r) + [EOS] * (24 - len(r)) for r in generate(
+        policy, [PROMPT], SamplingConfig(1.0, 0.95, 24), (), gens, group_size=32).tokens])
+    with torch.no_grad():
+        out = policy(toks, taps=drafter.feature_layers)
+        logits = policy.logits(out.hidden)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss, _ = draft_loss(drafter, toks, out.taps, out.hidden, logits, torch.ones_like(toks, dtype=torch.bool))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.requires_grad_(False)
+
+
+def engine(policy_dir, draft_dir=None, k: int = 3):
+    os.environ.update(ENV)
+    spec = {"speculative_config": {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}} \
+        if draft_dir else {}
+    return vllm.LLM(model=str(policy_dir), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                    max_model_len=64, seed=0, disable_log_stats=False, **spec)
+
+
+def responses(llm, temperature: float, n: int, max_tokens: int) -> list[tuple[int, ...]]:
+    """n responses of exactly max_tokens tokens to PROMPT (EOS is a token like any other here)."""
+    params = vllm.SamplingParams(n=n, temperature=temperature, top_p=0.95 if temperature else 1.0,
+                                 max_tokens=max_tokens, ignore_eos=True, seed=None)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+    return [tuple(o.token_ids) for o in out.outputs]
+
+
+@pytest.fixture(scope="module")
+def greedy_ar(pair):
+    llm = engine(pair[0])
+    got = responses(llm, 0.0, 1, 24)
+    del llm
+    gc.collect()
+    return got
+
+
+@pytest.fixture(scope="module")
+def spec_engine(pair, greedy_ar):
+    plugin.register()  # what vLLM does with sparkrl's entry point in each process it starts
+    return engine(pair[0], pair[1])
+
+
+def test_the_plugin_is_an_entry_point_vllm_loads():
+    from importlib.metadata import entry_points
+
+    assert any(e.value == "sparkrl.vllm.plugin:register" for e in entry_points(group="vllm.general_plugins"))
+
+
+def pair_probs(policy, temperature: float, top_p: float) -> dict[tuple[int, int], float]:
+    """The exact probability of every two-token response to PROMPT (EOS not ending it)."""
+    with torch.no_grad():
+        first = target_probs(policy.logits(policy(torch.tensor([PROMPT])).hidden[:, -1]), temperature, top_p)[0]
+        second = target_probs(policy.logits(policy(torch.tensor([PROMPT + [t] for t in range(V)])).hidden[:, -1]),
+                              temperature, top_p)
+    return {(a, b): float(first[a] * second[a, b]) for a in range(V) for b in range(V)}
+
+
+def spec_counts(llm) -> dict[str, float]:
+    """vLLM's cumulative speculative-decoding counters: drafts, draft_tokens, accepted_tokens."""
+    return {m.name.removeprefix("vllm:spec_decode_num_"): m.value for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")}
+
+
+def test_greedy_speculative_tokens_are_greedy_autoregressive_ones(spec_engine, greedy_ar):
+    assert responses(spec_engine, 0.0, 1, 24) == greedy_ar
+    c = spec_counts(spec_engine)
+    assert c["drafts"] > 0 and c["accepted_tokens"] > 0  # drafts were verified, and some accepted
+
+
+@pytest.mark.slow
+def test_sampled_speculative_tokens_follow_the_policy_and_need_the_plugin(spec_engine, pair):
+    probs = pair_probs(pair[2], 1.0, 0.95)
+    before = spec_counts(spec_engine)
+    fixed = responses(spec_engine, 1.0, SAMPLES, 2)
+    after = spec_counts(spec_engine)
+    assert after["accepted_tokens"] - before["accepted_tokens"] > SAMPLES / 10  # many second tokens were drafts
+    plugin.use(plugin.original())  # vLLM-CPU 0.32's own expand kernel
+    try:
+        broken = responses(spec_engine, 1.0, SAMPLES, 2)
+    finally:
+        plugin.use(plugin.expanded)
+    assert chi_square_pvalue(fixed, probs) > 1e-3
+    with pytest.raises(AssertionError):  # an impossible outcome, or a p-value no seed gives
+        assert chi_square_pvalue(broken, probs) > 1e-6
+
+
+def test_expand_kernel_spreads_each_requests_value_over_its_positions():
+    out = torch.empty(6)
+    plugin.expanded(out, torch.tensor([0.7, -1.0, 1.3]), torch.tensor([2, 5, 6], dtype=torch.int32), -1, 1)
+    assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 1.3])
