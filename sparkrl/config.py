@@ -303,13 +303,31 @@ class DraftConfig(Checked):
     round_log: str = ""
     """Append each rollout's per-token drafting outcomes (hit, miss, undrafted; round) to this JSONL
     file, for `sparkrl analyze`."""
+    engine: Literal["sparkrl", "vllm"] = "sparkrl"
+    """What generates: sparkrl's own engine, or vLLM's offline engine (the sparkrl[vllm] extra), with an EAGLE3-style
+    drafter exported to it (`sparkrl export-draft`). vLLM drafts chains only, of a fixed length (--tree-depth, with
+    --draft-mode chain --budget fixed): no trees, no budget, no DFlash-style drafter, no round log."""
     spark_config: SparkConfig = SparkConfig()
 
     def validate(self):
         existing_checkpoint("--draft-checkpoint", self.draft_checkpoint)
         require(self.draft != "none" or not self.spark_config.spark, "--spark corrects a drafter: pass --draft eagle3 or dflash")
+        if self.engine == "vllm":
+            self.check_vllm()
         if self.draft != "none":
             self.shape()  # checks the tree fields (`TreeShape`)
+
+    def check_vllm(self) -> None:
+        """What --engine vllm cannot do, refused in one line each."""
+        require(self.draft != "dflash", "--engine vllm runs EAGLE3-style drafters only (vLLM's dflash method wants a "
+                "Qwen3-style block drafter): pass --draft eagle3 or none")
+        if self.draft == "eagle3":
+            require(self.draft_mode == "chain", "--engine vllm drafts chains, not trees: pass --draft-mode chain "
+                    "(--tree-depth drafted tokens a round)")
+            require(self.budget == "fixed", "--engine vllm drafts a fixed chain length every round (vLLM has no "
+                    "speculation budget): pass --budget fixed")
+        require(not self.spark_config.spark, "--spark inside vLLM is not built yet: use --engine sparkrl")
+        require(not self.round_log, "--round-log records sparkrl's own rounds: use --engine sparkrl")
 
     def shape(self) -> TreeShape:
         if self.draft == "dflash":
@@ -341,6 +359,8 @@ class RunConfig(Checked):
 
     def validate(self):
         require(bool(self.out), "--out is required: the directory for config, metrics and checkpoints")
+        require(self.draft.engine == "sparkrl", "train --engine vllm (weight updates into vLLM between steps) is not "
+                "built yet: train with --engine sparkrl; `sparkrl generate --engine vllm` runs")
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether step `step` (1-based, just finished) writes a checkpoint."""

@@ -203,6 +203,12 @@ def test_cli_train_shows_drafting_resumes_aloud_and_exports(tiny_model_dir, tmp_
     (["generate", "--prompts-file", "p.jsonl"], "p.jsonl:2: no 'prompt' string"),
     (["generate", "--prompts-file", "q.jsonl"], "q.jsonl:1: not JSON"),
     (["generate", "--prompts-file", "none.txt"], "does not exist"),
+    (["generate", "--prompt", "x", "--engine", "vllm", "--draft", "eagle3"], "--engine vllm drafts chains, not trees"),
+    (["generate", "--prompt", "x", "--engine", "vllm", "--draft", "eagle3", "--draft-mode", "chain"],
+     "pass --budget fixed"),
+    (["generate", "--prompt", "x", "--engine", "vllm", "--draft", "dflash"], "EAGLE3-style drafters only"),
+    (["export-draft", "default", "--out", "d"], "fused layout"),
+    (["train", "--out", "X", "--engine", "vllm"], "train --engine vllm (weight updates"),
 ])
 def test_new_user_mistakes_are_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):
     if "cuda" in " ".join(argv) and torch.cuda.is_available():

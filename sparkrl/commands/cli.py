@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import json
 import sys
+import tempfile
 import textwrap
 from dataclasses import dataclass
 from functools import cache
@@ -21,7 +22,9 @@ from pathlib import Path
 
 from sparkrl.commands.analysis import run as run_analysis
 from sparkrl.commands.bench import BenchConfig, bench
-from sparkrl.train.assemble import make_drafting
+from sparkrl.train.assemble import make_drafter, make_drafting
+from sparkrl.vllm.engine import VllmEngine
+from sparkrl.vllm.export import export_draft
 from sparkrl.config import (Checked, DraftConfig, ModelConfig, PretrainConfig, RunConfig, SamplingConfig, at_least,
                             build, choices, option, require)
 from sparkrl.train.data import chat_prompt_ids, read_prompts_file
@@ -193,25 +196,20 @@ def run_generate(cfg: GenerateConfig) -> None:
     set_threads(cfg.model.threads)
     lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
     dt = rollout_dtype(cfg.model.rollout_dtype, lm.model)
-    rollout = rollout_copy(lm.model, dt, cfg.model.cpu_kernels, cfg.model.rollout_head == "float32")
-    lm.model = rollout.model  # nothing trains here
     tok = lm.tokenizer
     prompts = [tok(t, add_special_tokens=False)["input_ids"] if cfg.raw else chat_prompt_ids(tok, t) for t in texts]
     if any(not p for p in prompts):
         raise UserError("a prompt is empty after tokenization")
+    if cfg.draft.engine == "vllm":
+        return generate_with_vllm(cfg, lm, dt, prompts)
+    rollout = rollout_copy(lm.model, dt, cfg.model.cpu_kernels, cfg.model.rollout_head == "float32")
+    lm.model = rollout.model  # nothing trains here
     gens = response_generators(cfg.seed, len(prompts), cfg.n)
     d = make_drafting(cfg.draft, lm.model, rollout, cfg.sampling.temperature, cfg.seed)
     r = d.engine.generate(lm.model, prompts, cfg.sampling, lm.eos_ids, gens, group_size=cfg.n, sampler=rollout.sampler)
     if cfg.draft.round_log and r.stats.depth:  # the outcomes of a speculative rollout
         r.append_round_log(cfg.draft.round_log, spark=d.adapts, seed=cfg.seed)
-    for i, toks in enumerate(r.tokens):
-        text = tok.decode(toks, skip_special_tokens=True)
-        if cfg.json:
-            print(json.dumps({"prompt_index": i // cfg.n, "response_index": i % cfg.n,
-                              "prompt_token_ids": r.prompt_of(i), "text": text, "token_ids": toks,
-                              "finish_reason": r.finish_reason[i]}), flush=True)
-        else:
-            print(f"--- prompt {i // cfg.n} response {i % cfg.n} ({r.finish_reason[i]}) ---\n{text}", flush=True)
+    print_responses(cfg, tok, prompts, r.tokens, r.finish_reason)
     s = r.stats
     print(f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({r.num_tokens / max(r.gen_s, 1e-9):.1f} tok/s), "
           f"{s.policy_forwards} policy forwards", file=sys.stderr)
@@ -226,6 +224,38 @@ def run_generate(cfg: GenerateConfig) -> None:
               f"{{{sizes}}}), "
               f"acceptance per depth [{depth}], "
               f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s accept+commit {s.accept_s:.2f}s{spark}", file=sys.stderr)
+
+
+def print_responses(cfg: GenerateConfig, tok, prompts, tokens, finish_reason) -> None:
+    """The responses on stdout, as text or one JSON object each (--json)."""
+    for i, toks in enumerate(tokens):
+        text = tok.decode(toks, skip_special_tokens=True)
+        if cfg.json:
+            print(json.dumps({"prompt_index": i // cfg.n, "response_index": i % cfg.n,
+                              "prompt_token_ids": prompts[i // cfg.n], "text": text, "token_ids": toks,
+                              "finish_reason": finish_reason[i]}), flush=True)
+        else:
+            print(f"--- prompt {i // cfg.n} response {i % cfg.n} ({finish_reason[i]}) ---\n{text}", flush=True)
+
+
+def generate_with_vllm(cfg: GenerateConfig, lm, dtype, prompts) -> None:
+    """`generate --engine vllm`: the policy served by vLLM, the --draft eagle3 drafter exported to it."""
+    with tempfile.TemporaryDirectory(prefix="sparkrl-draft-") as tmp:
+        draft = None
+        if cfg.draft.draft == "eagle3":
+            d = make_drafter(cfg.draft, lm.model, cfg.seed)
+            draft = export_draft(d, lm.model, json.loads((lm.path / "config.json").read_text()), Path(tmp) / "draft")
+        longest = max(map(len, prompts)) + cfg.sampling.max_new_tokens + cfg.draft.tree_depth + 1
+        eng = VllmEngine(lm.path, lm.model.args, str(dtype).removeprefix("torch."), draft, cfg.draft.tree_depth,
+                         longest, cfg.seed)
+        r = eng.generate(prompts, cfg.sampling, lm.eos_ids, cfg.n, cfg.seed)
+    print_responses(cfg, lm.tokenizer, prompts, r.tokens, r.finish_reason)
+    print(f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({r.num_tokens / max(r.gen_s, 1e-9):.1f} tok/s), vLLM",
+          file=sys.stderr)
+    if draft is not None:
+        depth = " ".join(f"{a:.2f}" for a in r.acceptance())
+        print(f"sparkrl: drafting (vLLM, chains of {cfg.draft.tree_depth}): aal {r.aal:.2f}, "
+              f"{int(r.drafted['drafts'])} rounds, acceptance per position [{depth}]", file=sys.stderr)
 
 
 @dataclass

@@ -38,7 +38,7 @@ _COPY_PREFIXES = ("tokenizer", "special_tokens_map", "chat_template", "generatio
                   "vocab.", "merges.", "preprocessor_config")
 _COPY_SUFFIXES = (".tiktoken",)
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -86,7 +86,7 @@ def _config(source: Path, policy: Transformer, dtype: torch.dtype) -> dict:
                         "export from the folder the policy was loaded from")
     cfg.pop("quantization_config", None)  # the exported weights are plain tensors
     if not cfg.get("architectures"):
-        cfg["architectures"] = [_ARCHITECTURES[args.arch]]
+        cfg["architectures"] = [ARCHITECTURES[args.arch]]
     cfg["dtype"] = cfg["torch_dtype"] = _DTYPE_NAMES[dtype]  # transformers >= 4.56 reads dtype, older torch_dtype
     cfg["tie_word_embeddings"] = args.tie_word_embeddings
     return cfg

