@@ -7,6 +7,7 @@ switch the plugin's fix off and on between requests), on the exactness tests' ti
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 
@@ -19,7 +20,8 @@ from sparkrl.drafters.eagle3 import Eagle3Drafter, draft_loss
 from sparkrl.engine.rollout import generate
 from sparkrl.engine.sampling import target_probs
 from sparkrl.vllm import plugin
-from sparkrl.vllm.export import export_draft
+from sparkrl.vllm.engine import VllmEngine
+from sparkrl.vllm.export import eagle3_weights, export_draft
 
 vllm = pytest.importorskip("vllm", reason="vLLM is the sparkrl[vllm] extra (scripts/setup.sh installs it)")
 
@@ -31,7 +33,7 @@ SAMPLES = 3000
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """(the policy's folder, its exported random drafter's folder, the policy as sparkrl runs it)."""
+    """(the policy's folder, its exported drafter's folder, the policy as sparkrl runs it, the drafter)."""
     root = tmp_path_factory.mktemp("vllm")
     hf = hf_model("llama", vocab_size=V, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1,  # head_dim 64: vLLM-CPU attention wants 32 or more
@@ -42,7 +44,7 @@ def pair(tmp_path_factory):
     policy = ours_from_hf(hf)
     drafter = trained_drafter(policy)
     export_draft(drafter, policy, hf.config.to_dict(), root / "draft", dtype=torch.float32)
-    return root / "policy", root / "draft", policy
+    return root / "policy", root / "draft", policy, drafter
 
 
 def trained_drafter(policy, steps: int = 150):
@@ -65,27 +67,24 @@ def trained_drafter(policy, steps: int = 150):
     return drafter.requires_grad_(False)
 
 
-def engine(policy_dir, draft_dir=None, k: int = 3):
+def engine(pair, draft: bool = True) -> VllmEngine:
     os.environ.update(ENV)
-    spec = {"speculative_config": {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}} \
-        if draft_dir else {}
-    return vllm.LLM(model=str(policy_dir), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-                    max_model_len=64, seed=0, disable_log_stats=False, **spec)
+    return VllmEngine(pair[0], pair[2].args, "float32", pair[1] if draft else None, 3, 64)
 
 
-def responses(llm, temperature: float, n: int, max_tokens: int) -> list[tuple[int, ...]]:
+def responses(eng: VllmEngine, temperature: float, n: int, max_tokens: int) -> list[tuple[int, ...]]:
     """n responses of exactly max_tokens tokens to PROMPT (EOS is a token like any other here)."""
     params = vllm.SamplingParams(n=n, temperature=temperature, top_p=0.95 if temperature else 1.0,
                                  max_tokens=max_tokens, ignore_eos=True, seed=None)
-    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+    out = eng.llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
     return [tuple(o.token_ids) for o in out.outputs]
 
 
 @pytest.fixture(scope="module")
 def greedy_ar(pair):
-    llm = engine(pair[0])
-    got = responses(llm, 0.0, 1, 24)
-    del llm
+    eng = engine(pair, draft=False)
+    got = responses(eng, 0.0, 1, 24)
+    del eng
     gc.collect()
     return got
 
@@ -93,7 +92,7 @@ def greedy_ar(pair):
 @pytest.fixture(scope="module")
 def spec_engine(pair, greedy_ar):
     plugin.register()  # what vLLM does with sparkrl's entry point in each process it starts
-    return engine(pair[0], pair[1])
+    return engine(pair)
 
 
 def test_the_plugin_is_an_entry_point_vllm_loads():
@@ -111,24 +110,18 @@ def pair_probs(policy, temperature: float, top_p: float) -> dict[tuple[int, int]
     return {(a, b): float(first[a] * second[a, b]) for a in range(V) for b in range(V)}
 
 
-def spec_counts(llm) -> dict[str, float]:
-    """vLLM's cumulative speculative-decoding counters: drafts, draft_tokens, accepted_tokens."""
-    return {m.name.removeprefix("vllm:spec_decode_num_"): m.value for m in llm.get_metrics()
-            if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")}
-
-
 def test_greedy_speculative_tokens_are_greedy_autoregressive_ones(spec_engine, greedy_ar):
     assert responses(spec_engine, 0.0, 1, 24) == greedy_ar
-    c = spec_counts(spec_engine)
+    c = spec_engine.counters()
     assert c["drafts"] > 0 and c["accepted_tokens"] > 0  # drafts were verified, and some accepted
 
 
 @pytest.mark.slow
 def test_sampled_speculative_tokens_follow_the_policy_and_need_the_plugin(spec_engine, pair):
     probs = pair_probs(pair[2], 1.0, 0.95)
-    before = spec_counts(spec_engine)
+    before = spec_engine.counters()
     fixed = responses(spec_engine, 1.0, SAMPLES, 2)
-    after = spec_counts(spec_engine)
+    after = spec_engine.counters()
     assert after["accepted_tokens"] - before["accepted_tokens"] > SAMPLES / 10  # many second tokens were drafts
     plugin.use(plugin.original())  # vLLM-CPU 0.32's own expand kernel
     try:
@@ -144,3 +137,41 @@ def test_expand_kernel_spreads_each_requests_value_over_its_positions():
     out = torch.empty(6)
     plugin.expanded(out, torch.tensor([0.7, -1.0, 1.3]), torch.tensor([2, 5, 6], dtype=torch.int32), -1, 1)
     assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 1.3])
+
+
+def greedy_sparkrl(policy, n: int) -> tuple[int, ...]:
+    return tuple(generate(policy, [PROMPT], SamplingConfig(0.0, 1.0, n), (), [torch.Generator()]).tokens[0])
+
+
+def aal(eng: VllmEngine) -> float:
+    before = eng.counters()
+    responses(eng, 1.0, 200, 8)
+    after = eng.counters()
+    return 1 + (after["accepted_tokens"] - before["accepted_tokens"]) / (after["drafts"] - before["drafts"])
+
+
+def test_new_policy_and_drafter_weights_reach_the_running_engine(spec_engine, pair):
+    """A deliberately large policy update (the output head's rows rotated) changes vLLM's greedy tokens to the
+    updated policy's; an untrained drafter loaded in place of the trained one loses its acceptance, and the trained
+    one loaded back regains it. Both loads in place, the engine running throughout."""
+    policy, drafter = pair[2], pair[3]
+    updated = copy.deepcopy(policy)
+    with torch.no_grad():
+        updated.lm_head.weight.copy_(policy.lm_head.weight.roll(1, 0))
+    want = greedy_sparkrl(updated, 12)
+    assert want != greedy_sparkrl(policy, 12)
+    try:
+        spec_engine.load_policy(updated.weights())
+        assert responses(spec_engine, 0.0, 1, 12)[0] == want
+    finally:
+        spec_engine.load_policy(policy.weights())
+    assert responses(spec_engine, 0.0, 1, 12)[0] == greedy_sparkrl(policy, 12)
+    trained = aal(spec_engine)
+    torch.manual_seed(5)
+    fresh = Eagle3Drafter(policy.args, feature_layers=(0, 1)).bind(policy)
+    try:
+        spec_engine.load_drafter(eagle3_weights(fresh, policy, torch.float32))
+        assert aal(spec_engine) < 1 + (trained - 1) / 2
+    finally:
+        spec_engine.load_drafter(eagle3_weights(drafter, policy, torch.float32))
+    assert aal(spec_engine) > 1 + (trained - 1) / 2

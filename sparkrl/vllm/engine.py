@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from sparkrl.config import SamplingConfig
 from sparkrl.errors import UserError
 from sparkrl.model.export import ARCHITECTURES
@@ -69,14 +71,46 @@ class VllmEngine:
     (an `export_draft` folder) drafting `spec_tokens` tokens a round, or none."""
 
     def __init__(self, policy_dir: Path, args: ModelArgs, dtype: str, draft_dir: Path | None = None,
-                 spec_tokens: int = 3, max_model_len: int = 2048, seed: int = 0):
+                 spec_tokens: int = 3, max_model_len: int = 2048, seed: int = 0, temperature: float = 1.0):
         vllm = vllm_module()
         spec = {"speculative_config": {"method": "eagle3", "model": str(draft_dir),
                                        "num_speculative_tokens": spec_tokens}} if draft_dir else {}
-        self.vllm = vllm
+        self.vllm, self.tied = vllm, args.tie_word_embeddings
+        self.dtype = getattr(torch, dtype)
         self.llm = vllm.LLM(model=str(policy_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
                             skip_tokenizer_init=True, enforce_eager=True, disable_log_stats=False,
-                            hf_overrides={"architectures": [ARCHITECTURES[args.arch]]}, **spec)
+                            hf_overrides={"architectures": [ARCHITECTURES[args.arch]]}, **spec,
+                            logprobs_mode="raw_logprobs" if temperature in (0, 1) else "processed_logprobs")
+
+    def runner(self):
+        """vLLM's model runner, in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+    def load_policy(self, weights: dict) -> None:
+        """The policy's new weights (Hugging Face names, `Transformer.weights()`) into the served model, in place:
+        vLLM's layer-wise reload (its CPU layers keep repacked copies of their weights, which a plain load would
+        leave stale); a head tied to the embedding is repacked too (the reload leaves it on the old weights)."""
+        runner = self.runner()
+        runner.reload_weights(weights_iterator=[(k, v.detach().to(self.dtype)) for k, v in weights.items()])
+        model = runner.get_model()
+        if self.tied:
+            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+        self.llm.reset_prefix_cache()  # cached prompt keys and values were the old policy's
+
+    def load_drafter(self, weights: dict) -> None:
+        """The drafter's new weights (`export.eagle3_weights`) into vLLM's drafter, in place; what vLLM shares with
+        the target (an output head equal to the target's at load) follows the target and is not sent."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        runner = self.runner()
+        draft, model = runner.get_draft_model(), runner.get_model()
+        shared = {"lm_head.weight"} if draft.lm_head is model.lm_head else set()
+        sent = [(k, v.detach().to(self.dtype)) for k, v in weights.items() if k not in shared and k != "t2d"]
+        with set_current_vllm_config(runner.vllm_config):
+            reload_weights(runner.vllm_config, draft, weights_iterator=sent, weights_path=None,
+                           is_checkpoint_format=True)
+        self.llm.reset_prefix_cache()
 
     def counters(self) -> dict:
         """vLLM's cumulative speculative-decoding counters (zeros without a drafter)."""
