@@ -359,8 +359,6 @@ class RunConfig(Checked):
 
     def validate(self):
         require(bool(self.out), "--out is required: the directory for config, metrics and checkpoints")
-        require(self.draft.engine == "sparkrl", "train --engine vllm (weight updates into vLLM between steps) is not "
-                "built yet: train with --engine sparkrl; `sparkrl generate --engine vllm` runs")
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether step `step` (1-based, just finished) writes a checkpoint."""

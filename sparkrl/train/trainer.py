@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from sparkrl.train.assemble import Drafting, NoDrafting, make_drafting
+from sparkrl.train.assemble import Drafting, NoDrafting, make_drafting, serve_with_vllm
 from sparkrl.train.checkpoint import POLICY, list_checkpoints, load_latest, save_checkpoint, set_rng_state
 from sparkrl.config import RunConfig, to_dict
 from sparkrl.train.data import build_prompts, load_problems
@@ -229,6 +229,10 @@ class GRPORun:
             write_run_config(cfg, {**resolved, "rollout_dtype": dt, **attention, **kernels})
         with world.main_first():  # rank 0 times the machine for the budget (cached), the others read its timing
             self.drafting = make_drafting(cfg.draft, policy, self.rollout, cfg.sampling.temperature, cfg.seed)
+        if cfg.draft.engine == "vllm":  # vLLM generates; every refresh of a rollout copy puts its weights there
+            longest = max(map(len, self.prompts.prompt_ids)) + cfg.sampling.max_new_tokens + cfg.draft.tree_depth + 2
+            self.rollout = serve_with_vllm(cfg.draft, lm, self.rollout, self.drafting, cfg.sampling.temperature,
+                                           longest, getattr(torch, dt), cfg.seed)
         shards.wrap(policy)  # after the rollout copy and the drafter were made from the whole policy
         self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
         self.order = DataOrder(len(self.prompts.problems), cfg.grpo.prompts_per_step, cfg.seed)
@@ -445,6 +449,8 @@ def _train(run: GRPORun) -> Summary:
 def check_data_parallel(cfg: RunConfig) -> None:
     """Settings whose maths the ranks cannot share: a data-parallel run must make one process's update."""
     sc = cfg.draft.spark_config
+    if cfg.draft.engine == "vllm":
+        raise UserError("--engine vllm runs in one process (one vLLM engine per run): start it without torchrun")
     if sc.spark and sc.spark_scope == "batch":
         raise UserError("--spark-scope batch shares one correction across the whole batch, which the data-parallel "
                         "ranks split; use --spark-scope group or response, or one process")

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from sparkrl.config import SamplingConfig
+from sparkrl.engine.records import Rollout, RoundStats
 from sparkrl.errors import UserError
 from sparkrl.model.export import ARCHITECTURES
 from sparkrl.model.transformer import ModelArgs
@@ -148,3 +149,28 @@ class VllmEngine:
                 logps.append([lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)])
                 reasons.append("stop" if o.finish_reason == "stop" else "length")
         return VllmRollout(tokens, logps, reasons, gen_s, drafted)
+
+
+class VllmGeneration:
+    """`engine.speculative`'s `generate` contract on a `VllmEngine`, for the trainer: a `records.Rollout` whose
+    log-probabilities are vLLM's and whose `RoundStats` hold vLLM's drafting counts (a round is one request's
+    verification: `rounds` and `row_rounds` both count them). Request i is seeded from its group's first
+    generator, so a run's rollouts are reproducible from its seed."""
+
+    def __init__(self, engine: VllmEngine, depth: int):
+        self.engine, self.depth = engine, depth
+
+    def generate(self, model, prompts: list[list[int]], sampling: SamplingConfig, eos_ids: tuple[int, ...],
+                 generators: list[torch.Generator], group_size: int = 1, progress=None, sampler=None) -> Rollout:
+        seed = generators[0].initial_seed() % (1 << 31)
+        r = self.engine.generate(prompts, sampling, eos_ids, group_size, seed)
+        if progress is not None:
+            progress(r.num_tokens)
+        stats = RoundStats(depth=self.depth if r.drafted.get("drafts") else 0)
+        if stats.depth:
+            n = int(r.drafted["drafts"])
+            stats.rounds = stats.row_rounds = stats.tree_rounds = stats.tree_row_rounds = n
+            stats.committed = n + int(r.drafted["accepted_tokens"])
+            stats.accepted_at_depth = [int(a) for a in r.drafted["per_position"][:self.depth]]
+        return Rollout([list(p) for p in prompts], group_size, r.tokens, r.finish_reason, r.gen_s, stats,
+                       logp=r.logprobs)

@@ -8,7 +8,8 @@
     `fc`, counted as vLLM counts them: k is the state after k decoder layers, so sparkrl's layer i, whose output
     it taps, is k = i + 1), `norm_before_residual` false (the feature itself is the residual);
   * model.safetensors: `midlayer.*` (the first decoder layer; further ones `layers.N.*`), `fc.weight`,
-    `norm.weight`, `lm_head.weight` (the policy's output head restricted to the draft vocabulary, which is what
+    `norm.weight` (vLLM taps each layer once, in ascending order: `fc`'s blocks are put in that order, and those of
+    a layer a small policy's default taps twice are summed, which computes the same), `lm_head.weight` (the policy's output head restricted to the draft vocabulary, which is what
     sparkrl's drafter drafts with), `d2t` (draft id -> target id offset: target = draft + d2t[draft]) and `t2d`
     (target ids in the draft vocabulary) when the draft vocabulary is smaller than the policy's. The token
     embedding is left out: vLLM then shares the target's, as sparkrl's drafter does;
@@ -62,8 +63,8 @@ def eagle3_config(drafter, policy_config: dict, dtype: torch.dtype) -> dict:
         "rms_norm_eps": a.rms_norm_eps, "attention_bias": False, "mlp_bias": a.mlp_bias,
         "max_position_embeddings": policy_config.get("max_position_embeddings", 4096), **rope,
         "vocab_size": a.vocab_size, "draft_vocab_size": int(drafter.vocab_ids.numel()),
-        "target_hidden_size": a.hidden_size, "num_aux_hidden_states": len(drafter.feature_layers),
-        "eagle_aux_hidden_state_layer_ids": sorted(i + 1 for i in drafter.feature_layers),
+        "target_hidden_size": a.hidden_size, "num_aux_hidden_states": len(set(drafter.feature_layers)),
+        "eagle_aux_hidden_state_layer_ids": sorted({i + 1 for i in drafter.feature_layers}),
         "norm_before_residual": False, "norm_before_fc": False, "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
@@ -71,9 +72,9 @@ def eagle3_config(drafter, policy_config: dict, dtype: torch.dtype) -> dict:
 
 def eagle3_weights(drafter, policy: Transformer, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The drafter's tensors under EAGLE-3's names (see the module doc), in `dtype`."""
-    d = policy.args.hidden_size
-    order = sorted(range(len(drafter.feature_layers)), key=lambda j: drafter.feature_layers[j])  # vLLM: ascending
-    fc = drafter.fc.weight.detach().view(d, len(order), -1)[:, order].reshape(d, -1)
+    d, layers = policy.args.hidden_size, drafter.feature_layers
+    blocks = drafter.fc.weight.detach().view(d, len(layers), -1)  # (d, features, d): one block per tapped layer
+    fc = torch.cat([sum(blocks[:, j] for j in range(len(layers)) if layers[j] == i) for i in sorted(set(layers))], 1)
     out = {"fc.weight": fc, "norm.weight": drafter.stack.norm.weight,
            "lm_head.weight": policy.lm_head.weight.detach()[drafter.vocab_ids]}
     layers = drafter.stack.layers
