@@ -1,0 +1,174 @@
+"""The rollout engines side by side: sparkrl autoregressive, sparkrl speculative (EAGLE3-style trees with the
+budget), vLLM autoregressive, and vLLM with the same EAGLE3-style drafter exported to it (chains of each
+--chains length), on the same policy, prompts (GSM8K questions in the GRPO prompt format; with --heldout only
+those held out of draft pretraining), sampling (temperature 1, top-p 0.95) and dtype, at 1, 8 and 64 responses
+(1 prompt x 1, 1 prompt x 8, 8 prompts x 8). Every engine is started once (vLLM's in this process); after one
+untimed rollout of each, the systems alternate within each repeat. Reported per setting and system: tokens/s over
+all repeats, its ratio to sparkrl's autoregressive, and AAL (tokens per verification round per response). With
+--grpo-step, one GRPO step of each engine too (`sparkrl train --steps 1`, generation and update times).
+
+    .venv/bin/python bench/engines.py --draft-checkpoint DRAFTER --heldout 0.05 \\
+        --data ../shared/data/gsm8k/train.jsonl --out bench/results/engines
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
+from sparkrl.engine.rollout import response_generators
+from sparkrl.engine.speculative import Autoregressive
+from sparkrl.train.trainer import train
+from sparkrl.vllm.engine import VllmEngine
+from sparkrl.vllm.export import export_draft
+
+from default_rollouts import default_rollouts
+
+
+def systems(args, lm, d, sampler, longest: int, tmp: Path) -> dict:
+    """name -> generate(prompts, G, sampling, gens) -> (tokens, seconds, AAL or None): each engine, started once."""
+    policy = lm.model
+    out = {"sparkrl AR": lambda p, G, s, g: sparkrl_run(Autoregressive(), policy, p, G, s, g, lm, sampler),
+           "sparkrl spec (budget)": lambda p, G, s, g: sparkrl_run(d.engine, policy, p, G, s, g, lm, sampler)}
+    dtype = str(policy.lm_head.weight.dtype).removeprefix("torch.")
+    engines = {"vLLM AR": VllmEngine(lm.path, policy.args, dtype, None, 1, longest)}
+    draft = export_draft(d.drafter, policy, json.loads((lm.path / "config.json").read_text()), tmp / "draft",
+                         policy.lm_head.weight.dtype)
+    for k in args.chains:
+        engines[f"vLLM eagle3 chain {k}"] = VllmEngine(lm.path, policy.args, dtype, draft, k, longest)
+    for name, eng in engines.items():
+        out[name] = lambda p, G, s, g, eng=eng: vllm_run(eng, p, G, s, g, lm)
+    return out
+
+
+def sparkrl_run(engine, policy, prompts, G, sampling, gens, lm, sampler):
+    r = engine.generate(policy, prompts, sampling, lm.eos_ids, gens, G, sampler=sampler)
+    return r.num_tokens, r.gen_s, (r.stats.aal if r.stats.depth else None)
+
+
+def vllm_run(eng, prompts, G, sampling, gens, lm):
+    r = eng.generate(prompts, sampling, lm.eos_ids, G, gens[0].initial_seed() % (1 << 31))
+    return r.num_tokens, r.gen_s, (r.aal if r.drafted.get("drafts") else None)
+
+
+def measure(args, run: dict, prompts) -> list[dict]:
+    """Interleaved repeats of every system at every setting; one untimed rollout of each first."""
+    sampling = SamplingConfig(1.0, 0.95, args.max_new_tokens)
+    rows = []
+    for setting in args.batches.split(","):
+        P, G = map(int, setting.split("x"))
+        got = {name: [0, 0.0, []] for name in run}
+        for rep in range(args.repeats + 1):
+            ps = prompts[rep * P:(rep + 1) * P]
+            gens = response_generators(rep, P, G)
+            for name, fn in run.items():
+                n, s, aal = fn(ps, G, sampling, [torch.Generator().manual_seed(g.initial_seed()) for g in gens])
+                if rep:
+                    got[name][0] += n
+                    got[name][1] += s
+                    got[name][2] += [aal] if aal is not None else []
+                print(f"{setting} rep {rep} {name}: {n} tokens {s:.2f}s" + (f" aal {aal:.2f}" if aal else ""),
+                      flush=True)
+        base = got["sparkrl AR"][0] / got["sparkrl AR"][1]
+        for name, (n, s, aals) in got.items():
+            rows.append({"responses": P * G, "system": name, "tokens": n, "seconds": s, "tok_per_s": n / s,
+                         "vs_sparkrl_ar": n / s / base, "aal": sum(aals) / len(aals) if aals else None})
+    return rows
+
+
+def grpo_steps(args) -> list[dict]:
+    """One GRPO step of each engine (`sparkrl train --steps 1`), its generation and update times."""
+    common = dict(model="default", data=args.data, steps=1, prompts_per_step=8, group_size=8,
+                  max_new_tokens=args.max_new_tokens, rollout_dtype=args.dtype, checkpoint_every=1000)
+    runs = {"sparkrl AR": dict(draft="none"),
+            "sparkrl spec (budget)": dict(draft="eagle3", draft_checkpoint=args.draft_checkpoint),
+            "vLLM AR": dict(draft="none", engine="vllm")}
+    runs.update({f"vLLM eagle3 chain {k}": dict(draft="eagle3", draft_checkpoint=args.draft_checkpoint,
+                                                 engine="vllm", draft_mode="chain", budget="fixed", tree_depth=k)
+                 for k in args.chains})
+    out = []
+    for name, kw in runs.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            train(build(RunConfig, {**common, **kw, "out": tmp}))
+            m = json.loads((Path(tmp) / "metrics.jsonl").read_text().splitlines()[0])
+        out.append({"system": name, "gen_s": m["gen_s"], "train_s": m["train_s"], "draft_train_s": m["draft_train_s"],
+                    "step_s": m["gen_s"] + m["train_s"] + m["draft_train_s"], "aal": m.get("aal")})
+        print(f"GRPO step {name}: {out[-1]}", flush=True)
+    return out
+
+
+def report(args, rows, steps) -> str:
+    lines = ["| responses | system | tokens/s | vs sparkrl AR | AAL |", "| ---: | --- | ---: | ---: | ---: |"]
+    lines += [f"| {r['responses']} | {r['system']} | {r['tok_per_s']:.1f} | {r['vs_sparkrl_ar']:.2f}x | "
+              f"{'' if r['aal'] is None else format(r['aal'], '.2f')} |" for r in rows]
+    if steps:
+        lines += ["", "| GRPO step (8 x 8) | generation s | update s | draft training s | step s | AAL |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {s['system']} | {s['gen_s']:.1f} | {s['train_s']:.1f} | {s['draft_train_s']:.1f} | "
+                  f"{s['step_s']:.1f} | {'' if s['aal'] is None else format(s['aal'], '.2f')} |" for s in steps]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["system"] for r in rows))
+    settings = sorted({r["responses"] for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ys = [next(r["vs_sparkrl_ar"] for r in rows if r["system"] == name and r["responses"] == n) for n in settings]
+        ax.bar([j + i * width for j in range(len(settings))], ys, width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(settings))], [f"{n} responses" for n in settings])
+    ax.axhline(1.0, color="k", lw=0.5)
+    ax.set_ylabel("tokens/s vs sparkrl AR")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft-checkpoint", required=True, help="an EAGLE3-style drafter in EAGLE-3's layout")
+    ap.add_argument("--data", default="default")
+    ap.add_argument("--heldout", type=float, default=0.0, help="only problems held out of draft pretraining")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--batches", default="1x1,1x8,8x8", help="PROMPTSxGROUP per setting")
+    ap.add_argument("--chains", default="3,5", type=lambda s: [int(x) for x in s.split(",")],
+                    help="vLLM chain lengths (num_speculative_tokens)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--grpo-step", action="store_true")
+    ap.add_argument("--out", default="bench/results/engines")
+    args = ap.parse_args()
+    dcfg = DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint)
+    lm, d, prompts, sampler = default_rollouts(dcfg, args.dtype, args.data, args.heldout,
+                                               count=8 * (args.repeats + 1))
+    longest = max(map(len, prompts)) + args.max_new_tokens + max(args.chains) + 2
+    with tempfile.TemporaryDirectory() as tmp:
+        run = systems(args, lm, d, sampler, longest, Path(tmp))
+    rows = measure(args, run, prompts)
+    steps = grpo_steps(args) if args.grpo_step else []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {k: (v if not isinstance(v, list) else v) for k, v in vars(args).items()}
+    (out / "engines.json").write_text(json.dumps({"args": meta, "rows": rows, "grpo_steps": steps,
+                                                  "cpu_threads": torch.get_num_threads(),
+                                                  "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM")},
+                                                  "date": time.strftime("%Y-%m-%d")}, indent=1))
+    (out / "engines.md").write_text(report(args, rows, steps))
+    plot(rows, out / "engines.png")
+    print(report(args, rows, steps))
+
+
+if __name__ == "__main__":  # vLLM spawns workers: the guard keeps them from running the benchmark
+    main()
