@@ -27,7 +27,7 @@ from sparkrl.engine.rollout import response_generators
 from sparkrl.engine.speculative import Autoregressive
 from sparkrl.train.trainer import train
 from sparkrl.vllm.engine import VllmEngine
-from sparkrl.vllm.export import export_draft
+from sparkrl.drafters.eagle3_format import export_draft
 
 from default_rollouts import default_rollouts
 

@@ -22,7 +22,7 @@ from sparkrl.engine.rollout import generate
 from sparkrl.engine.sampling import target_probs
 from sparkrl.vllm import plugin
 from sparkrl.vllm.engine import VllmEngine
-from sparkrl.vllm.export import eagle3_weights, export_draft
+from sparkrl.drafters.eagle3_format import eagle3_weights, export_draft
 
 vllm = pytest.importorskip("vllm", reason="vLLM is the sparkrl[vllm] extra (scripts/setup.sh installs it)")
 

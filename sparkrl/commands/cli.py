@@ -24,7 +24,7 @@ from sparkrl.commands.analysis import run as run_analysis
 from sparkrl.commands.bench import BenchConfig, bench
 from sparkrl.train.assemble import make_drafter, make_drafting
 from sparkrl.vllm.engine import VllmEngine
-from sparkrl.vllm.export import export_draft
+from sparkrl.drafters.eagle3_format import export_draft
 from sparkrl.config import (Checked, DraftConfig, ModelConfig, PretrainConfig, RunConfig, SamplingConfig, at_least,
                             build, choices, option, require)
 from sparkrl.train.data import chat_prompt_ids, read_prompts_file

@@ -13,6 +13,7 @@ from pathlib import Path
 from sparkrl.drafters.base import policy_fingerprint, read_checkpoint, read_description, same_policy
 from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
+from sparkrl.drafters.eagle3_format import feature_layers
 from sparkrl.errors import UserError
 from sparkrl.model.transformer import ModelArgs
 
@@ -55,7 +56,7 @@ def load_drafter(path: str | Path | dict, policy_args: ModelArgs, kind: str | No
         raise UserError(f"{path} holds a drafter of kind {ck['kind']!r}; this sparkrl knows {', '.join(KINDS)}")
     cls = KINDS[ck["kind"]]
     settings = {**getattr(cls, "LEGACY", {}), **ck.get("settings", {})}
-    d = cls(policy_args, tuple(ck["feature_layers"]), ck["state"]["vocab_ids"], **settings)
+    d = cls(policy_args, feature_layers(ck, policy_args.num_layers), ck["state"]["vocab_ids"], **settings)
     want = d.signature()
     for k, v in ck["policy"].items():
         if want.get(k) != v:

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 import torch.nn.functional as F
 from torch import nn
 
+from sparkrl.drafters.eagle3_format import is_eagle3_folder, read_eagle3
 from sparkrl.errors import UserError
 from sparkrl.model.kvcache import KVCache
 from sparkrl.model.transformer import Linear, ModelArgs, dense
@@ -163,6 +164,8 @@ def read_checkpoint(path: str | Path | dict) -> dict:
         ck = path
     elif Path(path).suffix == ".safetensors" and Path(path).is_file():
         ck = _read_safetensors(Path(path))
+    elif is_eagle3_folder(Path(path)):  # a published EAGLE-3 checkpoint (vLLM's or speculators' format)
+        ck = read_eagle3(Path(path))
     else:
         p = Path(path)
         if not p.exists():

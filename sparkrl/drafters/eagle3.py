@@ -45,10 +45,12 @@ LAYOUTS = ("eagle3", "fused")
 class Eagle3Layer(DecoderLayer):
     """EAGLE-3's first decoder layer. Its input x (B, T, 2d) is cat(embedding, feature): the attention reads
     cat(input_layernorm(embedding), hidden_norm(feature)) with 2d-wide q/k/v projections, and the feature is the
-    residual. The rest is a standard decoder layer (vLLM's `llama_eagle3.py` computes the same)."""
+    residual (its normed form with norm_before_residual, as some published checkpoints are trained). The rest is a
+    standard decoder layer (vLLM's `llama_eagle3.py` computes the same)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, norm_before_residual: bool = False):
         super().__init__(args)
+        self.norm_before_residual = norm_before_residual
         d, a = args.hidden_size, self.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(a, name, Linear(2 * d, getattr(a, name).out_features, bias=args.qkv_bias))
@@ -56,8 +58,9 @@ class Eagle3Layer(DecoderLayer):
 
     def forward(self, x, cos, sin, layer, cache, ctx):
         emb, feat = x.chunk(2, dim=-1)
-        h = torch.cat([self.input_layernorm(emb), self.hidden_norm(feat)], dim=-1)
-        x = feat + self.self_attn(h, cos, sin, layer, cache, ctx)
+        normed = self.hidden_norm(feat)
+        h = torch.cat([self.input_layernorm(emb), normed], dim=-1)
+        x = (normed if self.norm_before_residual else feat) + self.self_attn(h, cos, sin, layer, cache, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -67,20 +70,34 @@ class Eagle3Drafter(SharedHeadDrafter):
 
     def __init__(self, policy_args: ModelArgs, feature_layers: tuple[int, ...] | None = None,
                  vocab_ids: torch.Tensor | None = None, feature_weight: float = 2.0, num_layers: int = 1,
-                 layout: str = "eagle3"):
+                 layout: str = "eagle3", layer: dict | None = None, own_head: bool = False,
+                 norm_before_residual: bool = False):
+        """layer: the decoder layers' sizes where they are not the policy's (`ModelArgs` fields: heads, head_dim,
+        intermediate_size, biases, q/k norms, RoPE theta), as an imported EAGLE-3 checkpoint has them; own_head: a
+        trained output head over the draft vocabulary instead of the policy's rows (imported checkpoints)."""
         super().__init__(policy_args, feature_layers, vocab_ids)
         if layout not in LAYOUTS:
             raise ValueError(f"EAGLE3-style layout {layout!r}: one of {', '.join(LAYOUTS)}")
         self.feature_weight = feature_weight  # of the feature term in `draft_loss`; saved with the
         # checkpoint, so online training goes on with the loss the drafter was pretrained with
         self.num_layers = num_layers  # decoder layers (EAGLE-3: one)
-        self.layout = layout
+        self.layout, self.layer, self.own_head = layout, dict(layer or {}), own_head
+        self.norm_before_residual = norm_before_residual
         d = policy_args.hidden_size
-        self.stack = Stack(dataclasses.replace(policy_args, num_layers=num_layers))
+        self.stack = Stack(dataclasses.replace(policy_args, num_layers=num_layers, **self.layer))
         if layout == "eagle3":
-            self.stack.layers[0] = Eagle3Layer(self.stack.args)
+            self.stack.layers[0] = Eagle3Layer(self.stack.args, norm_before_residual)
         else:
             self.fuse = Linear(2 * d, d, bias=False)
+        if own_head:
+            self.head = Linear(d, int(self.vocab_ids.numel()), bias=False)
+
+    def bind(self, policy) -> "Eagle3Drafter":
+        """The policy's embedding (and its head's draft-vocabulary rows, unless the drafter has its own head)."""
+        super().bind(policy)
+        if self.own_head:
+            self._head = (self.head,)
+        return self
 
     def forward(self, tokens: torch.Tensor, feats: torch.Tensor, cache: KVCache | None = None, *,
                 tree_mask=None, depth=None, mask=None, past=None, head: bool = True) -> DraftStep:
@@ -104,7 +121,8 @@ class Eagle3Drafter(SharedHeadDrafter):
         cache.commit(n_keep=lens - 1)
 
     def settings(self) -> dict:
-        return {"feature_weight": self.feature_weight, "num_layers": self.num_layers, "layout": self.layout}
+        return {"feature_weight": self.feature_weight, "num_layers": self.num_layers, "layout": self.layout,
+                "layer": self.layer, "own_head": self.own_head, "norm_before_residual": self.norm_before_residual}
 
     propose = propose  # trees or sampled chains (drafters/tree.py)
 

@@ -31,7 +31,7 @@ from sparkrl.engine.records import RoundStats
 from sparkrl.engine.spark import Projection, Spark
 from sparkrl.engine.speculative import Autoregressive, NoAdaptation, Speculative, time_rounds
 from sparkrl.vllm.engine import VllmEngine, VllmGeneration
-from sparkrl.vllm.export import eagle3_weights, export_draft
+from sparkrl.drafters.eagle3_format import eagle3_weights, export_draft
 from sparkrl.train.precision import RolloutCopy, rollout_copy
 
 

@@ -19,7 +19,7 @@ from sparkrl.model.weights import load_model
 from sparkrl.drafters import find_checkpoint, load_drafter
 from sparkrl.drafters.base import read_checkpoint
 from sparkrl.train.checkpoint import checkpoints_at, drafter_source, list_checkpoints, load_checkpoint, remove_stale
-from sparkrl.vllm.export import export_draft
+from sparkrl.drafters.eagle3_format import export_draft
 
 # Settings that may change between a run and its resumption (they do not change the maths).
 # A checkpoint holds whole tensors whatever --shard-policy wrote it.

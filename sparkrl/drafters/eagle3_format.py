@@ -1,4 +1,7 @@
-"""An EAGLE3-style drafter (EAGLE-3's layout) as the checkpoint vLLM's `eagle3` speculative method loads.
+"""EAGLE-3's checkpoint format, both ways: an EAGLE3-style drafter (EAGLE-3's layout) written as the checkpoint
+vLLM's `eagle3` speculative method loads (`export_draft`), and a published EAGLE-3 checkpoint (vLLM's Llama EAGLE-3
+format or the `speculators` one) read as a sparkrl drafter (`read_eagle3`, which `--draft-checkpoint FOLDER`
+uses), its own output head and layer sizes kept.
 
 `export_draft(drafter, policy, policy_config, out)` writes a folder with:
 
@@ -13,7 +16,7 @@
     sparkrl's drafter drafts with), `d2t` (draft id -> target id offset: target = draft + d2t[draft]) and `t2d`
     (target ids in the draft vocabulary) when the draft vocabulary is smaller than the policy's. The token
     embedding is left out: vLLM then shares the target's, as sparkrl's drafter does;
-  * sparkrl_draft.json: what it was made from (kind, the policy's fingerprint), the marker of an export.
+  * sparkrl_draft.json: what it was made from (kind, feature layers), the marker of an export.
 
 vLLM: `LLM(model=POLICY, speculative_config={"method": "eagle3", "model": OUT, "num_speculative_tokens": k})`.
 The same layout and names are EAGLE-3's reference checkpoints' and SGLang's.
@@ -28,9 +31,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from sparkrl.drafters.base import policy_fingerprint
 from sparkrl.errors import UserError
 from sparkrl.model.transformer import ModelArgs, Transformer
 
@@ -38,14 +40,15 @@ MARKER = "sparkrl_draft.json"
 WEIGHTS = "model.safetensors"
 
 
-def exportable(drafter, args: ModelArgs) -> str | None:
-    """Why `drafter` serving a policy of `args` cannot be written in EAGLE-3's format (None: it can)."""
+def exportable(drafter) -> str | None:
+    """Why `drafter` cannot be written in EAGLE-3's format (None: it can)."""
     if drafter.kind != "eagle3":
         return (f"a {drafter.kind} drafter: vLLM's `dflash` method runs Qwen3-style block drafters, whose layout "
                 "differs from sparkrl's DFlash-style one; export an --draft eagle3 drafter")
     if drafter.layout != "eagle3":
         return ("this drafter uses sparkrl's earlier fused layout, which vLLM and SGLang cannot run; train one in "
                 "EAGLE-3's layout (`sparkrl pretrain-draft --draft eagle3`, the default)")
+    args = drafter.stack.args
     if args.qk_norm or args.o_bias or args.qkv_bias:
         return (f"the drafter of a {args.arch} policy has {'q/k norms' if args.qk_norm else 'attention biases'}, which "
                 "vLLM's Llama EAGLE-3 drafter lacks; export drafters of Llama-architecture policies")
@@ -56,6 +59,8 @@ def eagle3_config(drafter, policy_config: dict, dtype: torch.dtype) -> dict:
     """config.json of the export (see the module doc); policy_config: the policy's own config.json."""
     a: ModelArgs = drafter.stack.args
     rope = {k: policy_config[k] for k in ("rope_parameters", "rope_scaling", "rope_theta") if k in policy_config}
+    if "rope_theta" in drafter.layer:  # an imported drafter's own
+        rope = {"rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta}}
     return {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
         "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size, "num_hidden_layers": a.num_layers,
@@ -65,7 +70,7 @@ def eagle3_config(drafter, policy_config: dict, dtype: torch.dtype) -> dict:
         "vocab_size": a.vocab_size, "draft_vocab_size": int(drafter.vocab_ids.numel()),
         "target_hidden_size": a.hidden_size, "num_aux_hidden_states": len(set(drafter.feature_layers)),
         "eagle_aux_hidden_state_layer_ids": sorted({i + 1 for i in drafter.feature_layers}),
-        "norm_before_residual": False, "norm_before_fc": False, "tie_word_embeddings": False,
+        "norm_before_residual": drafter.norm_before_residual, "norm_before_fc": False, "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -75,8 +80,8 @@ def eagle3_weights(drafter, policy: Transformer, dtype: torch.dtype) -> dict[str
     d, layers = policy.args.hidden_size, drafter.feature_layers
     blocks = drafter.fc.weight.detach().view(d, len(layers), -1)  # (d, features, d): one block per tapped layer
     fc = torch.cat([sum(blocks[:, j] for j in range(len(layers)) if layers[j] == i) for i in sorted(set(layers))], 1)
-    out = {"fc.weight": fc, "norm.weight": drafter.stack.norm.weight,
-           "lm_head.weight": policy.lm_head.weight.detach()[drafter.vocab_ids]}
+    head = drafter.head.weight if drafter.own_head else policy.lm_head.weight.detach()[drafter.vocab_ids]
+    out = {"fc.weight": fc, "norm.weight": drafter.stack.norm.weight, "lm_head.weight": head}
     layers = drafter.stack.layers
     for i, layer in enumerate(layers):
         prefix = "midlayer." if len(layers) == 1 else f"layers.{i}."
@@ -96,7 +101,7 @@ def export_draft(drafter, policy: Transformer, policy_config: dict, out: Path,
     """Write `drafter` (serving `policy`, whose config.json is `policy_config`) as an EAGLE-3 checkpoint folder at
     `out` (see the module doc), through a temporary sibling renamed into place; returns `out`. An existing `out`
     is replaced only when it is empty or an earlier export."""
-    why = exportable(drafter, policy.args)
+    why = exportable(drafter)
     if why:
         raise UserError(f"cannot export for vLLM: {why}")
     out = Path(out)
@@ -108,8 +113,7 @@ def export_draft(drafter, policy: Transformer, policy_config: dict, out: Path,
         save_file(eagle3_weights(drafter, policy, dtype), str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(eagle3_config(drafter, policy_config, dtype), indent=2) + "\n")
         (tmp / MARKER).write_text(json.dumps({"format": "sparkrl-eagle3-draft", "version": 1, "kind": drafter.kind,
-                                              "feature_layers": list(drafter.feature_layers),
-                                              "fingerprint": policy_fingerprint(policy)}, indent=2) + "\n")
+                                              "feature_layers": list(drafter.feature_layers)}, indent=2) + "\n")
         os.chmod(tmp, 0o755)
         if out.exists():
             shutil.rmtree(out)
@@ -117,3 +121,68 @@ def export_draft(drafter, policy: Transformer, policy_config: dict, out: Path,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+LAYER_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "qk_norm",
+                "qkv_bias", "o_bias", "mlp_bias")  # what an imported drafter's layers keep of their own config
+
+
+def is_eagle3_folder(path: Path) -> bool:
+    """Whether `path` is a folder holding an EAGLE-3 checkpoint (vLLM's Llama format or speculators')."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return False
+    c = json.loads(cfg.read_text())
+    return "speculators_model_type" in c or any("Eagle3" in a for a in c.get("architectures") or []) \
+        or "eagle_aux_hidden_state_layer_ids" in c or "draft_vocab_size" in c
+
+
+def read_eagle3(path: Path) -> dict:
+    """A published EAGLE-3 checkpoint folder as a sparkrl drafter checkpoint (`drafters.load_drafter` reads it):
+    its layer sizes and output head kept (the `layer`, `own_head` settings), the feature layers from
+    `eagle_aux_hidden_state_layer_ids` (vLLM's k, after k layers, is sparkrl's layer k - 1; absent: vLLM's default
+    2, L/2, L - 3 of an L-layer policy, resolved when the policy is known), the draft vocabulary from `d2t`. The
+    token embedding is the policy's."""
+    path = Path(path)
+    top = json.loads((path / "config.json").read_text())
+    cfg = {**top.get("transformer_layer_config", {}), **{k: v for k, v in top.items() if k != "transformer_layer_config"}}
+    if cfg.get("norm_before_fc") or cfg.get("fc_norm"):
+        raise UserError(f"{path}: an EAGLE-3 drafter with norms before fc, which sparkrl's drafter lacks")
+    args = ModelArgs.from_hf({**cfg, "model_type": "llama"})
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{path} has no .safetensors weights")
+    raw = {}
+    for f in files:
+        raw.update(load_file(str(f)))
+    state = {}
+    for k, v in raw.items():
+        k = k.removeprefix("model.")
+        if k.startswith("midlayer."):
+            state["stack.layers.0." + k[len("midlayer."):]] = v
+        elif k.startswith("layers."):
+            state["stack." + k] = v
+        elif k in ("fc.weight", "norm.weight"):
+            state[k if k == "fc.weight" else "stack.norm.weight"] = v
+        elif k == "lm_head.weight":
+            state["head.weight"] = v
+    d2t = raw.get("d2t")
+    vd = state["head.weight"].shape[0]
+    state["vocab_ids"] = (torch.arange(vd) + d2t.long()) if d2t is not None else torch.arange(vd)
+    aux = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    layers = [k - 1 for k in sorted(set(aux))] if aux else None  # None: `feature_layers` resolves vLLM's default
+    target = cfg.get("target_hidden_size") or cfg["hidden_size"]
+    return {"kind": "eagle3", "policy": {"hidden_size": target, "vocab_size": cfg["vocab_size"]},
+            "feature_layers": layers, "settings": {
+                "layout": "eagle3", "num_layers": cfg.get("num_hidden_layers", 1), "own_head": True,
+                "norm_before_residual": bool(cfg.get("norm_before_residual", "speculators_model_type" in top)),
+                "feature_weight": 0.0, "layer": {f: getattr(args, f) for f in LAYER_FIELDS}}, "state": state}
+
+
+def feature_layers(ck: dict, num_layers: int) -> tuple[int, ...]:
+    """A drafter checkpoint's feature layers; for an EAGLE-3 checkpoint that names none, vLLM's default for an
+    L-layer policy (after 2, L/2 and L - 3 layers: sparkrl's layers 1, L/2 - 1, L - 4)."""
+    if ck["feature_layers"] is not None:
+        return tuple(ck["feature_layers"])
+    return tuple(sorted({max(k - 1, 0) for k in (2, num_layers // 2, num_layers - 3)}))
