@@ -1,6 +1,6 @@
 """The rollout engines side by side: sparkrl autoregressive, sparkrl speculative (EAGLE3-style trees with the
 budget), vLLM autoregressive, and vLLM with the same EAGLE3-style drafter exported to it (chains of each
---chains length), on the same policy, prompts (GSM8K questions in the GRPO prompt format; with --heldout only
+--chains length; beside each, sparkrl drafting the same greedy chain every round, whose AAL vLLM's should match), on the same policy, prompts (GSM8K questions in the GRPO prompt format; with --heldout only
 those held out of draft pretraining), sampling (temperature 1, top-p 0.95) and dtype, at 1, 8 and 64 responses
 (1 prompt x 1, 1 prompt x 8, 8 prompts x 8). Every engine is started once (vLLM's in this process); after one
 untimed rollout of each, the systems alternate within each repeat. Reported per setting and system: tokens/s over
@@ -24,7 +24,9 @@ import torch
 
 from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
 from sparkrl.engine.rollout import response_generators
-from sparkrl.engine.speculative import Autoregressive
+from sparkrl.config import TreeShape
+from sparkrl.engine.budget import FixedBudget
+from sparkrl.engine.speculative import Autoregressive, NoAdaptation, Speculative
 from sparkrl.train.trainer import train
 from sparkrl.vllm.engine import VllmEngine
 from sparkrl.drafters.eagle3_format import export_draft
@@ -37,6 +39,9 @@ def systems(args, lm, d, sampler, longest: int, tmp: Path) -> dict:
     policy = lm.model
     out = {"sparkrl AR": lambda p, G, s, g: sparkrl_run(Autoregressive(), policy, p, G, s, g, lm, sampler),
            "sparkrl spec (budget)": lambda p, G, s, g: sparkrl_run(d.engine, policy, p, G, s, g, lm, sampler)}
+    for k in args.chains:  # vLLM's drafting: the drafter's argmax chain of k, every round (a one-branch tree)
+        chain = Speculative(d.engine.drafter, TreeShape(k, 1, k), FixedBudget(TreeShape(k, 1, k)), NoAdaptation())
+        out[f"sparkrl greedy chain {k}"] = lambda p, G, s, g, e=chain: sparkrl_run(e, policy, p, G, s, g, lm, sampler)
     dtype = str(policy.lm_head.weight.dtype).removeprefix("torch.")
     engines = {"vLLM AR": VllmEngine(lm.path, policy.args, dtype, None, 1, longest)}
     draft = export_draft(d.drafter, policy, json.loads((lm.path / "config.json").read_text()), tmp / "draft",
