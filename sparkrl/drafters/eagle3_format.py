@@ -31,10 +31,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from sparkrl.errors import UserError
 from sparkrl.model.transformer import ModelArgs, Transformer
+from sparkrl.model.weights import load_state_dict
 
 MARKER = "sparkrl_draft.json"
 WEIGHTS = "model.safetensors"
@@ -149,12 +150,7 @@ def read_eagle3(path: Path) -> dict:
     if cfg.get("norm_before_fc") or cfg.get("fc_norm"):
         raise UserError(f"{path}: an EAGLE-3 drafter with norms before fc, which sparkrl's drafter lacks")
     args = ModelArgs.from_hf({**cfg, "model_type": "llama"})
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise UserError(f"{path} has no .safetensors weights")
-    raw = {}
-    for f in files:
-        raw.update(load_file(str(f)))
+    raw = load_state_dict(path)
     state = {}
     for k, v in raw.items():
         k = k.removeprefix("model.")

@@ -100,7 +100,7 @@ def export_run(run_dir: str, out: str) -> tuple[int, Path]:
 
 
 def export_drafter(source: str, model: str, out: str, dtype: str = "bfloat16") -> tuple[str, Path]:
-    """Write an EAGLE3-style drafter as the checkpoint vLLM's `eagle3` method loads (`vllm.export.export_draft`):
+    """Write an EAGLE3-style drafter as the checkpoint vLLM's `eagle3` method loads (`drafters.eagle3_format.export_draft`):
     a GRPO run's (its latest checkpoint's drafter, with the policy it served then), or a drafter checkpoint
     (`--draft-checkpoint`'s values: default, a file) serving `model`. Returns (what was exported, the folder)."""
     check_out_folder(out)

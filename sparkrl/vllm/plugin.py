@@ -8,8 +8,8 @@ integers), so every drafted position is verified at an uninitialised temperature
 identical to the policy, drafting probabilistically, was accepted 7% of the time instead of ~100%. Greedy
 requests return before it. `register` replaces that function with `expanded`, the same spreading in torch
 (`repeat_interleave`), before the CPU platform registers its kernel stand-ins in each worker; vLLM calls it in
-every process it starts. Only on the version it is tested with (`FIXED_IN`): another version is left alone,
-with one line saying so.
+every process it starts. Only on the version it is tested with: another version is left alone,
+with one line saying so (`TESTED`).
 """
 
 from __future__ import annotations
