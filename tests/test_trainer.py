@@ -182,6 +182,22 @@ def test_cli_train_shows_drafting_resumes_aloud_and_exports(tiny_model_dir, tmp_
     assert "resuming " + str(out) + " from step 1" in capsys.readouterr().err
     assert main(["export", str(out), "--out", str(tmp_path / "hf")]) == 0
     assert "exported step 2" in capsys.readouterr().err
+    # the run's drafter as vLLM's EAGLE-3 checkpoint, which reads back as the run's drafter (its layer tapped twice
+    # by this 2-layer policy's default summed into one fc block)
+    assert main(["export-draft", str(out), "--out", str(tmp_path / "vd")]) == 0
+    assert "exported the drafter of" in capsys.readouterr().err
+    cfg = json.loads((tmp_path / "vd" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_aux_hidden_states"] == 2
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--max-new-tokens", "4", "--draft", "eagle3",
+                 "--draft-checkpoint", str(tmp_path / "vd"), "--budget", "fixed", "--tree-depth", "2", "--tree-nodes", "3",
+                 "--tree-branch", "2"]) == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**cfg, "vocab_size": 1000}))
+    (other / "model.safetensors").symlink_to(tmp_path / "vd" / "model.safetensors")
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--draft", "eagle3",
+                 "--draft-checkpoint", str(other)]) == 2
+    assert "was made for a policy with vocab_size=1000" in capsys.readouterr().err
     ours = load_model(str(tiny_model_dir), with_tokenizer=False).model
     assert not ours.load_weights(load_latest(out)["policy"])[0]
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()

@@ -18,7 +18,7 @@ from sparkrl.model.export import export_model
 from sparkrl.model.weights import load_model
 from sparkrl.drafters import find_checkpoint, load_drafter
 from sparkrl.drafters.base import read_checkpoint
-from sparkrl.train.checkpoint import checkpoints_at, drafter_source, list_checkpoints, load_checkpoint, remove_stale
+from sparkrl.train.checkpoint import STATE, checkpoints_at, list_checkpoints, load_checkpoint, remove_stale
 from sparkrl.drafters.eagle3_format import export_draft
 
 # Settings that may change between a run and its resumption (they do not change the maths).
@@ -107,15 +107,16 @@ def export_drafter(source: str, model: str, out: str, dtype: str = "bfloat16") -
     steps = checkpoints_at(source) if Path(source).is_dir() else []
     if steps:
         lm, ck = run_policy(source, steps)
-        what = f"the drafter of {steps[-1]}"
-        if "draft" not in ck or not isinstance(ck["draft"], dict) or "drafter" not in ck["draft"]:
+        what, path = f"the drafter of {steps[-1]}", steps[-1] / STATE
+        if not isinstance(ck.get("draft"), dict) or "drafter" not in ck["draft"]:
             raise UserError(f"{steps[-1]} holds no drafter: the run trained with --draft none")
     else:
         lm = load_model(model or "default", with_tokenizer=False)
-        what = find_checkpoint(source, "eagle3", lm.model, flag="the drafter")
-        if what is None:
+        path = find_checkpoint(source, "eagle3", lm.model, flag="the drafter")
+        if path is None:
             raise UserError(f"no drafter named by {source!r}: pass a drafter file, a run folder, or 'default'")
-    d = load_drafter(read_checkpoint(drafter_source(what)), lm.model.args, "eagle3", what).bind(lm.model)
+        what = path
+    d = load_drafter(read_checkpoint(path), lm.model.args, "eagle3", str(path)).bind(lm.model)
     config = json.loads((lm.path / "config.json").read_text())
     return what, export_draft(d.to(lm.model.lm_head.weight.dtype), lm.model, config, Path(out), getattr(torch, dtype))
 
