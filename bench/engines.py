@@ -84,8 +84,24 @@ def measure(args, run: dict, prompts) -> list[dict]:
         base = got["sparkrl AR"][0] / got["sparkrl AR"][1]
         for name, (n, s, aals) in got.items():
             rows.append({"responses": P * G, "system": name, "tokens": n, "seconds": s, "tok_per_s": n / s,
-                         "vs_sparkrl_ar": n / s / base, "aal": sum(aals) / len(aals) if aals else None})
+                         "vs_sparkrl_ar": n / s / base, "aal": sum(aals) / len(aals) if aals else None,
+                         "aal_per_rollout": aals})
     return rows
+
+
+def aal_agreement(rows, chains) -> list[dict]:
+    """Per chain length k: vLLM's AAL over sparkrl's with the same greedy chain, over every timed rollout (paired by
+    setting and repeat: the same prompts), with a 95% bootstrap interval over those pairs."""
+    out = []
+    for k in chains:
+        ours = [a for r in rows if r["system"] == f"sparkrl greedy chain {k}" for a in r["aal_per_rollout"]]
+        theirs = [a for r in rows if r["system"] == f"vLLM eagle3 chain {k}" for a in r["aal_per_rollout"]]
+        pairs = torch.tensor(list(zip(theirs, ours)), dtype=torch.float64)  # (rollouts, 2)
+        idx = torch.randint(0, len(pairs), (2000, len(pairs)), generator=torch.Generator().manual_seed(0))
+        boot = (pairs[idx, 0].mean(1) / pairs[idx, 1].mean(1)).sort().values
+        out.append({"chain": k, "ratio": float(pairs[:, 0].mean() / pairs[:, 1].mean()), "rollouts": len(pairs),
+                    "ci": [float(boot[49]), float(boot[1949])]})
+    return out
 
 
 def grpo_steps(args) -> list[dict]:
@@ -113,6 +129,9 @@ def report(args, rows, steps) -> str:
     lines = ["| responses | system | tokens/s | vs sparkrl AR | AAL |", "| ---: | --- | ---: | ---: | ---: |"]
     lines += [f"| {r['responses']} | {r['system']} | {r['tok_per_s']:.1f} | {r['vs_sparkrl_ar']:.2f}x | "
               f"{'' if r['aal'] is None else format(r['aal'], '.2f')} |" for r in rows]
+    lines += [""] + [f"AAL, vLLM chain {a['chain']} over sparkrl's same greedy chain: {a['ratio']:.3f} "
+                     f"[{a['ci'][0]:.3f}, {a['ci'][1]:.3f}] over {a['rollouts']} rollouts"
+                     for a in aal_agreement(rows, args.chains)]
     if steps:
         lines += ["", "| GRPO step (8 x 8) | generation s | update s | draft training s | step s | AAL |",
                   "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -167,6 +186,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     meta = {k: (v if not isinstance(v, list) else v) for k, v in vars(args).items()}
     (out / "engines.json").write_text(json.dumps({"args": meta, "rows": rows, "grpo_steps": steps,
+                                                  "aal_agreement": aal_agreement(rows, args.chains),
                                                   "cpu_threads": torch.get_num_threads(),
                                                   "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM")},
                                                   "date": time.strftime("%Y-%m-%d")}, indent=1))
