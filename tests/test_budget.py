@@ -81,7 +81,7 @@ def test_a_shallower_tree_is_the_deeper_trees_best_nodes_of_its_depths(tiny_llam
     depth <= d of the full tree, with the same tokens."""
     torch.manual_seed(0)
     drafter = Eagle3Drafter(tiny_llama.args).bind(tiny_llama)
-    B, shape = 3, TreeShape(4, 3, 9)
+    B = 3
     z, a, h = torch.randn(B, drafter.vocab_ids.numel()), torch.randn(B, tiny_llama.args.hidden_size), \
         torch.randn(B, tiny_llama.args.hidden_size)
     root = torch.tensor([1, 2, 3])

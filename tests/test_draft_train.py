@@ -11,7 +11,7 @@ import torch
 from helpers import ParityGrader, hf_model, ours_from_hf, run_config
 from sparkrl.engine.budget import CostModel
 from sparkrl.train.assemble import make_drafter
-from sparkrl.train.checkpoint import list_checkpoints, load_latest
+from sparkrl.train.checkpoint import load_latest
 from sparkrl.config import DraftConfig
 from sparkrl.drafters.eagle3 import draft_loss
 from sparkrl.drafters import load_drafter

@@ -4,7 +4,6 @@ references, staleness, gradients, copies, and the measured decisions."""
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch

@@ -10,7 +10,7 @@ import torch
 from helpers import FAMILIES, hf_model, ours_from_hf
 from sparkrl.model import transformer as model_mod
 from sparkrl.errors import UserError
-from sparkrl.model.transformer import Attention, ModelArgs, Transformer
+from sparkrl.model.transformer import ModelArgs, Transformer
 from sparkrl.cpu.accelerate import CpuAttention, accelerate
 
 

@@ -11,7 +11,7 @@ from sparkrl.cpu import tuning
 from sparkrl.cpu.accelerate import CpuAttention
 from sparkrl.drafters import Eagle3Drafter
 from sparkrl.model.transformer import Linear
-from sparkrl.train.precision import RolloutCopy, rollout_copy, rollout_dtype
+from sparkrl.train.precision import rollout_copy, rollout_dtype
 
 
 def test_float32_head_matches_a_float64_reference_where_a_bf16_head_rounds(tiny_llama):
