@@ -28,29 +28,25 @@ from sparkrl.config import TreeShape
 from sparkrl.engine.budget import FixedBudget
 from sparkrl.engine.speculative import Autoregressive, NoAdaptation, Speculative
 from sparkrl.train.trainer import train
-from sparkrl.vllm.engine import VllmEngine
-from sparkrl.drafters.eagle3_format import export_draft
+from sparkrl.vllm.engine import VllmEngine, model_len
 
 from default_rollouts import default_rollouts
 
 
-def systems(args, lm, d, sampler, longest: int, tmp: Path) -> dict:
+def systems(args, lm, d, sampler, longest: int) -> dict:
     """name -> generate(prompts, G, sampling, gens) -> (tokens, seconds, AAL or None): each engine, started once."""
-    policy = lm.model
-    dtype = str(policy.lm_head.weight.dtype).removeprefix("torch.")
+    policy, dtype = lm.model, lm.model.lm_head.weight.dtype
     out = {"sparkrl AR": lambda p, G, s, g: sparkrl_run(Autoregressive(), policy, p, G, s, g, lm, sampler)}
     if args.ar_only:
-        eng = VllmEngine(lm.path, policy.args, dtype, None, 1, longest)
+        eng = VllmEngine.serving(lm, None, dtype, 1, longest)
         return {**out, "vLLM AR": lambda p, G, s, g: vllm_run(eng, p, G, s, g, lm)}
     out["sparkrl spec (budget)"] = lambda p, G, s, g: sparkrl_run(d.engine, policy, p, G, s, g, lm, sampler)
     for k in args.chains:  # vLLM's drafting: the drafter's argmax chain of k, every round (a one-branch tree)
         chain = Speculative(d.engine.drafter, TreeShape(k, 1, k), FixedBudget(TreeShape(k, 1, k)), NoAdaptation())
         out[f"sparkrl greedy chain {k}"] = lambda p, G, s, g, e=chain: sparkrl_run(e, policy, p, G, s, g, lm, sampler)
-    engines = {"vLLM AR": VllmEngine(lm.path, policy.args, dtype, None, 1, longest)}
-    draft = export_draft(d.drafter, policy, json.loads((lm.path / "config.json").read_text()), tmp / "draft",
-                         policy.lm_head.weight.dtype)
+    engines = {"vLLM AR": VllmEngine.serving(lm, None, dtype, 1, longest)}
     for k in args.chains:
-        engines[f"vLLM eagle3 chain {k}"] = VllmEngine(lm.path, policy.args, dtype, draft, k, longest)
+        engines[f"vLLM eagle3 chain {k}"] = VllmEngine.serving(lm, d.drafter, dtype, k, longest)
     for name, eng in engines.items():
         out[name] = lambda p, G, s, g, eng=eng: vllm_run(eng, p, G, s, g, lm)
     return out
@@ -182,9 +178,7 @@ def main():
     dcfg = DraftConfig(draft="none") if args.ar_only else DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint)
     lm, d, prompts, sampler = default_rollouts(dcfg, args.dtype, args.data, args.heldout,
                                                count=8 * (args.repeats + 1))
-    longest = max(map(len, prompts)) + args.max_new_tokens + max(args.chains) + 2
-    with tempfile.TemporaryDirectory() as tmp:
-        run = systems(args, lm, d, sampler, longest, Path(tmp))
+    run = systems(args, lm, d, sampler, model_len(prompts, args.max_new_tokens, max(args.chains)))
     rows = measure(args, run, prompts)
     steps = grpo_steps(args) if args.grpo_step and not args.ar_only else []
     out = Path(args.out)

@@ -13,7 +13,6 @@ import dataclasses
 import inspect
 import json
 import sys
-import tempfile
 import textwrap
 from dataclasses import dataclass
 from functools import cache
@@ -23,8 +22,7 @@ from pathlib import Path
 from sparkrl.commands.analysis import run as run_analysis
 from sparkrl.commands.bench import BenchConfig, bench
 from sparkrl.train.assemble import make_drafter, make_drafting
-from sparkrl.vllm.engine import VllmEngine
-from sparkrl.drafters.eagle3_format import export_draft
+from sparkrl.vllm.engine import VllmEngine, model_len
 from sparkrl.config import (Checked, DraftConfig, ModelConfig, PretrainConfig, RunConfig, SamplingConfig, at_least,
                             build, choices, option, require)
 from sparkrl.train.data import chat_prompt_ids, read_prompts_file
@@ -240,19 +238,15 @@ def print_responses(cfg: GenerateConfig, tok, prompts, tokens, finish_reason) ->
 
 def generate_with_vllm(cfg: GenerateConfig, lm, dtype, prompts) -> None:
     """`generate --engine vllm`: the policy served by vLLM, the --draft eagle3 drafter exported to it."""
-    with tempfile.TemporaryDirectory(prefix="sparkrl-draft-") as tmp:
-        draft = None
-        if cfg.draft.draft == "eagle3":
-            d = make_drafter(cfg.draft, lm.model, cfg.seed)
-            draft = export_draft(d, lm.model, json.loads((lm.path / "config.json").read_text()), Path(tmp) / "draft")
-        longest = max(map(len, prompts)) + cfg.sampling.max_new_tokens + cfg.draft.tree_depth + 1
-        eng = VllmEngine(lm.path, lm.model.args, str(dtype).removeprefix("torch."), draft, cfg.draft.tree_depth,
-                         longest, cfg.seed)
-        r = eng.generate(prompts, cfg.sampling, lm.eos_ids, cfg.n, cfg.seed)
+    drafter = make_drafter(cfg.draft, lm.model, cfg.seed) if cfg.draft.draft == "eagle3" else None
+    eng = VllmEngine.serving(lm, drafter, dtype, cfg.draft.tree_depth,
+                             model_len(prompts, cfg.sampling.max_new_tokens, cfg.draft.tree_depth), cfg.seed,
+                             cfg.sampling.temperature)
+    r = eng.generate(prompts, cfg.sampling, lm.eos_ids, cfg.n, cfg.seed)
     print_responses(cfg, lm.tokenizer, prompts, r.tokens, r.finish_reason)
     print(f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({r.num_tokens / max(r.gen_s, 1e-9):.1f} tok/s), vLLM",
           file=sys.stderr)
-    if draft is not None:
+    if drafter is not None:
         depth = " ".join(f"{a:.2f}" for a in r.acceptance())
         print(f"sparkrl: drafting (vLLM, chains of {cfg.draft.tree_depth}): aal {r.aal:.2f}, "
               f"{int(r.drafted['drafts'])} rounds, acceptance per position [{depth}]", file=sys.stderr)

@@ -29,7 +29,7 @@ from sparkrl.model.kvcache import KVCache
 from sparkrl.model.transformer import Transformer, pad_right
 from sparkrl.engine.rollout import Batch, decode_one_token, generate, prefill
 from sparkrl.engine.records import HIT, MISS, UNDRAFTED, Round, RoundStats
-from sparkrl.engine.budget import FixedBudget, Timings, round_work
+from sparkrl.engine.budget import AR, FixedBudget, Timings, round_work
 from sparkrl.engine.sampling import SAMPLER, Sampler
 from sparkrl.engine.verify import PathLogits, accept_chain, accept_tree
 from sparkrl.engine.records import Acceptance
@@ -266,7 +266,7 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
     model's nucleus thousands of tokens wide where its own text's is a few dozen."""
     dev = policy.lm_head.weight.device
     reps = {B: repeats[B] if isinstance(repeats, dict) else repeats for B in rows}
-    text = text or own_text(policy, context, sampler, lambda n: progress(n * round_work(1, (0, 0))))
+    text = text or own_text(policy, context, sampler, lambda n: progress(n * round_work(1, AR)))
     hidden = policy(torch.tensor([text], device=dev)).hidden[0]  # (context, d) the policy's states in its text
     room = (max(reps.values()) + 1) * len(sizes) * (shape.depth + 1) + 2  # a timed round commits at most depth + 1
     sampling = SamplingConfig(1.0, 0.95, room)
@@ -275,8 +275,8 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
         gens = [torch.Generator().manual_seed(1000 + i) for i in range(B)]
         eng = Speculation(policy, drafter.bind(policy), sampling, shape, gens, NoAdaptation(), sampler)
         eng.start([text], B, ())  # one prefill, copied to the B rows (as a group's prompt is)
-        timed = {size: [] for size in [(0, 0)] + list(sizes)}
-        for size in [(0, 0)] + [s for _ in range(reps[B]) for s in sizes]:  # sizes interleaved, so a machine
+        timed = {size: [] for size in [AR] + list(sizes)}
+        for size in [AR] + [s for _ in range(reps[B]) for s in sizes]:  # sizes interleaved, so a machine
             n, d = size  # that changes speed skews no size; the first round warms up
             t = time.perf_counter()
             if n == 0:
@@ -289,14 +289,14 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
             if n == 0:  # the drafter's catch-up on the AR token, untimed: a run of AR rounds pays it once at
                 eng.state = catch_up(eng.drafter, eng.dcache, *eng.backlog.pop())  # its end, not per tree round
         for size in sizes:
-            out.rounds[size].append(timed[size][1:] if size == (0, 0) else timed[size])
+            out.rounds[size].append(timed[size][1:] if size == AR else timed[size])  # AR's first warmed up
         h = hidden[torch.arange(context - B, context) % context]  # (B, d) the text's last B positions
         level, u = [], torch.rand(B, generator=torch.Generator().manual_seed(B), dtype=torch.float64)
         for _ in range(reps[B] + 1):
             t = time.perf_counter()
             sampler.nucleus(policy.logits(h), sampling.temperature, sampling.top_p, u)
             level.append(time.perf_counter() - t)
-            progress(round_work(B, (0, 0)))
+            progress(round_work(B, AR))
         out.level.append(min(level[1:]))
     return out
 

@@ -10,12 +10,9 @@ both the drafter and SPARK's projection A. The drafter's rollout copy runs on th
 from __future__ import annotations
 
 import functools
-import json
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -31,7 +28,7 @@ from sparkrl.engine.records import RoundStats
 from sparkrl.engine.spark import Projection, Spark
 from sparkrl.engine.speculative import Autoregressive, NoAdaptation, Speculative, time_rounds
 from sparkrl.vllm.engine import VllmEngine, VllmGeneration
-from sparkrl.drafters.eagle3_format import eagle3_weights, export_draft
+from sparkrl.drafters.eagle3_format import eagle3_weights
 from sparkrl.train.precision import RolloutCopy, rollout_copy
 
 
@@ -251,15 +248,10 @@ def serve_with_vllm(cfg: DraftConfig, lm, rollout: RolloutCopy, drafting: Drafti
     """--engine vllm: one vLLM engine for the run, serving the policy `lm` (and the drafter, exported to it), which
     `drafting.engine` then generates with; returns the policy's rollout copy that also refreshes vLLM (the drafter's
     becomes one too)."""
-    policy, draft = lm.model, None
-    with tempfile.TemporaryDirectory(prefix="sparkrl-vllm-") as tmp:  # read once, at the engine's start
-        if isinstance(drafting, Drafting):
-            config = json.loads((lm.path / "config.json").read_text())
-            draft = export_draft(drafting.drafter, policy, config, Path(tmp) / "draft", dtype)
-        engine = VllmEngine(lm.path, policy.args, str(dtype).removeprefix("torch."), draft, cfg.tree_depth, max_len,
-                            seed, temperature)
-    drafting.engine = VllmGeneration(engine, cfg.tree_depth if draft else 0)
-    if draft:
+    policy, drafter = lm.model, drafting.drafter if isinstance(drafting, Drafting) else None
+    engine = VllmEngine.serving(lm, drafter, dtype, cfg.tree_depth, max_len, seed, temperature)
+    drafting.engine = VllmGeneration(engine, cfg.tree_depth if drafter is not None else 0)
+    if drafter is not None:
         drafting.rollout = Served(drafting.rollout,
                                   lambda: engine.load_drafter(eagle3_weights(drafting.drafter, policy, dtype)))
     return Served(rollout, lambda: engine.load_policy(policy.weights()))

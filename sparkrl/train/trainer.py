@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from sparkrl.train.assemble import Drafting, NoDrafting, make_drafting, serve_with_vllm
+from sparkrl.vllm.engine import model_len
 from sparkrl.train.checkpoint import POLICY, list_checkpoints, load_latest, save_checkpoint, set_rng_state
 from sparkrl.config import RunConfig, to_dict
 from sparkrl.train.data import build_prompts, load_problems
@@ -230,7 +231,7 @@ class GRPORun:
         with world.main_first():  # rank 0 times the machine for the budget (cached), the others read its timing
             self.drafting = make_drafting(cfg.draft, policy, self.rollout, cfg.sampling.temperature, cfg.seed)
         if cfg.draft.engine == "vllm":  # vLLM generates; every refresh of a rollout copy puts its weights there
-            longest = max(map(len, self.prompts.prompt_ids)) + cfg.sampling.max_new_tokens + cfg.draft.tree_depth + 2
+            longest = model_len(self.prompts.prompt_ids, cfg.sampling.max_new_tokens, cfg.draft.tree_depth)
             self.rollout = serve_with_vllm(cfg.draft, lm, self.rollout, self.drafting, cfg.sampling.temperature,
                                            longest, getattr(torch, dt), cfg.seed)
         shards.wrap(policy)  # after the rollout copy and the drafter were made from the whole policy

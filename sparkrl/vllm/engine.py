@@ -12,7 +12,9 @@ seconds for the default model on a CPU), which is why an engine lives as long as
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 
 from sparkrl.config import SamplingConfig
+from sparkrl.drafters.eagle3_format import export_draft
 from sparkrl.engine.records import Rollout, RoundStats
 from sparkrl.errors import UserError
 from sparkrl.model.export import ARCHITECTURES
@@ -67,6 +70,12 @@ def vllm_module():
     return vllm
 
 
+def model_len(prompts: list[list[int]], max_new_tokens: int, spec_tokens: int) -> int:
+    """The longest sequence an engine serving `prompts` holds: the longest prompt, its response and a round's
+    drafts past it."""
+    return max(map(len, prompts)) + max_new_tokens + spec_tokens + 2
+
+
 class VllmEngine:
     """One vLLM engine serving the policy in `policy_dir` (a Hugging Face folder), with the drafter in `draft_dir`
     (an `export_draft` folder) drafting `spec_tokens` tokens a round, or none."""
@@ -85,6 +94,17 @@ class VllmEngine:
                             enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 16384),
                             hf_overrides={"architectures": [ARCHITECTURES[args.arch]]}, **spec,
                             logprobs_mode="raw_logprobs" if temperature in (0, 1) else "processed_logprobs")
+
+    @classmethod
+    def serving(cls, lm, drafter, dtype: torch.dtype, spec_tokens: int, max_model_len: int, seed: int = 0,
+                temperature: float = 1.0) -> "VllmEngine":
+        """An engine serving the loaded policy `lm` (`weights.LoadedModel`: its folder, config and weights) with
+        `drafter` (EAGLE3-style; None: none) exported to it through a temporary folder, read once at the start."""
+        with tempfile.TemporaryDirectory(prefix="sparkrl-vllm-") as tmp:
+            draft = None if drafter is None else export_draft(
+                drafter, lm.model, json.loads((lm.path / "config.json").read_text()), Path(tmp) / "draft", dtype)
+            return cls(lm.path, lm.model.args, str(dtype).removeprefix("torch."), draft, spec_tokens, max_model_len,
+                       seed, temperature)
 
     def runner(self):
         """vLLM's model runner, in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
@@ -143,8 +163,8 @@ class VllmEngine:
         gen_s = time.perf_counter() - t0
         after = self.counters()
         drafted = {k: after[k] - before[k] for k in COUNTERS}
-        drafted["per_position"] = [a - b for a, b in zip(after.get("per_position", []),
-                                                          before.get("per_position", [0.0] * 64))]
+        done = after.get("per_position", [])
+        drafted["per_position"] = [a - b for a, b in zip(done, before.get("per_position") or [0.0] * len(done))]
         tokens, logps, reasons = [], [], []
         for out in outs:
             for o in sorted(out.outputs, key=lambda o: o.index):
