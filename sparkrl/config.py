@@ -326,7 +326,8 @@ class DraftConfig(Checked):
                     "(--tree-depth drafted tokens a round)")
             require(self.budget == "fixed", "--engine vllm drafts a fixed chain length every round (vLLM has no "
                     "speculation budget): pass --budget fixed")
-        require(not self.spark_config.spark, "--spark inside vLLM is not built yet: use --engine sparkrl")
+        require(not self.spark_config.spark_carry, "--spark-carry keeps B across rollouts, and vLLM drops a group's B "
+                "when its last response ends: use --engine sparkrl")
         require(not self.round_log, "--round-log records sparkrl's own rounds: use --engine sparkrl")
 
     def shape(self) -> TreeShape:

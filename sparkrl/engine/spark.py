@@ -84,6 +84,11 @@ class SparseRows:
             0, inv, torch.cat([self.rows, rows]))
         self.keys = allk
 
+    def drop(self, owners: torch.Tensor) -> None:
+        """Forget every row of `owners` (B_g = 0 again)."""
+        keep = ~torch.isin(torch.div(self.keys, self.V, rounding_mode="floor"), owners)
+        self.keys, self.rows = self.keys[keep], self.rows[keep]
+
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """Rows at keys (any shape) -> (*keys.shape, r), zero for untouched rows."""
         r = self.rows.shape[1]
@@ -172,18 +177,27 @@ class Spark:
 
         The scope says which responses share a B: "group" (the paper: the G responses of a prompt),
         "response" (each its own) or "batch" (all)."""
+        self.reset()
+        r = torch.arange(n_prompts * group_size, device=self.A.device)
+        self._owners_all = {"group": r // group_size, "response": r, "batch": r * 0}[self.scope]
+
+    def reset(self) -> None:
+        """A new rollout: B = 0 (unless `carry`), its figures zeroed."""
         if not self.carry:
             self.store = SparseRows(self.V, self.A.shape[1], self.A.device)
         self._pending, self._round = [], 0
         self.stats = {"spark_contexts": 0, "spark_skipped": 0}
         self.seconds = 0.0
-        r = torch.arange(n_prompts * group_size, device=self.A.device)
-        self._owners_all = {"group": r // group_size, "response": r, "batch": r * 0}[self.scope]
 
     def select(self, responses) -> None:
         """The active batch rows for this round: their response indices (a list or a (B,) tensor)."""
+        self.select_owners(self._owners_all[torch.as_tensor(responses, device=self.A.device)])
+
+    def select_owners(self, owner: torch.Tensor) -> None:
+        """The owner of each batch row `correct` and `feedback` see, (B,) long (an engine that keeps its own map
+        from responses to owners, as vLLM's does, calls this instead of `begin` and `select`)."""
         t0 = time.perf_counter()
-        self._owner = self._owners_all[torch.as_tensor(responses, device=self.A.device)]
+        self._owner = owner
         self._tok, self._rows = self.store.of_owners(self._owner) if len(self.store) else (None, None)
         self.seconds += time.perf_counter() - t0
 
@@ -205,10 +219,12 @@ class Spark:
     def feedback(self, row: torch.Tensor, h: torch.Tensor, z: torch.Tensor, p: torch.Tensor, w: torch.Tensor) -> None:
         """Feedback contexts of this round: row (n,) batch row, h (n, d), z (n, V) the corrected logits the
         proposals came from, p (n, V) the target's distribution there, w (n,) weights."""
-        n = row.numel()
-        if n == 0:
-            return
-        owner = self._owner[row]  # (n,)
+        if row.numel():
+            self.feedback_of(self._owner[row], h, z, p, w)
+
+    def feedback_of(self, owner: torch.Tensor, h: torch.Tensor, z: torch.Tensor, p: torch.Tensor,
+                    w: torch.Tensor) -> None:
+        """`feedback` with each context's owner (n,) given instead of its batch row."""
         q = torch.softmax(z.float() / self.temperature, -1)  # (n, V)
         p = p.float()
         u = h.float() @ self.A  # (n, r)
@@ -217,18 +233,19 @@ class Spark:
         if bad.numel():  # a broken target or drafter must not poison B: skip those owners' updates
             self.stats["spark_skipped"] += bad.numel()
             keep = ~torch.isin(owner, bad)
-            row, owner, q, p, u, w, h = row[keep], owner[keep], q[keep], p[keep], u[keep], w[keep], h[keep]
-            if row.numel() == 0:
+            owner, q, p, u, w, h = owner[keep], q[keep], p[keep], u[keep], w[keep], h[keep]
+            if owner.numel() == 0:
                 return
-        self.stats["spark_contexts"] += row.numel()
+        self.stats["spark_contexts"] += owner.numel()
         idx, delta = sparse_delta(q, p, self.k)  # (n, 2k)
-        W = torch.zeros(int(owner.max()) + 1, device=w.device).index_add_(0, owner, w.float())  # host sync: size
-        coef = w.float() / W[owner]  # (n,) w_c / W_g
+        owners, of = torch.unique(owner, return_inverse=True)  # host sync: size
+        W = torch.zeros(owners.numel(), device=w.device).index_add_(0, of, w.float())
+        coef = w.float() / W[of]  # (n,) w_c / W_g
         keys = owner[:, None] * self.V + idx  # (n, 2k)
         if self.learn_A:  # G^A_c = h_c (B_g^T delta_c)^T with the B_g this round used (Eq. 6)
             btd = (delta[..., None] * self.store.lookup(keys)).sum(1)  # (n, r)
             self.grad_A += ((coef[:, None] * h.float()).T @ btd).double()
-            self.updates += int(torch.unique(owner).numel())  # host sync: count
+            self.updates += owners.numel()
         step = -self.eta * (coef[:, None] * delta)[..., None] * u[:, None, :]  # (n, 2k, r)
         self._pending.append((keys.reshape(-1), step.reshape(-1, u.shape[1])))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from sparkrl import __version__
-from sparkrl.config import RunConfig, to_dict
+from sparkrl.config import RunConfig, SparkConfig, to_dict
 from sparkrl.errors import UserError, writable_dir
 from sparkrl.model.export import export_model
 from sparkrl.model.weights import load_model
@@ -20,6 +20,7 @@ from sparkrl.drafters import find_checkpoint, load_drafter
 from sparkrl.drafters.base import read_checkpoint
 from sparkrl.train.checkpoint import STATE, checkpoints_at, list_checkpoints, load_checkpoint, remove_stale
 from sparkrl.drafters.eagle3_format import export_draft
+from sparkrl.vllm.spark import settings_of, write_projection
 
 # Settings that may change between a run and its resumption (they do not change the maths).
 # A checkpoint holds whole tensors whatever --shard-policy wrote it.
@@ -116,9 +117,15 @@ def export_drafter(source: str, model: str, out: str, dtype: str = "bfloat16") -
         if path is None:
             raise UserError(f"no drafter named by {source!r}: pass a drafter file, a run folder, or 'default'")
         what = path
-    d = load_drafter(read_checkpoint(path), lm.model.args, "eagle3", str(path)).bind(lm.model)
+    dck = read_checkpoint(path)
+    d = load_drafter(dck, lm.model.args, "eagle3", str(path)).bind(lm.model)
     config = json.loads((lm.path / "config.json").read_text())
-    return what, export_draft(d.to(lm.model.lm_head.weight.dtype), lm.model, config, Path(out), getattr(torch, dtype))
+    folder = export_draft(d.to(lm.model.lm_head.weight.dtype), lm.model, config, Path(out), getattr(torch, dtype))
+    if "spark" in dck:  # a --spark run's drafter: its learned A, and the run's SPARK settings, go too
+        sc = SparkConfig(**ck["config"]["draft"]["spark_config"]) if steps else SparkConfig()
+        write_projection(folder, dck["spark"]["A"], **settings_of(sc))
+        what += " with its SPARK projection (SPARK on in vLLM with sparkrl's plugin)"
+    return what, folder
 
 
 def append_metrics(out: str, m: dict) -> None:

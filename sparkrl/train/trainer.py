@@ -320,6 +320,9 @@ def step_metrics(step: int, rollout: Rollout, scores: list, upd: dict) -> dict:
     """The metrics line of GRPO step `step` (0-based) from its whole batch's rollout, scores and update figures
     (`upd`, emptied here: the policy's and the drafter's update, their times, the budget's figures)."""
     rewards = torch.tensor([s.reward for s in scores])
+    stats = rollout.stats.to_metrics()
+    if "spark_contexts" in stats:  # SPARK's own time as a share of the step's generation time
+        stats["spark_share"] = stats["spark_s"] / max(rollout.gen_s, 1e-9)
     return {
         "step": step + 1,
         "reward_mean": float(rewards.mean()),
@@ -334,7 +337,7 @@ def step_metrics(step: int, rollout: Rollout, scores: list, upd: dict) -> dict:
         "response_len_mean": rollout.num_tokens / len(rollout.tokens),
         "truncated_frac": rollout.finish_reason.count("length") / len(rollout.tokens),
         **upd,
-        **rollout.stats.to_metrics(),
+        **stats,
     }
 
 
@@ -423,6 +426,8 @@ def _train(run: GRPORun) -> Summary:
             bar.update(1)
             drafting = {"tok_per_round": f"{m['aal']:.2f}", "drafted": f"{m['tree_rounds']}/{m['rounds']}"} \
                 if "aal" in m else {}
+            if "spark_share" in m:
+                drafting["spark"] = f"{m['spark_share']:.1%}"
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.2f}",
                             tok_s=f"{m['gen_tok_per_s']:.0f}", **drafting, refresh=True)
     except KeyboardInterrupt:

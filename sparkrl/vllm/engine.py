@@ -27,6 +27,7 @@ from sparkrl.engine.records import Rollout, RoundStats
 from sparkrl.errors import UserError
 from sparkrl.model.export import ARCHITECTURES
 from sparkrl.model.transformer import ModelArgs
+from sparkrl.vllm.spark import write_projection
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
        "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -43,6 +44,7 @@ class VllmRollout:
     finish_reason: list[str]
     gen_s: float
     drafted: dict = field(default_factory=dict)  # drafts, draft_tokens, accepted_tokens, per_position (accepted)
+    adapter: dict = field(default_factory=lambda: {"spark_s": 0.0})  # SPARK's figures (`VllmSpark.metrics`)
 
     @property
     def num_tokens(self) -> int:
@@ -97,12 +99,15 @@ class VllmEngine:
 
     @classmethod
     def serving(cls, lm, drafter, dtype: torch.dtype, spec_tokens: int, max_model_len: int, seed: int = 0,
-                temperature: float = 1.0) -> "VllmEngine":
+                temperature: float = 1.0, spark: tuple[torch.Tensor, dict] | None = None) -> "VllmEngine":
         """An engine serving the loaded policy `lm` (`weights.LoadedModel`: its folder, config and weights) with
-        `drafter` (EAGLE3-style; None: none) exported to it through a temporary folder, read once at the start."""
+        `drafter` (EAGLE3-style; None: none) exported to it through a temporary folder, read once at the start;
+        spark: SPARK's A and settings (`spark.write_projection`) exported with it (None: SPARK off)."""
         with tempfile.TemporaryDirectory(prefix="sparkrl-vllm-") as tmp:
             draft = None if drafter is None else export_draft(
                 drafter, lm.model, json.loads((lm.path / "config.json").read_text()), Path(tmp) / "draft", dtype)
+            if spark is not None:
+                write_projection(draft, spark[0], **spark[1])
             return cls(lm.path, lm.model.args, str(dtype).removeprefix("torch."), draft, spec_tokens, max_model_len,
                        seed, temperature)
 
@@ -121,9 +126,16 @@ class VllmEngine:
             model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
         self.llm.reset_prefix_cache()  # cached prompt keys and values were the old policy's
 
-    def load_drafter(self, weights: dict) -> None:
+    def spark(self):
+        """SPARK's state in the served drafter (`spark.VllmSpark`), or None when its folder held no projection."""
+        return getattr(self.runner().drafter, "spark", None)
+
+    def load_drafter(self, weights: dict, A: torch.Tensor | None = None) -> None:
         """The drafter's new weights (`export.eagle3_weights`) into vLLM's drafter, in place; what vLLM shares with
-        the target (an output head equal to the target's at load) follows the target and is not sent."""
+        the target (an output head equal to the target's at load) follows the target and is not sent. A: SPARK's
+        new projection (with SPARK on)."""
+        if A is not None:
+            self.spark().set_projection(A)
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
@@ -157,10 +169,14 @@ class VllmEngine:
                                            top_p=1.0 if greedy else sampling.top_p, max_tokens=sampling.max_new_tokens,
                                            stop_token_ids=list(eos_ids), logprobs=0, seed=seed + i)
                   for i in range(len(prompts))]
-        before = self.counters()
+        before, spark = self.counters(), self.spark()
         t0 = time.perf_counter()
         outs = self.llm.generate(reqs, params, use_tqdm=False)
         gen_s = time.perf_counter() - t0
+        adapter = {"spark_s": 0.0}
+        if spark is not None:  # every group is done: its B goes (vLLM reports the last finished ones a step late)
+            adapter = spark.metrics()
+            spark.clear()
         after = self.counters()
         drafted = {k: after[k] - before[k] for k in COUNTERS}
         done = after.get("per_position", [])
@@ -171,7 +187,7 @@ class VllmEngine:
                 tokens.append(list(o.token_ids))
                 logps.append([lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)])
                 reasons.append("stop" if o.finish_reason == "stop" else "length")
-        return VllmRollout(tokens, logps, reasons, gen_s, drafted)
+        return VllmRollout(tokens, logps, reasons, gen_s, drafted, adapter)
 
 
 class VllmGeneration:
@@ -195,5 +211,6 @@ class VllmGeneration:
             stats.rounds = stats.row_rounds = stats.tree_rounds = stats.tree_row_rounds = n
             stats.committed = n + int(r.drafted["accepted_tokens"])
             stats.accepted_at_depth = [int(a) for a in r.drafted["per_position"][:self.depth]]
+        stats.adapter = r.adapter
         return Rollout([list(p) for p in prompts], group_size, r.tokens, r.finish_reason, r.gen_s, stats,
                        logp=r.logprobs)

