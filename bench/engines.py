@@ -1,10 +1,12 @@
 """The rollout engines side by side: sparkrl autoregressive, sparkrl speculative (EAGLE3-style trees with the
 budget), vLLM autoregressive, and vLLM with the same EAGLE3-style drafter exported to it (chains of each
---chains length; beside each, sparkrl drafting the same greedy chain every round, whose AAL vLLM's should match), on the same policy, prompts (GSM8K questions in the GRPO prompt format; with --heldout only
-those held out of draft pretraining), sampling (temperature 1, top-p 0.95) and dtype, at 1, 8 and 64 responses
-(1 prompt x 1, 1 prompt x 8, 8 prompts x 8). Every engine is started once (vLLM's in this process); after one
-untimed rollout of each, the systems alternate within each repeat. Reported per setting and system: tokens/s over
-all repeats, its ratio to sparkrl's autoregressive, and AAL (tokens per verification round per response). With
+--chains length; beside each, sparkrl drafting the same greedy chain every round, whose AAL vLLM's should match;
+with --spark, both again with SPARK, whose AAL gain in vLLM should match its gain in sparkrl), on the same policy,
+prompts (GSM8K questions in the GRPO prompt format; with --heldout only those held out of draft pretraining),
+sampling (temperature 1, top-p 0.95) and dtype, at 1, 8 and 64 responses (1 prompt x 1, 1 prompt x 8, 8 prompts
+x 8). Every engine is started once (vLLM's in this process); after one untimed rollout of each, the systems
+alternate within each repeat. Reported per setting and system: tokens/s over all repeats, its ratio to sparkrl's
+autoregressive, AAL (tokens per verification round per response) and SPARK's share of the generation time. With
 --grpo-step, one GRPO step of each engine too (`sparkrl train --steps 1`, generation and update times).
 
     .venv/bin/python bench/engines.py --draft-checkpoint DRAFTER --heldout 0.05 \\
@@ -22,31 +24,45 @@ from pathlib import Path
 
 import torch
 
-from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
-from sparkrl.engine.rollout import response_generators
-from sparkrl.config import TreeShape
+from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, SparkConfig, TreeShape, build
 from sparkrl.engine.budget import FixedBudget
+from sparkrl.engine.rollout import response_generators
+from sparkrl.engine.spark import Spark
 from sparkrl.engine.speculative import Autoregressive, NoAdaptation, Speculative
+from sparkrl.train.assemble import make_spark
 from sparkrl.train.trainer import train
 from sparkrl.vllm.engine import VllmEngine, model_len
+from sparkrl.vllm.spark import settings_of
 
 from default_rollouts import default_rollouts
 
 
 def systems(args, lm, d, sampler, longest: int) -> dict:
-    """name -> generate(prompts, G, sampling, gens) -> (tokens, seconds, AAL or None): each engine, started once."""
+    """name -> generate(prompts, G, sampling, gens) -> (tokens, seconds, AAL or None, SPARK seconds): each engine,
+    started once."""
     policy, dtype = lm.model, lm.model.lm_head.weight.dtype
     out = {"sparkrl AR": lambda p, G, s, g: sparkrl_run(Autoregressive(), policy, p, G, s, g, lm, sampler)}
     if args.ar_only:
         eng = VllmEngine.serving(lm, None, dtype, 1, longest)
         return {**out, "vLLM AR": lambda p, G, s, g: vllm_run(eng, p, G, s, g, lm)}
     out["sparkrl spec (budget)"] = lambda p, G, s, g: sparkrl_run(d.engine, policy, p, G, s, g, lm, sampler)
+    sc = SparkConfig(spark=True)  # the paper's defaults; A from the drafter checkpoint, else the policy's head
+    A = make_spark(DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, spark_config=sc), policy,
+                   d.drafter, 1.0)[0].A if args.spark else None
+    adapters = {"": NoAdaptation}
+    if args.spark:
+        adapters[" +SPARK"] = lambda: Spark.from_config(sc, A, d.drafter.vocab_ids.numel(), 1.0)
     for k in args.chains:  # vLLM's drafting: the drafter's argmax chain of k, every round (a one-branch tree)
-        chain = Speculative(d.engine.drafter, TreeShape(k, 1, k), FixedBudget(TreeShape(k, 1, k)), NoAdaptation())
-        out[f"sparkrl greedy chain {k}"] = lambda p, G, s, g, e=chain: sparkrl_run(e, policy, p, G, s, g, lm, sampler)
+        for tag, adapter in adapters.items():
+            chain = Speculative(d.engine.drafter, TreeShape(k, 1, k), FixedBudget(TreeShape(k, 1, k)), adapter())
+            out[f"sparkrl greedy chain {k}{tag}"] = \
+                lambda p, G, s, g, e=chain: sparkrl_run(e, policy, p, G, s, g, lm, sampler)
     engines = {"vLLM AR": VllmEngine.serving(lm, None, dtype, 1, longest)}
     for k in args.chains:
         engines[f"vLLM eagle3 chain {k}"] = VllmEngine.serving(lm, d.drafter, dtype, k, longest)
+        if args.spark:
+            engines[f"vLLM eagle3 chain {k} +SPARK"] = VllmEngine.serving(lm, d.drafter, dtype, k, longest,
+                                                                         spark=(A, settings_of(sc)))
     for name, eng in engines.items():
         out[name] = lambda p, G, s, g, eng=eng: vllm_run(eng, p, G, s, g, lm)
     return out
@@ -54,12 +70,12 @@ def systems(args, lm, d, sampler, longest: int) -> dict:
 
 def sparkrl_run(engine, policy, prompts, G, sampling, gens, lm, sampler):
     r = engine.generate(policy, prompts, sampling, lm.eos_ids, gens, G, sampler=sampler)
-    return r.num_tokens, r.gen_s, (r.stats.aal if r.stats.depth else None)
+    return r.num_tokens, r.gen_s, (r.stats.aal if r.stats.depth else None), r.stats.adapter.get("spark_s", 0.0)
 
 
 def vllm_run(eng, prompts, G, sampling, gens, lm):
     r = eng.generate(prompts, sampling, lm.eos_ids, G, gens[0].initial_seed() % (1 << 31))
-    return r.num_tokens, r.gen_s, (r.aal if r.drafted.get("drafts") else None)
+    return r.num_tokens, r.gen_s, (r.aal if r.drafted.get("drafts") else None), r.adapter["spark_s"]
 
 
 def measure(args, run: dict, prompts) -> list[dict]:
@@ -68,24 +84,38 @@ def measure(args, run: dict, prompts) -> list[dict]:
     rows = []
     for setting in args.batches.split(","):
         P, G = map(int, setting.split("x"))
-        got = {name: [0, 0.0, []] for name in run}
+        got = {name: [0, 0.0, [], 0.0] for name in run}
         for rep in range(args.repeats + 1):
             ps = prompts[rep * P:(rep + 1) * P]
             gens = response_generators(rep, P, G)
             for name, fn in run.items():
-                n, s, aal = fn(ps, G, sampling, [torch.Generator().manual_seed(g.initial_seed()) for g in gens])
+                n, s, aal, spark_s = fn(ps, G, sampling,
+                                        [torch.Generator().manual_seed(g.initial_seed()) for g in gens])
                 if rep:
                     got[name][0] += n
                     got[name][1] += s
                     got[name][2] += [aal] if aal is not None else []
+                    got[name][3] += spark_s
                 print(f"{setting} rep {rep} {name}: {n} tokens {s:.2f}s" + (f" aal {aal:.2f}" if aal else ""),
                       flush=True)
         base = got["sparkrl AR"][0] / got["sparkrl AR"][1]
-        for name, (n, s, aals) in got.items():
+        for name, (n, s, aals, spark_s) in got.items():
             rows.append({"responses": P * G, "system": name, "tokens": n, "seconds": s, "tok_per_s": n / s,
                          "vs_sparkrl_ar": n / s / base, "aal": sum(aals) / len(aals) if aals else None,
-                         "aal_per_rollout": aals})
+                         "aal_per_rollout": aals, "spark_share": spark_s / s if "SPARK" in name else None})
     return rows
+
+
+def per_rollout(rows, system: str) -> list[float]:
+    """A system's AAL of every timed rollout, in the same (setting, repeat) order for every system."""
+    return [a for r in rows if r["system"] == system for a in r["aal_per_rollout"]]
+
+
+def bootstrap(pairs: torch.Tensor, stat) -> tuple[float, list[float]]:
+    """stat(pairs (n, c)) -> float, and its 95% bootstrap interval over the n paired rollouts."""
+    idx = torch.randint(0, len(pairs), (2000, len(pairs)), generator=torch.Generator().manual_seed(0))
+    boot = torch.tensor([stat(pairs[i]) for i in idx]).sort().values
+    return stat(pairs), [float(boot[49]), float(boot[1949])]
 
 
 def aal_agreement(rows, chains) -> list[dict]:
@@ -93,13 +123,27 @@ def aal_agreement(rows, chains) -> list[dict]:
     setting and repeat: the same prompts), with a 95% bootstrap interval over those pairs."""
     out = []
     for k in chains:
-        ours = [a for r in rows if r["system"] == f"sparkrl greedy chain {k}" for a in r["aal_per_rollout"]]
-        theirs = [a for r in rows if r["system"] == f"vLLM eagle3 chain {k}" for a in r["aal_per_rollout"]]
-        pairs = torch.tensor(list(zip(theirs, ours)), dtype=torch.float64)  # (rollouts, 2)
-        idx = torch.randint(0, len(pairs), (2000, len(pairs)), generator=torch.Generator().manual_seed(0))
-        boot = (pairs[idx, 0].mean(1) / pairs[idx, 1].mean(1)).sort().values
-        out.append({"chain": k, "ratio": float(pairs[:, 0].mean() / pairs[:, 1].mean()), "rollouts": len(pairs),
-                    "ci": [float(boot[49]), float(boot[1949])]})
+        pairs = torch.tensor(list(zip(per_rollout(rows, f"vLLM eagle3 chain {k}"),
+                                      per_rollout(rows, f"sparkrl greedy chain {k}"))), dtype=torch.float64)
+        ratio, ci = bootstrap(pairs, lambda x: float(x[:, 0].mean() / x[:, 1].mean()))
+        out.append({"chain": k, "ratio": ratio, "rollouts": len(pairs), "ci": ci})
+    return out
+
+
+def spark_gain(rows, chains) -> list[dict]:
+    """Per chain length k: SPARK's AAL gain (AAL with SPARK over without, paired rollouts) in vLLM and in sparkrl's
+    engine drafting the same greedy chain, and their difference, each with a 95% bootstrap interval."""
+    out = []
+    for k in chains:
+        names = [f"vLLM eagle3 chain {k} +SPARK", f"vLLM eagle3 chain {k}", f"sparkrl greedy chain {k} +SPARK",
+                 f"sparkrl greedy chain {k}"]
+        pairs = torch.tensor(list(zip(*(per_rollout(rows, n) for n in names))), dtype=torch.float64)  # (n, 4)
+        gain = lambda x, j: float(x[:, j].mean() / x[:, j + 1].mean())
+        v, vci = bootstrap(pairs, lambda x: gain(x, 0))
+        s, sci = bootstrap(pairs, lambda x: gain(x, 2))
+        d, dci = bootstrap(pairs, lambda x: gain(x, 0) - gain(x, 2))
+        out.append({"chain": k, "vllm": v, "vllm_ci": vci, "sparkrl": s, "sparkrl_ci": sci, "difference": d,
+                    "difference_ci": dci, "rollouts": len(pairs)})
     return out
 
 
@@ -125,13 +169,19 @@ def grpo_steps(args) -> list[dict]:
 
 
 def report(args, rows, steps) -> str:
-    lines = ["| responses | system | tokens/s | vs sparkrl AR | AAL |", "| ---: | --- | ---: | ---: | ---: |"]
+    lines = ["| responses | system | tokens/s | vs sparkrl AR | AAL | SPARK share of time |",
+             "| ---: | --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['responses']} | {r['system']} | {r['tok_per_s']:.1f} | {r['vs_sparkrl_ar']:.2f}x | "
-              f"{'' if r['aal'] is None else format(r['aal'], '.2f')} |" for r in rows]
+              f"{'' if r['aal'] is None else format(r['aal'], '.2f')} | "
+              f"{'' if r.get('spark_share') is None else format(r['spark_share'], '.1%')} |" for r in rows]
+    ci = lambda c: f"[{c[0]:.3f}, {c[1]:.3f}]"
     if not args.ar_only:
         lines += [""] + [f"AAL, vLLM chain {a['chain']} over sparkrl's same greedy chain: {a['ratio']:.3f} "
-                         f"[{a['ci'][0]:.3f}, {a['ci'][1]:.3f}] over {a['rollouts']} rollouts"
-                         for a in aal_agreement(rows, args.chains)]
+                         f"{ci(a['ci'])} over {a['rollouts']} rollouts" for a in aal_agreement(rows, args.chains)]
+    if args.spark:
+        lines += [f"SPARK's AAL gain, chain {g['chain']}: vLLM {g['vllm']:.3f} {ci(g['vllm_ci'])}, sparkrl "
+                  f"{g['sparkrl']:.3f} {ci(g['sparkrl_ci'])}, difference {g['difference']:+.3f} "
+                  f"{ci(g['difference_ci'])} over {g['rollouts']} rollouts" for g in spark_gain(rows, args.chains)]
     if steps:
         lines += ["", "| GRPO step (8 x 8) | generation s | update s | draft training s | step s | AAL |",
                   "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -170,6 +220,7 @@ def main():
     ap.add_argument("--batches", default="1x1,1x8,8x8", help="PROMPTSxGROUP per setting")
     ap.add_argument("--chains", default="3,5", type=lambda s: [int(x) for x in s.split(",")],
                     help="vLLM chain lengths (num_speculative_tokens)")
+    ap.add_argument("--spark", action="store_true", help="each chain again with SPARK, in vLLM and in sparkrl")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--grpo-step", action="store_true")
@@ -186,6 +237,7 @@ def main():
     meta = {k: (v if not isinstance(v, list) else v) for k, v in vars(args).items()}
     (out / "engines.json").write_text(json.dumps({"args": meta, "rows": rows, "grpo_steps": steps,
                                                   "aal_agreement": [] if args.ar_only else aal_agreement(rows, args.chains),
+                                                  "spark_gain": spark_gain(rows, args.chains) if args.spark else [],
                                                   "cpu_threads": torch.get_num_threads(),
                                                   "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM")},
                                                   "date": time.strftime("%Y-%m-%d")}, indent=1))

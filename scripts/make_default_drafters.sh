@@ -6,7 +6,8 @@
 # on the same passes, not shipped), continued for two epochs on the second EAGLE3 run's corpus, then for one
 # on the third's with 64 training blocks per sequence (both reuse those runs' corpus and stored policy
 # passes); their bf16 weights are copied into the package (the DFlash-style drafter's online training
-# setting reset to 8 blocks per sequence). Resumable: rerun with RESUME=--resume. Needs ../shared/data
+# setting reset to 8 blocks per sequence). Resumable: rerun it (each stage continues from its state.pt, and a
+# stage's corpus files are reused). Needs ../shared/data
 # (GSM8K and MATH training files); about 6.5 hours on a 2-core CPU. ONLY=eagle3 makes (and copies) the EAGLE3-style
 # drafter alone (about 6 hours).
 set -euo pipefail
@@ -18,14 +19,15 @@ SHIP=${SHIP:-runs/ship}
 DFL2=${DFL2:-runs/dfl2}
 DFL3=${DFL3:-runs/dfl3}
 DATA=${DATA:-../shared/data/gsm8k/train.jsonl,../shared/data/math/train.jsonl}
+resume() { [ -f "$1/state.pt" ] && echo --resume || true; }  # continue a stage that has started
 COMMON="--model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 100 --checkpoint-every 25 --micro-batch 8 --lr 5e-4 --warmup 50"
-.venv/bin/sparkrl pretrain-draft $COMMON --out "$EAGLE" --draft eagle3 --prompts 3000 --no-solutions ${RESUME:-}
+.venv/bin/sparkrl pretrain-draft $COMMON --out "$EAGLE" --draft eagle3 --prompts 3000 --no-solutions $(resume "$EAGLE")
 .venv/bin/sparkrl pretrain-draft --model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 125 \
     --checkpoint-every 25 --micro-batch 8 --out "$CONT" --draft eagle3 --init "$EAGLE/eagle3/drafter.safetensors" \
-    --seed 1 --prompts 3000 --no-solutions --lr 3e-4 --warmup 25 --epochs 2 ${RESUME:-}
+    --seed 1 --prompts 3000 --no-solutions --lr 3e-4 --warmup 25 --epochs 2 $(resume "$CONT")
 .venv/bin/sparkrl pretrain-draft --model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 125 \
     --checkpoint-every 25 --micro-batch 8 --out "$CONT3" --draft eagle3 --init "$CONT/eagle3/drafter.safetensors" \
-    --seed 2 --prompts 2000 --no-solutions --lr 3e-4 --warmup 25 --epochs 2 ${RESUME:-}
+    --seed 2 --prompts 2000 --no-solutions --lr 3e-4 --warmup 25 --epochs 2 $(resume "$CONT3")
 cp "$CONT3/eagle3/drafter.safetensors" sparkrl/drafters/shipped/smollm2-135m-instruct-eagle3.safetensors
 cp "$EAGLE/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3.png
 cp "$CONT/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3-continued.png
@@ -34,7 +36,7 @@ if [ "${ONLY:-}" = eagle3 ]; then
     echo "sparkrl: shipped EAGLE3-style drafter updated from $CONT3 (continued from $CONT, from $EAGLE)"
     exit 0
 fi
-.venv/bin/sparkrl pretrain-draft $COMMON --out "$SHIP" --draft eagle3,dflash --prompts 512 --max-solutions 2000 ${RESUME:-}
+.venv/bin/sparkrl pretrain-draft $COMMON --out "$SHIP" --draft eagle3,dflash --prompts 512 --max-solutions 2000 $(resume "$SHIP")
 # the DFlash-style drafter continued on the corpora (and stored policy passes) of $CONT and $CONT3
 mkdir -p "$DFL2" "$DFL3"
 for d in corpus features; do
@@ -43,10 +45,10 @@ for d in corpus features; do
 done
 .venv/bin/sparkrl pretrain-draft --model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 125 \
     --checkpoint-every 25 --micro-batch 8 --out "$DFL2" --draft dflash --init "$SHIP/dflash/drafter.safetensors" \
-    --seed 1 --prompts 3000 --no-solutions --lr 3e-4 --warmup 25 --epochs 2 ${RESUME:-}
+    --seed 1 --prompts 3000 --no-solutions --lr 3e-4 --warmup 25 --epochs 2 $(resume "$DFL2")
 .venv/bin/sparkrl pretrain-draft --model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 125 \
     --checkpoint-every 25 --micro-batch 8 --out "$DFL3" --draft dflash --init "$DFL2/dflash/drafter.safetensors" \
-    --seed 2 --prompts 2000 --no-solutions --lr 3e-4 --warmup 25 --epochs 1 --anchors 64 ${RESUME:-}
+    --seed 2 --prompts 2000 --no-solutions --lr 3e-4 --warmup 25 --epochs 1 --anchors 64 $(resume "$DFL3")
 # online GRPO training goes on with a drafter's own blocks per sequence: the shipped one trains with 8, as a fresh one
 .venv/bin/python - "$DFL3/dflash/drafter.safetensors" sparkrl/drafters/shipped/smollm2-135m-instruct-dflash.safetensors <<'PY'
 import sys
