@@ -51,6 +51,7 @@ def responses(eng: VllmEngine, temperature: float, n: int, max_tokens: int) -> l
 def greedy_ar(pair):
     eng = engine(pair, draft=False)
     got = responses(eng, 0.0, 1, 24)
+    assert eng.spark() is None  # no drafter, no SPARK
     del eng
     gc.collect()
     return got

@@ -31,7 +31,7 @@ from sparkrl.vllm.spark import write_projection
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
        "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")  # vLLM's vllm:spec_decode_num_* counters used here
+COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")  # drafting counts (`plugin.Drafted`)
 
 
 @dataclass
@@ -90,7 +90,7 @@ class VllmEngine:
         self.vllm, self.tied = vllm, args.tie_word_embeddings
         self.dtype = getattr(torch, dtype)
         self.llm = vllm.LLM(model=str(policy_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
-                            skip_tokenizer_init=True, enforce_eager=True, disable_log_stats=False,
+                            skip_tokenizer_init=True, enforce_eager=True,
                             # whole prefills: vLLM-CPU 0.32 fails on a seeded request whose prefill is chunked (its
                             # CPU generator has no offset to rewind: gpu_model_runner._bookkeeping_sync)
                             enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 16384),
@@ -127,8 +127,9 @@ class VllmEngine:
         self.llm.reset_prefix_cache()  # cached prompt keys and values were the old policy's
 
     def spark(self):
-        """SPARK's state in the served drafter (`spark.VllmSpark`), or None when its folder held no projection."""
-        return getattr(self.runner().drafter, "spark", None)
+        """SPARK's state in the served drafter (`spark.VllmSpark`), or None (no drafter, or its folder held no
+        projection)."""
+        return getattr(getattr(self.runner(), "drafter", None), "spark", None)
 
     def load_drafter(self, weights: dict, A: torch.Tensor | None = None) -> None:
         """The drafter's new weights (`export.eagle3_weights`) into vLLM's drafter, in place; what vLLM shares with
@@ -149,15 +150,14 @@ class VllmEngine:
         self.llm.reset_prefix_cache()
 
     def counters(self) -> dict:
-        """vLLM's cumulative speculative-decoding counters (zeros without a drafter)."""
-        out = {k: 0.0 for k in COUNTERS}
-        for m in self.llm.get_metrics():
-            name = m.name.removeprefix("vllm:spec_decode_num_")
-            if name in COUNTERS:
-                out[name] = m.value
-            elif name == "accepted_tokens_per_pos":
-                out["per_position"] = list(m.values)
-        return out
+        """The engine's cumulative drafting counts (`plugin.Drafted`; zeros without a drafter)."""
+        drafted = getattr(self.runner(), "sparkrl_drafted", None)
+        if drafted is None:
+            if self.llm.llm_engine.vllm_config.speculative_config is not None:
+                raise UserError("sparkrl's vLLM plugin is not active (vLLM loads it from the `vllm.general_plugins` "
+                                "entry point): reinstall sparkrl in this environment, or use vLLM 0.32.0")
+            return {k: 0 for k in COUNTERS} | {"per_position": []}
+        return drafted.counts()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, eos_ids: tuple[int, ...],
                  group_size: int = 1, seed: int = 0) -> VllmRollout:
@@ -179,8 +179,7 @@ class VllmEngine:
             spark.clear()
         after = self.counters()
         drafted = {k: after[k] - before[k] for k in COUNTERS}
-        done = after.get("per_position", [])
-        drafted["per_position"] = [a - b for a, b in zip(done, before.get("per_position") or [0.0] * len(done))]
+        drafted["per_position"] = [a - b for a, b in zip(after["per_position"], before["per_position"])]
         tokens, logps, reasons = [], [], []
         for out in outs:
             for o in sorted(out.outputs, key=lambda o: o.index):

