@@ -30,6 +30,7 @@ from sparkrl.model.weights import load_model
 
 # Figures that differ with the number of ranks by design: times, and engine rounds (each rank runs its own).
 PER_RANK = {"rounds", "tree_rounds", "tree_sizes", "policy_forwards", "gen_tok_per_s"}
+TIME_SHARES = {"spark_share"}  # like the *_s timings, a measured time: no two runs agree
 # Float-noise figures (the rollout copy against the update's forward, in other batch shapes): absolute tolerance.
 NOISE = {"rollout_logp_abs_mean", "rollout_logp_abs_max", "rollout_kl"}
 
@@ -144,7 +145,7 @@ def assert_same_run(a, b, exact: bool = False, atol: float = 1e-5):
     for x, y in zip(ma, mb):
         for k, v in x.items():
             close = pytest.approx(y[k], rel=1e-4, abs=1e-5 if k in NOISE else 1e-7)
-            if not (k.endswith("_s") or k in PER_RANK or ((v == y[k]) if exact else (v == close))):
+            if not (k.endswith("_s") or k in PER_RANK | TIME_SHARES or ((v == y[k]) if exact else (v == close))):
                 bad.append(f"step {x['step']} {k}: {v} != {y[k]}")
     assert not bad, "\n".join(bad)
 

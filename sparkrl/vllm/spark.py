@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from sparkrl.engine.spark import Spark
 
@@ -47,8 +49,6 @@ def write_projection(folder: Path, A: torch.Tensor, **settings) -> Path:
     """A (d, r) and SPARK's settings (`SETTINGS`' names) into an EAGLE-3 drafter folder: SPARK on in vLLM."""
     unknown = set(settings) - set(SETTINGS)
     assert not unknown, f"unknown SPARK settings {unknown}"
-    from safetensors.torch import save_file
-
     path = Path(folder) / FILE
     path.parent.mkdir(exist_ok=True)
     save_file({"A": A.detach().float().contiguous().cpu()}, str(path),
@@ -68,8 +68,6 @@ def read_projection(folder) -> tuple[torch.Tensor, dict] | None:
     path = Path(str(folder)) / FILE
     if not path.is_file():
         return None
-    from safetensors import safe_open
-
     with safe_open(str(path), "pt") as f:
         return f.get_tensor("A"), {**SETTINGS, **json.loads(f.metadata()["sparkrl_spark"])}
 
