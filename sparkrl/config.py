@@ -306,7 +306,8 @@ class DraftConfig(Checked):
     engine: Literal["sparkrl", "vllm"] = "sparkrl"
     """What generates: sparkrl's own engine, or vLLM's offline engine (the sparkrl[vllm] extra), with an EAGLE3-style
     drafter exported to it (`sparkrl export-draft`). vLLM drafts chains only, of a fixed length (--tree-depth, with
-    --draft-mode chain --budget fixed): no trees, no budget, no DFlash-style drafter, no round log."""
+    --draft-mode chain --budget fixed): no trees, no budget, no DFlash-style drafter, no round log. --spark runs SPARK
+    inside vLLM's drafting (sparkrl's vLLM plugin)."""
     spark_config: SparkConfig = SparkConfig()
 
     def validate(self):
