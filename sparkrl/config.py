@@ -304,10 +304,9 @@ class DraftConfig(Checked):
     """Append each rollout's per-token drafting outcomes (hit, miss, undrafted; round) to this JSONL
     file, for `sparkrl analyze`."""
     engine: Literal["sparkrl", "vllm"] = "sparkrl"
-    """What generates: sparkrl's own engine, or vLLM's offline engine (the sparkrl[vllm] extra), with an EAGLE3-style
-    drafter exported to it (`sparkrl export-draft`). vLLM drafts chains only, of a fixed length (--tree-depth, with
-    --draft-mode chain --budget fixed): no trees, no budget, no DFlash-style drafter, no round log. --spark runs SPARK
-    inside vLLM's drafting (sparkrl's vLLM plugin)."""
+    """What generates: sparkrl's own engine, or vLLM's offline engine (the sparkrl[vllm] extra) with an EAGLE3-style
+    drafter exported to it, SPARK inside it under --spark. vLLM drafts chains of a fixed length only (--tree-depth,
+    with --draft-mode chain --budget fixed): no trees, no budget, no DFlash-style drafter, no round log."""
     spark_config: SparkConfig = SparkConfig()
 
     def validate(self):

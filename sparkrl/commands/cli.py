@@ -23,7 +23,7 @@ from sparkrl.commands.analysis import run as run_analysis
 from sparkrl.commands.bench import BenchConfig, bench
 from sparkrl.train.assemble import make_drafter, make_drafting, make_spark
 from sparkrl.vllm.engine import VllmEngine, model_len
-from sparkrl.vllm.spark import settings_of
+from sparkrl.vllm.spark import exported
 from sparkrl.config import (Checked, DraftConfig, ModelConfig, PretrainConfig, RunConfig, SamplingConfig, at_least,
                             build, choices, option, require)
 from sparkrl.train.data import chat_prompt_ids, read_prompts_file
@@ -241,7 +241,7 @@ def generate_with_vllm(cfg: GenerateConfig, lm, dtype, prompts) -> None:
     eng = VllmEngine.serving(lm, drafter, dtype, cfg.draft.tree_depth,
                              model_len(prompts, cfg.sampling.max_new_tokens, cfg.draft.tree_depth), cfg.seed,
                              cfg.sampling.temperature,
-                             spark=projection and (projection.A, settings_of(cfg.draft.spark_config)))
+                             spark=exported(projection, cfg.draft.spark_config))
     r = eng.generate(prompts, cfg.sampling, lm.eos_ids, cfg.n, cfg.seed)
     print_responses(cfg, lm.tokenizer, prompts, r.tokens, r.finish_reason)
     print(f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({r.num_tokens / max(r.gen_s, 1e-9):.1f} tok/s), vLLM",

@@ -28,7 +28,7 @@ from sparkrl.engine.records import RoundStats
 from sparkrl.engine.spark import Projection, Spark
 from sparkrl.engine.speculative import Autoregressive, NoAdaptation, Speculative, time_rounds
 from sparkrl.vllm.engine import VllmEngine, VllmGeneration
-from sparkrl.vllm.spark import settings_of
+from sparkrl.vllm.spark import exported
 from sparkrl.drafters.eagle3_format import eagle3_weights
 from sparkrl.train.precision import RolloutCopy, rollout_copy
 
@@ -252,7 +252,7 @@ def serve_with_vllm(cfg: DraftConfig, lm, rollout: RolloutCopy, drafting: Drafti
     policy, drafter = lm.model, drafting.drafter if isinstance(drafting, Drafting) else None
     projection = drafting.projection if drafter is not None else None
     engine = VllmEngine.serving(lm, drafter, dtype, cfg.tree_depth, max_len, seed, temperature,
-                                spark=projection and (projection.A, settings_of(cfg.spark_config)))
+                                spark=exported(projection, cfg.spark_config))
     drafting.engine = VllmGeneration(engine, cfg.tree_depth if drafter is not None else 0)
     if drafter is not None:
         if projection is not None:  # SPARK's state lives in vLLM's drafter, which accumulates A's gradient there

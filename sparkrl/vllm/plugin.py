@@ -59,7 +59,8 @@ def original():
 
 def register() -> None:
     """The entry point, on vLLM `TESTED` (idempotent; vLLM may call it more than once per process): the fix, and
-    SPARK's hooks (`spark.install`: inert unless an eagle3 drafter folder holds a SPARK projection)."""
+    the verification hooks (`hook_verification`; SPARK's part is inert unless an eagle3 drafter folder holds a SPARK
+    projection)."""
     import vllm
     import vllm.utils.cpu_triton_utils as cpu
 
@@ -83,21 +84,26 @@ class Drafted:
         self.drafts = self.draft_tokens = self.accepted_tokens = 0
         self.per_position = [0] * depth  # (vLLM drafts up to `depth` tokens a round)
 
-    def add(self, num_draft_tokens: list[int], output: torch.Tensor) -> None:
-        """A verification: each request's number of drafts, and vLLM's output (-1 after its first rejection)."""
-        k = torch.tensor(num_draft_tokens, dtype=torch.long)
-        accepted = torch.minimum((output != -1).sum(1).cpu() - 1, k)[k > 0]
-        self.drafts += int(accepted.numel())
-        self.draft_tokens += int(k.sum())
-        self.accepted_tokens += int(accepted.sum())
-        depth = int(k.max()) if k.numel() else 0
+    def add(self, num_draft_tokens: list[int], accepted: list[int]) -> None:
+        """A verification: each request's number of drafts and of its drafts accepted (`accepted_drafts`)."""
+        rounds = [min(a, k) for a, k in zip(accepted, num_draft_tokens) if k > 0]
+        self.drafts += len(rounds)
+        self.draft_tokens += sum(num_draft_tokens)
+        self.accepted_tokens += sum(rounds)
+        depth = max(num_draft_tokens, default=0)
         self.per_position += [0] * (depth - len(self.per_position))
         for j in range(depth):
-            self.per_position[j] += int((accepted > j).sum())
+            self.per_position[j] += sum(a > j for a in rounds)
 
     def counts(self) -> dict:
         return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
                 "per_position": list(self.per_position)}
+
+
+def accepted_drafts(output: torch.Tensor) -> list[int]:
+    """Each request's accepted drafts, from vLLM's rejection sampler output (R, drafts + 1): its tokens before the
+    first -1, less the one sampled after the accepted drafts (one device sync)."""
+    return ((output != -1).sum(1) - 1).tolist()
 
 
 _VERIFYING: list = []  # the model runner whose rejection sampler runs now (one at a time in a process)
@@ -119,9 +125,10 @@ def hook_verification() -> None:
         out = original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
                        target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
         if _VERIFYING:  # a runner's own verification (not a warm-up call from elsewhere)
-            runner = _VERIFYING[-1]
-            runner.sparkrl_drafted.add(list(num_draft_tokens), out)
-            spark.verified(runner, draft_token_ids, list(num_draft_tokens), target_logits, out, sampling_metadata)
+            runner, accepted = _VERIFYING[-1], accepted_drafts(out)
+            runner.sparkrl_drafted.add(list(num_draft_tokens), accepted)
+            spark.verified(runner, draft_token_ids, list(num_draft_tokens), target_logits, accepted,
+                           sampling_metadata)
         return out
 
     @functools.wraps(runner_init)

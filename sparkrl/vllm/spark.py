@@ -63,6 +63,12 @@ def settings_of(sc) -> dict:
             "accepted_only": sc.spark_feedback == "accepted", "learn_A": not sc.spark_frozen_a}
 
 
+def exported(projection, sc) -> tuple[torch.Tensor, dict] | None:
+    """What `VllmEngine.serving` exports for SPARK: A of the `Projection` and the settings of the `SparkConfig`
+    (None without --spark)."""
+    return None if projection is None else (projection.A, settings_of(sc))
+
+
 def read_projection(folder) -> tuple[torch.Tensor, dict] | None:
     """(A, settings) of a drafter folder exported with a projection; None without one (or for a hub id)."""
     path = Path(str(folder)) / FILE
@@ -147,6 +153,10 @@ class VllmSpark:
         """The drafter's logits on its own vocabulary (n, Vd), before vLLM spreads them over the target's."""
         return self.m.logits_processor(self.m.lm_head, h).float()
 
+    def target_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids as the policy's."""
+        return idx if self.targets is None else self.targets[idx]
+
     def begin_step(self, req_ids: list[str]) -> None:
         """vLLM starts drafting for its batch's requests, row i being req_ids[i]."""
         self._draft = [list(req_ids)]
@@ -155,13 +165,12 @@ class VllmSpark:
         """The drafted target-vocabulary token of each row (n,) at the next chain position: argmax(z + B_g A^T h)."""
         z = self.draft_logits(h)
         if self._draft is None:  # outside a proposal (a warm-up run): nothing to correct or keep
-            return z.argmax(-1) if self.targets is None else self.targets[z.argmax(-1)]
+            return self.target_ids(z.argmax(-1))
         t0 = time.perf_counter()
         if len(self._draft) == 1:  # the chain's first position: rows are the step's first n requests
             self._draft[0] = ids = self._draft[0][:h.shape[0]]
             self.spark.select_owners(torch.tensor(self.groups.of(ids), dtype=torch.long, device=h.device))
-        idx = self.spark.correct(z, h).argmax(-1)
-        tok = idx if self.targets is None else self.targets[idx]
+        tok = self.target_ids(self.spark.correct(z, h).argmax(-1))
         self._draft.append((tok, h.detach()))
         self.seconds += time.perf_counter() - t0
         return tok
@@ -173,10 +182,9 @@ class VllmSpark:
         self._draft = None
 
     def verified(self, draft_ids: torch.Tensor, num_draft: list[int], target_logits: torch.Tensor,
-                 output: torch.Tensor, temperature: torch.Tensor | None, req_ids: list[str]) -> None:
+                 accepted: list[int], temperature: torch.Tensor | None, req_ids: list[str]) -> None:
         """vLLM verified a step's drafts: draft_ids (T,) and target_logits (T, V) request-major (num_draft[r] rows of
-        request req_ids[r]), output (R, max drafts + 1) with -1 after each request's first rejection, temperature
-        (R,) (None: all greedy). Feeds the accepted prefix and the first rejected position of every chain SPARK
+        request req_ids[r]), accepted (R,) each request's accepted drafts, temperature (R,) (None: all greedy). Feeds the accepted prefix and the first rejected position of every chain SPARK
         drafted back to its group's B, then applies the update for the next step's drafts."""
         if self._last is None:
             return
@@ -184,7 +192,6 @@ class VllmSpark:
         ids, tok, h = self._last
         self._last = None
         row = {r: i for i, r in enumerate(ids)}
-        accepted = ((output != -1).sum(1) - 1).tolist()  # one device sync each, not one per request
         drafted, ours_drafted = draft_ids.tolist(), tok.tolist()
         temps_of = [0.0] * len(num_draft) if temperature is None else temperature.tolist()
         sel_row, sel_pos, sel_t, weight, owner_key, temps = [], [], [], [], [], []
@@ -256,11 +263,12 @@ def attach(runner) -> None:
             drafter.attach(runner, projection)
 
 
-def verified(runner, draft_token_ids, num_draft_tokens: list[int], target_logits, output, sampling_metadata) -> None:
+def verified(runner, draft_token_ids, num_draft_tokens: list[int], target_logits, accepted: list[int],
+             sampling_metadata) -> None:
     """vLLM's rejection sampler of `runner` verified a step's drafts: SPARK's feedback, if its proposer has SPARK."""
     spark = getattr(getattr(runner, "drafter", None), "spark", None)
     if spark is not None:
-        spark.verified(draft_token_ids, num_draft_tokens, target_logits, output,
+        spark.verified(draft_token_ids, num_draft_tokens, target_logits, accepted,
                        None if sampling_metadata.all_greedy else sampling_metadata.temperature,
                        runner.input_batch.req_ids)
 
