@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Make the drafters shipped for the default model (sparkrl/drafters/shipped/, see its README.md):
-# the EAGLE3-style drafter from a run on the policy's own responses only, continued for two epochs on
-# 3,000 more of them (another seed), then for two epochs on 2,000 more (a third seed); the DFlash-style
-# drafter from a run on GSM8K solutions and policy responses (which also trains an EAGLE3-style drafter
-# on the same passes, not shipped), continued for two epochs on the second EAGLE3 run's corpus, then for one
+# Make the drafters shipped for the default model (sparkrl/drafters/shipped/, see its README.md).
+# The EAGLE3-style drafter: a run in sparkrl's earlier fused layout on the policy's own responses only,
+# continued for two epochs on 3,000 more of them (another seed), then for two epochs on 2,000 more (a third
+# seed); then carried into EAGLE-3's layout (what vLLM loads) and continued for two epochs on 3,000 more (a
+# fourth seed). FUSED=FILE starts from a fused-layout drafter instead of the first three runs: the shipped one
+# was carried from the earlier shipped file, `git show 0ace070:sparkrl/drafters/shipped/smollm2-135m-instruct-eagle3.safetensors`.
+# The DFlash-style drafter: a run on GSM8K solutions and policy responses (which also trains an EAGLE3-style
+# drafter on the same passes, not shipped), continued for two epochs on the second EAGLE3 run's corpus, then for one
 # on the third's with 64 training blocks per sequence (both reuse those runs' corpus and stored policy
 # passes); their bf16 weights are copied into the package (the DFlash-style drafter's online training
 # setting reset to 8 blocks per sequence). Resumable: rerun it (each stage continues from its state.pt, and a
-# stage's corpus files are reused). Needs ../shared/data
-# (GSM8K and MATH training files); about 6.5 hours on a 2-core CPU. ONLY=eagle3 makes (and copies) the EAGLE3-style
-# drafter alone (about 6 hours).
+# stage's corpus files are reused). Needs ../shared/data (GSM8K and MATH training files); about 9 hours on a
+# 2-core CPU. ONLY=eagle3 makes (and copies) the EAGLE3-style drafter alone (about 8.5 hours; with FUSED, 2.5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EAGLE=${EAGLE:-runs/policy_only}
@@ -20,20 +22,32 @@ DFL2=${DFL2:-runs/dfl2}
 DFL3=${DFL3:-runs/dfl3}
 DATA=${DATA:-../shared/data/gsm8k/train.jsonl,../shared/data/math/train.jsonl}
 resume() { [ -f "$1/state.pt" ] && echo --resume || true; }  # continue a stage that has started
+LAYOUT=${LAYOUT:-runs/eagle3_layout}
+if [ -n "${FUSED:-}" ] && [ "${ONLY:-}" != eagle3 ]; then
+    echo "FUSED=$FUSED skips the runs the DFlash-style drafter reuses; pass ONLY=eagle3 with it" >&2
+    exit 2
+fi
 COMMON="--model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 100 --checkpoint-every 25 --micro-batch 8 --lr 5e-4 --warmup 50"
-.venv/bin/sparkrl pretrain-draft $COMMON --out "$EAGLE" --draft eagle3 --prompts 3000 --no-solutions $(resume "$EAGLE")
+if [ -z "${FUSED:-}" ]; then
+.venv/bin/sparkrl pretrain-draft $COMMON --out "$EAGLE" --draft eagle3 --draft-layout fused --prompts 3000 --no-solutions $(resume "$EAGLE")
 .venv/bin/sparkrl pretrain-draft --model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 125 \
     --checkpoint-every 25 --micro-batch 8 --out "$CONT" --draft eagle3 --init "$EAGLE/eagle3/drafter.safetensors" \
     --seed 1 --prompts 3000 --no-solutions --lr 3e-4 --warmup 25 --epochs 2 $(resume "$CONT")
 .venv/bin/sparkrl pretrain-draft --model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 125 \
     --checkpoint-every 25 --micro-batch 8 --out "$CONT3" --draft eagle3 --init "$CONT/eagle3/drafter.safetensors" \
     --seed 2 --prompts 2000 --no-solutions --lr 3e-4 --warmup 25 --epochs 2 $(resume "$CONT3")
-cp "$CONT3/eagle3/drafter.safetensors" sparkrl/drafters/shipped/smollm2-135m-instruct-eagle3.safetensors
 cp "$EAGLE/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3.png
 cp "$CONT/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3-continued.png
 cp "$CONT3/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3-continued2.png
+fi
+# carried into EAGLE-3's layout (`drafters.eagle3.relayout`) and continued
+.venv/bin/sparkrl pretrain-draft --model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 125 \
+    --checkpoint-every 25 --micro-batch 8 --out "$LAYOUT" --draft eagle3 --init "${FUSED:-$CONT3/eagle3/drafter.safetensors}" \
+    --draft-layout eagle3 --seed 3 --prompts 3000 --no-solutions --lr 3e-4 --warmup 25 --epochs 2 $(resume "$LAYOUT")
+cp "$LAYOUT/eagle3/drafter.safetensors" sparkrl/drafters/shipped/smollm2-135m-instruct-eagle3.safetensors
+cp "$LAYOUT/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3-layout.png
 if [ "${ONLY:-}" = eagle3 ]; then
-    echo "sparkrl: shipped EAGLE3-style drafter updated from $CONT3 (continued from $CONT, from $EAGLE)"
+    echo "sparkrl: shipped EAGLE3-style drafter updated from $LAYOUT (carried from ${FUSED:-$CONT3, continued from $CONT, from $EAGLE})"
     exit 0
 fi
 .venv/bin/sparkrl pretrain-draft $COMMON --out "$SHIP" --draft eagle3,dflash --prompts 512 --max-solutions 2000 $(resume "$SHIP")
@@ -60,5 +74,5 @@ PY
 cp "$SHIP/pretrain.png" sparkrl/drafters/shipped/pretrain.png
 cp "$DFL2/pretrain.png" sparkrl/drafters/shipped/pretrain-dflash-continued.png
 cp "$DFL3/pretrain.png" sparkrl/drafters/shipped/pretrain-dflash-continued2.png
-echo "sparkrl: shipped drafters updated from $CONT3 (eagle3, continued from $CONT, from $EAGLE) and $DFL3 (dflash, continued" \
+echo "sparkrl: shipped drafters updated from $LAYOUT (eagle3, carried from $CONT3, from $CONT, from $EAGLE) and $DFL3 (dflash, continued" \
      "from $DFL2, from $SHIP)"

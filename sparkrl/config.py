@@ -443,11 +443,11 @@ class PretrainConfig(Checked):
     draft_layers: int = at_least(0, 0)
     """Decoder layers of a fresh drafter (0: the kind's own, eagle3 1 and dflash 3); a drafter started from
     --init keeps its own. Saved with the drafter."""
-    draft_layout: Literal["eagle3", "fused"] = "eagle3"
-    """eagle3: how a fresh drafter joins the token embedding and the policy's features: EAGLE-3's own layout
-    (their normed concatenation into the first layer's attention, the features as its residual; what vLLM,
-    SGLang and speculators load, see `sparkrl export-draft`) or sparkrl's earlier fused one (a linear of the
-    two in front of a standard layer); a drafter started from --init keeps its own. Saved with the drafter."""
+    draft_layout: Literal["auto", "eagle3", "fused"] = "auto"
+    """eagle3: how the drafter joins the token embedding and the policy's features: EAGLE-3's layout (what vLLM,
+    SGLang and speculators load, see `sparkrl export-draft`) or sparkrl's earlier fused one. auto: eagle3 for a
+    fresh drafter, an --init drafter's own; eagle3 carries a fused --init drafter into EAGLE-3's layout (an
+    approximate mapping, then this run's training). Saved with the drafter."""
     train_positions: Literal["all", "response"] = "all"
     """Positions the drafter trains on: every position of a sequence, or only those from the last prompt
     token on (where rollouts draft; docs/experiments/drafter-pretraining.md compares them)."""

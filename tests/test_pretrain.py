@@ -3,6 +3,7 @@ scores, resume after a crash, several drafters on one policy pass, and the safet
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -372,3 +373,61 @@ def test_train_with_draft_eagle3_alone_uses_the_shipped_drafter(tmp_path, capsys
     assert "freshly initialised" not in capsys.readouterr().err
     m = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert m["aal"] > 1.0 and m["tree_rounds"] == m["rounds"]
+
+
+def test_relayout_reads_what_the_fused_layer_reads(tiny_model_dir):
+    """drafters.eagle3.relayout (float64): at a position whose norm ratios are the ones it was given, the
+    carried drafter's attention reads (q, k, v) what the fused one's reads, its residual is W_f of the fused
+    feature, and every other weight is the fused drafter's."""
+    from sparkrl.drafters.eagle3 import Eagle3Drafter, relayout
+    from sparkrl.model.weights import load_model
+
+    policy = load_model(str(tiny_model_dir), dtype="float32").model.double()
+    torch.manual_seed(0)
+    args = dataclasses.replace(policy.args, rms_norm_eps=1e-30)  # the norms' eps aside, the mapping is exact here
+    fused = Eagle3Drafter(args, layout="fused").double()
+    for p in fused.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.3 if p.dim() > 1 else 1.0)  # norms' gains far from 1
+    fused.bind(policy)
+    d = policy.args.hidden_size
+    taps = {i: torch.randn(1, 1, d, dtype=torch.float64) for i in fused.feature_layers}
+    e, f = fused.embed(torch.tensor([[5]])), fused.features(taps)
+    carried = relayout(fused, e, f).double().bind(policy)
+    assert carried.layout == "eagle3" and carried.settings()["layout"] == "eagle3"
+    old, new = fused.stack.layers[0], carried.stack.layers[0]
+    x = fused.fuse(torch.cat([e, f], -1))
+    f2 = carried.features(taps)
+    torch.testing.assert_close(f2, f @ fused.fuse.weight[:, d:].T)
+    h = torch.cat([new.input_layernorm(e), new.hidden_norm(f2)], -1)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        want = getattr(old.self_attn, name)(old.input_layernorm(x))
+        torch.testing.assert_close(getattr(new.self_attn, name)(h), want, rtol=1e-10, atol=1e-12)
+    kept = {k: v for k, v in fused.state_dict().items() if "attn.q" not in k and "attn.k" not in k and "attn.v" not in k
+            and k not in ("fuse.weight", "fc.weight", "stack.layers.0.input_layernorm.weight")}
+    assert all(torch.equal(carried.state_dict()[k], v) for k, v in kept.items())
+
+
+def test_pretrain_carries_a_fused_drafter_into_eagle3s_layout(tiny_model_dir, tmp_path):
+    """--init FUSED --draft-layout eagle3: the run starts from the carried drafter (its step-0 snapshot is in
+    EAGLE-3's layout, vLLM-exportable) and trains it; without --draft-layout the drafter keeps the fused layout;
+    an EAGLE-3-layout --init with --draft-layout fused is refused before the corpus is made."""
+    from sparkrl.drafters import load_drafter
+    from sparkrl.drafters.eagle3_format import exportable
+    from sparkrl.model.weights import load_model
+
+    args = load_model(str(tiny_model_dir)).model.args
+    data = gsm8k_file(tmp_path)
+    fused = pretrain(_cfg(tmp_path / "a", tiny_model_dir, data, draft="eagle3", draft_layout="fused"))
+    path = fused["drafters"]["eagle3"]["path"]
+    assert load_drafter(path, args).layout == "fused"
+    kept = pretrain(_cfg(tmp_path / "k", tiny_model_dir, data, draft="eagle3", init=path))
+    assert load_drafter(kept["drafters"]["eagle3"]["path"], args).layout == "fused"
+    out = pretrain(_cfg(tmp_path / "b", tiny_model_dir, data, draft="eagle3", init=path, draft_layout="eagle3"))
+    start = load_drafter(read_checkpoint(tmp_path / "b" / "pre" / "eagle3" / "snapshots" / "step-000000.safetensors"), args)
+    end = load_drafter(out["drafters"]["eagle3"]["path"], args)
+    assert start.layout == end.layout == "eagle3" and exportable(end) is None
+    assert not torch.equal(start.fc.weight, end.fc.weight)  # and it trained
+    with pytest.raises(UserError, match="not back"):
+        pretrain(_cfg(tmp_path / "c", tiny_model_dir, data, draft="eagle3", init=out["drafters"]["eagle3"]["path"],
+                      draft_layout="fused"))
+    assert not (tmp_path / "c" / "pre" / "corpus").exists()

@@ -11,7 +11,8 @@ recurrence). Two layouts join them (the `layout` setting):
     (`Eagle3Layer`). vLLM's `eagle3` method, SGLang and `speculators` run this layout, so a drafter moves
     between them and sparkrl (`export_draft`);
   * `fused` (sparkrl's earlier one, which the drafters made before it keep): a linear 2d -> d of the
-    concatenated embedding and feature in front of a standard decoder layer. It shares the policy's embedding and output head (not trained here); the head can be restricted
+    concatenated embedding and feature in front of a standard decoder layer; `relayout` carries such a drafter
+    into EAGLE-3's layout as the start of a continued run. It shares the policy's embedding and output head (not trained here); the head can be restricted
 to a draft vocabulary of the most frequent tokens (`vocab_ids` maps back). At every drafted context it exposes
 `h` (the normed feature entering the head) and `z` (the logits): what SPARK corrects.
 
@@ -131,6 +132,43 @@ class Eagle3Drafter(SharedHeadDrafter):
         """The online/pretraining loss (`draft_loss`; deterministic, `generator` unused; held-out scores
         are the same loss)."""
         return draft_loss(self, tokens, taps, hidden, target_logits, mask, feature_weight=self.feature_weight)
+
+
+def relayout(fused: Eagle3Drafter, emb: torch.Tensor, feats: torch.Tensor) -> Eagle3Drafter:
+    """A fused-layout drafter carried into EAGLE-3's layout: the start of its continued training
+    (`pretrain-draft --init FUSED --draft-layout eagle3`), which makes an older drafter exportable to vLLM.
+
+    emb (N, d): token embeddings, feats (N, d): the fused drafter's `features` at the same N positions (a policy
+    pass over a few sequences). The fused layer's attention reads g * x / rms(x) of x = W_e e + W_f f, and x is
+    its residual; EAGLE-3's reads cat(g_e * e / rms(e), g_h * f' / rms(f')), and f' is its residual. Mapped:
+    f' = W_f f (fc' = W_f fc), both norms' gains 1, q/k/v' = [P diag(g) W_e c_e, P diag(g) c_f] for each of the
+    fused q/k/v weights P, with c_e and c_f the means over the N positions of rms(e) / rms(x) and
+    rms(W_f f) / rms(x); the rest of the weights unchanged. So the attention reads what the fused one reads
+    wherever those two ratios are at their means. Not exact: the ratios vary by position, the residual lacks
+    W_e e, and at tree depth 2 and below the fed-back feature is the layer's output itself, not W_f of it; the
+    continued training takes it from there."""
+    d = fused.policy_args.hidden_size
+    layer = fused.stack.layers[0]
+    with torch.no_grad():
+        w = fused.fuse.weight.double()
+        w_e, w_f = w[:, :d], w[:, d:]
+        e, f = emb.reshape(-1, d).double(), feats.reshape(-1, d).double() @ w_f.T
+        rms = lambda x: x.pow(2).mean(-1).sqrt()
+        x = rms(e @ w_e.T + f)
+        c_e, c_f = float((rms(e) / x).mean()), float((rms(f) / x).mean())
+        new = Eagle3Drafter(fused.policy_args, fused.feature_layers, fused.vocab_ids, fused.feature_weight,
+                            fused.num_layers, "eagle3", fused.layer, fused.own_head, norm_before_residual=False
+                            ).to(fused.fc.weight)
+        state = {k: v for k, v in fused.state_dict().items() if k != "fuse.weight"}
+        state["fc.weight"] = w_f @ fused.fc.weight.double()
+        gain = layer.input_layernorm.weight.double()
+        for name in ("q_proj", "k_proj", "v_proj"):
+            p = getattr(layer.self_attn, name).weight.double() * gain
+            state[f"stack.layers.0.self_attn.{name}.weight"] = torch.cat([p @ w_e * c_e, p * c_f], 1)
+        state["stack.layers.0.input_layernorm.weight"] = torch.ones(d)
+        state["stack.layers.0.hidden_norm.weight"] = torch.ones(d)
+        new.load_state_dict(state)  # (copied in the drafter's dtype)
+    return new
 
 
 CE_WEIGHT = 0.1

@@ -47,8 +47,9 @@ def exportable(drafter) -> str | None:
         return (f"a {drafter.kind} drafter: vLLM's `dflash` method runs Qwen3-style block drafters, whose layout "
                 "differs from sparkrl's DFlash-style one; export an --draft eagle3 drafter")
     if drafter.layout != "eagle3":
-        return ("this drafter uses sparkrl's earlier fused layout, which vLLM and SGLang cannot run; train one in "
-                "EAGLE-3's layout (`sparkrl pretrain-draft --draft eagle3`, the default)")
+        return ("this drafter uses sparkrl's earlier fused layout, which vLLM and SGLang cannot run; carry it into "
+                "EAGLE-3's layout with a continued run, `sparkrl pretrain-draft --draft eagle3 --init THIS_FILE "
+                "--draft-layout eagle3`, or train one (EAGLE-3's layout is the default)")
     args = drafter.stack.args
     if args.qk_norm or args.o_bias or args.qkv_bias:
         return (f"the drafter of a {args.arch} policy has {'q/k norms' if args.qk_norm else 'attention biases'}, which "

@@ -36,6 +36,7 @@ from sparkrl.train.data import INSTRUCTION, Problem, chat_prompt_ids, held_out, 
 from sparkrl.train.draft_train import DraftTrainer
 from sparkrl.drafters import KINDS, find_checkpoint, load_drafter
 from sparkrl.drafters.base import expected_length, policy_fingerprint, save_safetensors
+from sparkrl.drafters.eagle3 import relayout
 from sparkrl.errors import UserError
 from sparkrl.train.features import FeatureStore, policy_pass
 from sparkrl.machine import set_threads
@@ -297,7 +298,7 @@ def drafter_trainers(cfg: PretrainConfig, master, vocab_ids: torch.Tensor | None
         if cfg.draft_layers:
             settings["num_layers"] = cfg.draft_layers
         if kind == "eagle3":
-            settings["layout"] = cfg.draft_layout
+            settings["layout"] = "fused" if cfg.draft_layout == "fused" else "eagle3"
         # --init: continued pretraining, from the checkpoint's weights and draft vocabulary
         drafter = inits[kind] if kind in inits else KINDS[kind](master.args, vocab_ids=vocab_ids, **settings)
         if kind == "eagle3" and cfg.feature_loss >= 0:  # else a fresh drafter's 2, an --init drafter's own
@@ -306,6 +307,30 @@ def drafter_trainers(cfg: PretrainConfig, master, vocab_ids: torch.Tensor | None
             drafter.anchors = cfg.anchors
         trainers[kind] = DraftTrainer(drafter.to(device=w.device, dtype=w.dtype).bind(master), lr=cfg.lr)
     return trainers
+
+
+def check_layout(cfg: PretrainConfig, inits: dict) -> None:
+    """--draft-layout against the --init drafter's: fused to eagle3 is carried over (`relayout_init`), not back."""
+    d = inits.get("eagle3")
+    if d is not None and cfg.draft_layout == "fused" and d.layout != "fused":
+        raise UserError(f"--draft-layout fused with --init {cfg.init}, a drafter in EAGLE-3's layout: a drafter is "
+                        "carried from the fused layout into EAGLE-3's, not back; leave --draft-layout out")
+
+
+def relayout_init(cfg: PretrainConfig, drafter, policy, train: list[Seq], n: int = 8):
+    """An --init drafter, carried into EAGLE-3's layout when --draft-layout eagle3 asks it of a fused one
+    (`drafters.eagle3.relayout`, its scales from the policy's pass over the first `n` training sequences)."""
+    if drafter.kind != "eagle3" or cfg.draft_layout != "eagle3" or drafter.layout == "eagle3":
+        return drafter
+    drafter.bind(policy)
+    toks, taps, _, _, mask = policy_pass(policy, train[:n], tuple(drafter.feature_layers), answers_only=False)
+    with torch.no_grad():
+        m = mask[:, :-1]  # position t: token t + 1 and the feature at t
+        feats = drafter.features({i: t[:, :-1].float() for i, t in taps.items()})
+        emb = drafter.embed(toks[:, 1:]).float()
+    tqdm.write(f"sparkrl: --init {cfg.init} carried from the fused layout into EAGLE-3's (scales from {int(m.sum())} "
+               f"positions); this run's training goes on from there", file=sys.stderr)
+    return relayout(drafter.float(), emb[m], feats[m])
 
 
 def feature_store(cfg: PretrainConfig, rollout: RolloutCopy) -> FeatureStore | None:
@@ -430,7 +455,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
     policy = rollout.model  # what gives the drafters their features and targets
     inits = {kind: load_drafter(find_checkpoint(cfg.init, kind, master, "--init"), master.args, kind)
              for kind in cfg.kinds()} if cfg.init else {}  # a wrong --init fails before the corpus is made
+    check_layout(cfg, inits)
     train, test, sources = build_corpus(cfg, rollout, tok, lm.eos_ids, problems)
+    inits = {kind: relayout_init(cfg, d, policy, train) for kind, d in inits.items()}
     counts = Counter(t for s in train for t in s.ids)
     V = master.args.vocab_size
     vocab_ids = draft_vocabulary(counts, cfg.draft_vocab, V, lm.eos_ids) if 0 < cfg.draft_vocab < V else None
