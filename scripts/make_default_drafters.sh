@@ -3,8 +3,8 @@
 # The EAGLE3-style drafter: a run in sparkrl's earlier fused layout on the policy's own responses only,
 # continued for two epochs on 3,000 more of them (another seed), then for two epochs on 2,000 more (a third
 # seed); then carried into EAGLE-3's layout (what vLLM loads) and continued for two epochs on 3,000 more (a
-# fourth seed). FUSED=FILE starts from a fused-layout drafter instead of the first three runs: the shipped one
-# was carried from the earlier shipped file, `git show 0ace070:sparkrl/drafters/shipped/smollm2-135m-instruct-eagle3.safetensors`.
+# fourth seed). FUSED=FILE starts from a fused-layout drafter instead of the first three runs, e.g. the earlier
+# shipped one: `git show 0ace070:sparkrl/drafters/shipped/smollm2-135m-instruct-eagle3.safetensors > FILE`.
 # The DFlash-style drafter: a run on GSM8K solutions and policy responses (which also trains an EAGLE3-style
 # drafter on the same passes, not shipped), continued for two epochs on the second EAGLE3 run's corpus, then for one
 # on the third's with 64 training blocks per sequence (both reuse those runs' corpus and stored policy

@@ -444,9 +444,9 @@ class PretrainConfig(Checked):
     """Decoder layers of a fresh drafter (0: the kind's own, eagle3 1 and dflash 3); a drafter started from
     --init keeps its own. Saved with the drafter."""
     draft_layout: Literal["auto", "eagle3", "fused"] = "auto"
-    """eagle3: how the drafter joins the token embedding and the policy's features: EAGLE-3's layout (what vLLM,
-    SGLang and speculators load, see `sparkrl export-draft`) or sparkrl's earlier fused one. auto: eagle3 for a
-    fresh drafter, an --init drafter's own; eagle3 carries a fused --init drafter into EAGLE-3's layout (an
+    """eagle3 drafters: how the token embedding and the policy's features join, EAGLE-3's layout (what vLLM,
+    SGLang and speculators load, see `sparkrl export-draft`) or sparkrl's earlier fused one; auto: eagle3 for a
+    fresh drafter, an --init drafter's own. eagle3 carries a fused --init drafter into EAGLE-3's layout (an
     approximate mapping, then this run's training). Saved with the drafter."""
     train_positions: Literal["all", "response"] = "all"
     """Positions the drafter trains on: every position of a sequence, or only those from the last prompt

@@ -405,6 +405,15 @@ def test_relayout_reads_what_the_fused_layer_reads(tiny_model_dir):
     kept = {k: v for k, v in fused.state_dict().items() if "attn.q" not in k and "attn.k" not in k and "attn.v" not in k
             and k not in ("fuse.weight", "fc.weight", "stack.layers.0.input_layernorm.weight")}
     assert all(torch.equal(carried.state_dict()[k], v) for k, v in kept.items())
+    # over many positions the two scales are the means of the norms' ratios there
+    taps = {i: torch.randn(1, 9, d, dtype=torch.float64) * torch.rand(1, 9, 1, dtype=torch.float64) for i in taps}
+    e, f = fused.embed(torch.arange(9)[None] % policy.args.vocab_size), fused.features(taps)
+    many = relayout(fused, e, f).stack.layers[0].self_attn.q_proj.weight
+    rms = lambda t: t.pow(2).mean(-1).sqrt()
+    x, wf_f = fused.fuse(torch.cat([e, f], -1)), f @ fused.fuse.weight[:, d:].T
+    p = old.self_attn.q_proj.weight * old.input_layernorm.weight
+    torch.testing.assert_close(many[:, :d], p @ fused.fuse.weight[:, :d] * (rms(e) / rms(x)).mean())
+    torch.testing.assert_close(many[:, d:], p * (rms(wf_f) / rms(x)).mean())
 
 
 def test_pretrain_carries_a_fused_drafter_into_eagle3s_layout(tiny_model_dir, tmp_path):
@@ -427,6 +436,12 @@ def test_pretrain_carries_a_fused_drafter_into_eagle3s_layout(tiny_model_dir, tm
     end = load_drafter(out["drafters"]["eagle3"]["path"], args)
     assert start.layout == end.layout == "eagle3" and exportable(end) is None
     assert not torch.equal(start.fc.weight, end.fc.weight)  # and it trained
+    # resumed, with or without the flag, the drafter is the saved one (no second carrying over)
+    for layout in ("eagle3", "auto"):
+        again = pretrain(_cfg(tmp_path / "b", tiny_model_dir, data, draft="eagle3", init=path, draft_layout=layout,
+                              resume=True))
+        assert read_checkpoint(again["drafters"]["eagle3"]["path"])["state"]["fc.weight"].equal(
+            read_checkpoint(out["drafters"]["eagle3"]["path"])["state"]["fc.weight"])
     with pytest.raises(UserError, match="not back"):
         pretrain(_cfg(tmp_path / "c", tiny_model_dir, data, draft="eagle3", init=out["drafters"]["eagle3"]["path"],
                       draft_layout="fused"))

@@ -152,7 +152,9 @@ def relayout(fused: Eagle3Drafter, emb: torch.Tensor, feats: torch.Tensor) -> Ea
     with torch.no_grad():
         w = fused.fuse.weight.double()
         w_e, w_f = w[:, :d], w[:, d:]
-        e, f = emb.reshape(-1, d).double(), feats.reshape(-1, d).double() @ w_f.T
+        if emb.numel() == 0:
+            raise ValueError("relayout needs at least one position to measure the norms' ratios on")
+        e, f = emb.reshape(-1, d).to(w), feats.reshape(-1, d).to(w) @ w_f.T
         rms = lambda x: x.pow(2).mean(-1).sqrt()
         x = rms(e @ w_e.T + f)
         c_e, c_f = float((rms(e) / x).mean()), float((rms(f) / x).mean())

@@ -279,7 +279,7 @@ def _check_resume(cfg: PretrainConfig, out: Path) -> dict | None:
         raise UserError(f"--resume: {out} has no state.pt to continue from; run without --resume first")
     saved = json.loads((out / "config.json").read_text())["config"]
     now = to_dict(cfg)
-    free = {"resume", "eval_every", "checkpoint_every"}
+    free = {"resume", "eval_every", "checkpoint_every", "draft_layout"}  # a resumed drafter keeps its saved layout
     diff = [k for k in now if k not in free and k != "model" and now[k] != saved.get(k)]
     diff += [f"model.{k}" for k in now["model"] if k != "threads" and now["model"][k] != saved["model"].get(k)]
     if diff:
@@ -322,7 +322,7 @@ def relayout_init(cfg: PretrainConfig, drafter, policy, train: list[Seq], n: int
     (`drafters.eagle3.relayout`, its scales from the policy's pass over the first `n` training sequences)."""
     if drafter.kind != "eagle3" or cfg.draft_layout != "eagle3" or drafter.layout == "eagle3":
         return drafter
-    drafter.bind(policy)
+    drafter = drafter.to(policy.lm_head.weight.device).bind(policy)
     toks, taps, _, _, mask = policy_pass(policy, train[:n], tuple(drafter.feature_layers), answers_only=False)
     with torch.no_grad():
         m = mask[:, :-1]  # position t: token t + 1 and the feature at t
@@ -457,7 +457,10 @@ def pretrain(cfg: PretrainConfig) -> dict:
              for kind in cfg.kinds()} if cfg.init else {}  # a wrong --init fails before the corpus is made
     check_layout(cfg, inits)
     train, test, sources = build_corpus(cfg, rollout, tok, lm.eos_ids, problems)
-    inits = {kind: relayout_init(cfg, d, policy, train) for kind, d in inits.items()}
+    if resume is None:  # --draft-layout eagle3 carries a fused --init drafter over
+        inits = {kind: relayout_init(cfg, d, policy, train) for kind, d in inits.items()}
+    else:  # the drafters as saved (their layout, a carried one's included); `Pretraining` loads their state
+        inits = {kind: load_drafter(resume["trainers"][kind]["drafter"], master.args, kind) for kind in cfg.kinds()}
     counts = Counter(t for s in train for t in s.ids)
     V = master.args.vocab_size
     vocab_ids = draft_vocabulary(counts, cfg.draft_vocab, V, lm.eos_ids) if 0 < cfg.draft_vocab < V else None
