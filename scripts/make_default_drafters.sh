@@ -2,7 +2,7 @@
 # Make the drafters shipped for the default model (sparkrl/drafters/shipped/, see its README.md).
 # The EAGLE3-style drafter: a run in sparkrl's earlier fused layout on the policy's own responses only,
 # continued for two epochs on 3,000 more of them (another seed), then for two epochs on 2,000 more (a third
-# seed); then carried into EAGLE-3's layout (what vLLM loads) and continued for two epochs on 3,000 more (a
+# seed); then carried into EAGLE-3's layout (what vLLM loads) and continued for three epochs on 3,000 more (a
 # fourth seed). FUSED=FILE starts from a fused-layout drafter instead of the first three runs, e.g. the earlier
 # shipped one: `git show 0ace070:sparkrl/drafters/shipped/smollm2-135m-instruct-eagle3.safetensors > FILE`.
 # The DFlash-style drafter: a run on GSM8K solutions and policy responses (which also trains an EAGLE3-style
@@ -10,8 +10,8 @@
 # on the third's with 64 training blocks per sequence (both reuse those runs' corpus and stored policy
 # passes); their bf16 weights are copied into the package (the DFlash-style drafter's online training
 # setting reset to 8 blocks per sequence). Resumable: rerun it (each stage continues from its state.pt, and a
-# stage's corpus files are reused). Needs ../shared/data (GSM8K and MATH training files); about 9 hours on a
-# 2-core CPU. ONLY=eagle3 makes (and copies) the EAGLE3-style drafter alone (about 8.5 hours; with FUSED, 2.5).
+# stage's corpus files are reused). Needs ../shared/data (GSM8K and MATH training files); about 10.5 hours on a
+# 2-core CPU. ONLY=eagle3 makes (and copies) the EAGLE3-style drafter alone (about 10 hours; with FUSED, 4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EAGLE=${EAGLE:-runs/policy_only}
@@ -43,7 +43,7 @@ fi
 # carried into EAGLE-3's layout (`drafters.eagle3.relayout`) and continued
 .venv/bin/sparkrl pretrain-draft --model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 125 \
     --checkpoint-every 25 --micro-batch 8 --out "$LAYOUT" --draft eagle3 --init "${FUSED:-$CONT3/eagle3/drafter.safetensors}" \
-    --draft-layout eagle3 --seed 3 --prompts 3000 --no-solutions --lr 3e-4 --warmup 25 --epochs 2 $(resume "$LAYOUT")
+    --draft-layout eagle3 --seed 3 --prompts 3000 --no-solutions --lr 3e-4 --warmup 25 --epochs 3 $(resume "$LAYOUT")
 cp "$LAYOUT/eagle3/drafter.safetensors" sparkrl/drafters/shipped/smollm2-135m-instruct-eagle3.safetensors
 cp "$LAYOUT/pretrain.png" sparkrl/drafters/shipped/pretrain-eagle3-layout.png
 if [ "${ONLY:-}" = eagle3 ]; then
