@@ -418,30 +418,31 @@ def test_relayout_reads_what_the_fused_layer_reads(tiny_model_dir):
 
 def test_pretrain_carries_a_fused_drafter_into_eagle3s_layout(tiny_model_dir, tmp_path):
     """--init FUSED --draft-layout eagle3: the run starts from the carried drafter (its step-0 snapshot is in
-    EAGLE-3's layout, vLLM-exportable) and trains it; without --draft-layout the drafter keeps the fused layout;
-    an EAGLE-3-layout --init with --draft-layout fused is refused before the corpus is made."""
+    EAGLE-3's layout, vLLM-exportable) and trains it, and resumes with the saved drafter (no second carrying
+    over, with or without the flag); without --draft-layout an --init drafter keeps the fused layout; an
+    EAGLE-3-layout --init with --draft-layout fused is refused before the corpus is made."""
     from sparkrl.drafters import load_drafter
+    from sparkrl.drafters.base import policy_fingerprint
+    from sparkrl.drafters.eagle3 import Eagle3Drafter
     from sparkrl.drafters.eagle3_format import exportable
     from sparkrl.model.weights import load_model
+    from sparkrl.train.pretrain import relayout_init
 
-    args = load_model(str(tiny_model_dir)).model.args
-    data = gsm8k_file(tmp_path)
-    fused = pretrain(_cfg(tmp_path / "a", tiny_model_dir, data, draft="eagle3", draft_layout="fused"))
-    path = fused["drafters"]["eagle3"]["path"]
-    assert load_drafter(path, args).layout == "fused"
-    kept = pretrain(_cfg(tmp_path / "k", tiny_model_dir, data, draft="eagle3", init=path))
-    assert load_drafter(kept["drafters"]["eagle3"]["path"], args).layout == "fused"
-    out = pretrain(_cfg(tmp_path / "b", tiny_model_dir, data, draft="eagle3", init=path, draft_layout="eagle3"))
+    policy = load_model(str(tiny_model_dir)).model
+    args, data, path = policy.args, gsm8k_file(tmp_path), tmp_path / "fused.safetensors"
+    torch.manual_seed(0)
+    fused = Eagle3Drafter(args, layout="fused")
+    save_safetensors(fused.checkpoint(), path, fingerprint=policy_fingerprint(policy))
+    auto = _cfg(tmp_path / "k", tiny_model_dir, data, draft="eagle3", init=str(path))
+    assert relayout_init(auto, fused, policy, []) is fused
+    out = pretrain(_cfg(tmp_path / "b", tiny_model_dir, data, draft="eagle3", init=str(path), draft_layout="eagle3"))
     start = load_drafter(read_checkpoint(tmp_path / "b" / "pre" / "eagle3" / "snapshots" / "step-000000.safetensors"), args)
     end = load_drafter(out["drafters"]["eagle3"]["path"], args)
     assert start.layout == end.layout == "eagle3" and exportable(end) is None
     assert not torch.equal(start.fc.weight, end.fc.weight)  # and it trained
-    # resumed, with or without the flag, the drafter is the saved one (no second carrying over)
-    for layout in ("eagle3", "auto"):
-        again = pretrain(_cfg(tmp_path / "b", tiny_model_dir, data, draft="eagle3", init=path, draft_layout=layout,
-                              resume=True))
-        assert read_checkpoint(again["drafters"]["eagle3"]["path"])["state"]["fc.weight"].equal(
-            read_checkpoint(out["drafters"]["eagle3"]["path"])["state"]["fc.weight"])
+    again = pretrain(_cfg(tmp_path / "b", tiny_model_dir, data, draft="eagle3", init=str(path), resume=True))
+    assert read_checkpoint(again["drafters"]["eagle3"]["path"])["state"]["fc.weight"].equal(
+        read_checkpoint(out["drafters"]["eagle3"]["path"])["state"]["fc.weight"])
     with pytest.raises(UserError, match="not back"):
         pretrain(_cfg(tmp_path / "c", tiny_model_dir, data, draft="eagle3", init=out["drafters"]["eagle3"]["path"],
                       draft_layout="fused"))
