@@ -225,7 +225,7 @@ def test_cli_train_shows_drafting_resumes_aloud_and_exports(tiny_model_dir, tmp_
     (["generate", "--prompt", "x", "--engine", "vllm", "--draft", "dflash"], "EAGLE3-style drafters only"),
     (["train", "--out", "X", "--engine", "vllm", "--draft", "eagle3", "--draft-mode", "chain", "--budget", "fixed",
       "--spark", "--spark-carry"], "--spark-carry keeps B across rollouts"),
-    (["export-draft", "default", "--out", "d"], "fused layout"),
+    (["export-draft", "runs/none.safetensors", "--out", "d"], "runs/none.safetensors"),
 ])
 def test_new_user_mistakes_are_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):
     if "cuda" in " ".join(argv) and torch.cuda.is_available():
