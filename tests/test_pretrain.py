@@ -346,10 +346,13 @@ def test_draft_checkpoint_choices(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
-def test_shipped_drafters_serve_the_default_model(kind):
+def test_shipped_drafters_serve_the_default_model(kind, tmp_path):
+    """Both shipped drafters load for the default model; the EAGLE3-style one is in EAGLE-3's layout, so
+    `export-draft default` writes it for vLLM's eagle3 method, and the export reads back as the same drafter."""
+    from sparkrl.commands.cli import main
     from sparkrl.train.assemble import make_drafter
     from sparkrl.config import DraftConfig
-    from sparkrl.drafters import find_checkpoint, shipped_path
+    from sparkrl.drafters import find_checkpoint, load_drafter, shipped_path
     from sparkrl.model.weights import load_model
 
     path = shipped_path(kind)
@@ -361,6 +364,17 @@ def test_shipped_drafters_serve_the_default_model(kind):
     for k, v in d.state_dict().items():
         assert torch.equal(v, ship[k].to(v.dtype)), k
     assert all(torch.isfinite(p.detach()).all() for p in d.parameters())
+    if kind == "dflash":
+        return
+    assert d.layout == "eagle3"
+    assert main(["export-draft", "default", "--out", str(tmp_path / "vllm"), "--dtype", "float32"]) == 0
+    back = load_drafter(str(tmp_path / "vllm"), policy.args, "eagle3").bind(policy)
+    assert back.feature_layers == d.feature_layers and torch.equal(back.vocab_ids, d.vocab_ids)
+    tokens = torch.randint(0, policy.args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        o = policy(tokens, taps=d.feature_layers)
+        a, b = d(tokens, d.features(o.taps)), back(tokens, back.features(o.taps))
+    assert torch.equal(a.z, b.z)  # in float32 the export's output head is the policy's rows: the same weights
 
 
 @pytest.mark.slow
