@@ -231,11 +231,15 @@ def main():
                                                count=8 * (args.repeats + 1))
     run = systems(args, lm, d, sampler, model_len(prompts, args.max_new_tokens, max(args.chains)))
     rows = measure(args, run, prompts)
-    steps = grpo_steps(args) if args.grpo_step and not args.ar_only else []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {k: (v if not isinstance(v, list) else v) for k, v in vars(args).items()}
-    (out / "engines.json").write_text(json.dumps({"args": meta, "rows": rows, "grpo_steps": steps,
+    save(args, rows, [], out)  # the table is kept should the GRPO steps after it be cut short
+    if args.grpo_step and not args.ar_only:
+        save(args, rows, grpo_steps(args), out)
+
+
+def save(args, rows, steps, out: Path) -> None:
+    (out / "engines.json").write_text(json.dumps({"args": vars(args), "rows": rows, "grpo_steps": steps,
                                                   "aal_agreement": [] if args.ar_only else aal_agreement(rows, args.chains),
                                                   "spark_gain": spark_gain(rows, args.chains) if args.spark else [],
                                                   "cpu_threads": torch.get_num_threads(),
@@ -243,7 +247,7 @@ def main():
                                                   "date": time.strftime("%Y-%m-%d")}, indent=1))
     (out / "engines.md").write_text(report(args, rows, steps))
     plot(rows, out / "engines.png")
-    print(report(args, rows, steps))
+    print(report(args, rows, steps), flush=True)
 
 
 if __name__ == "__main__":  # vLLM spawns workers: the guard keeps them from running the benchmark
