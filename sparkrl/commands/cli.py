@@ -25,7 +25,7 @@ from sparkrl.train.assemble import make_drafter, make_drafting, make_spark
 from sparkrl.vllm.engine import VllmEngine, model_len
 from sparkrl.vllm.spark import exported
 from sparkrl.config import (Checked, DraftConfig, ModelConfig, PretrainConfig, RunConfig, SamplingConfig, at_least,
-                            build, choices, option, require)
+                            build, choices, existing_checkpoint, option, require)
 from sparkrl.train.data import chat_prompt_ids, read_prompts_file
 from sparkrl.errors import UserError, output_error
 from sparkrl.machine import set_threads
@@ -106,6 +106,7 @@ class ExportDraftConfig(Checked):
 
     def validate(self):
         require(bool(self.drafter), "give the drafter to export: sparkrl export-draft RUN_DIR|FILE|default --out DIR")
+        existing_checkpoint("export-draft", self.drafter)
         require(bool(self.out), "--out is required: the folder to write the vLLM drafter checkpoint to")
 
 

@@ -105,8 +105,6 @@ def export_drafter(source: str, model: str, out: str, dtype: str = "bfloat16") -
     a GRPO run's (its latest checkpoint's drafter, with the policy it served then), or a drafter checkpoint
     (`--draft-checkpoint`'s values: default, a file) serving `model`. Returns (what was exported, the folder)."""
     check_out_folder(out)
-    if source != "default" and not Path(source).exists():  # before the policy loads
-        raise UserError(f"{source} does not exist: pass a drafter file, a run folder, or 'default'")
     steps = checkpoints_at(source) if Path(source).is_dir() else []
     if steps:
         lm, ck = run_policy(source, steps)
