@@ -50,11 +50,21 @@ def main():
     for name, fields in SHAPES.items():
         for spark in (False, True):
             cfg = DraftConfig(**fields, budget="fixed", spark_config=SparkConfig(spark=spark))
-            lm, d, prompts, sampler = default_rollouts(cfg, args.dtype, args.data, args.heldout, count=args.count,
-                                              skip=args.skip)
-            r = generate_speculative(lm.model, d.rollout.model, prompts, sc, lm.eos_ids,
-                                     response_generators(0, len(prompts), args.group_size), cfg.shape(),
-                                     group_size=args.group_size, spark=d.spark, sampler=sampler)
+            lm, d, prompts, sampler = default_rollouts(
+                cfg, args.dtype, args.data, args.heldout, count=args.count, skip=args.skip
+            )
+            r = generate_speculative(
+                lm.model,
+                d.rollout.model,
+                prompts,
+                sc,
+                lm.eos_ids,
+                response_generators(0, len(prompts), args.group_size),
+                cfg.shape(),
+                group_size=args.group_size,
+                spark=d.spark,
+                sampler=sampler,
+            )
             key = name + ("+spark" if spark else "")
             out["aal"][key] = r.stats.aal
             print(f"{key}: AAL {r.stats.aal:.3f} ({r.num_tokens} tokens, {r.stats.rounds} rounds)", flush=True)

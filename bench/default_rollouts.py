@@ -3,14 +3,15 @@ drafting (drafter and budget) and the GSM8K-style prompts they run on."""
 
 from __future__ import annotations
 
+from sparkrl.model.weights import load_model
 from sparkrl.train.assemble import make_drafting
 from sparkrl.train.data import build_prompts, held_out, load_problems
 from sparkrl.train.precision import rollout_copy
-from sparkrl.model.weights import load_model
 
 
-def default_rollouts(dcfg, dtype: str, data: str, heldout: float = 0.0, kernels: str = "auto", count: int = 64,
-                     skip: int = 0):
+def default_rollouts(
+    dcfg, dtype: str, data: str, heldout: float = 0.0, kernels: str = "auto", count: int = 64, skip: int = 0
+):
     """(the loaded model with its rollout copy in `dtype` as .model, `assemble.Drafting` in the same dtype, the
     prompts of the first `count` problems of `data` after `skip` (with `heldout`, of those held out of draft
     pretraining only), the sampler the rollout copy's kernels give the engine)."""

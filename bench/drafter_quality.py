@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from sparkrl.train.assemble import make_drafter
 from sparkrl.config import DraftConfig, SamplingConfig
-from sparkrl.train.data import build_prompts, held_out, load_problems
 from sparkrl.drafters.selfdraft import SelfDrafter
 from sparkrl.engine.rollout import response_generators
 from sparkrl.engine.speculative import generate_speculative
 from sparkrl.model.weights import load_model
+from sparkrl.train.assemble import make_drafter
+from sparkrl.train.data import build_prompts, held_out, load_problems
 
 
 def held_out_prompts(lm, spec: str, fraction: float, n: int) -> list[list[int]]:
@@ -37,20 +37,36 @@ def held_out_prompts(lm, spec: str, fraction: float, n: int) -> list[list[int]]:
 
 
 def measure(lm, drafter, shape, prompts, group: int, sampling: SamplingConfig) -> dict:
-    r = generate_speculative(lm.model, drafter, prompts, sampling, lm.eos_ids,
-                             response_generators(0, len(prompts), group), shape, group)
-    return {"aal": r.stats.aal, "accept_at_depth": r.stats.accept_at_depth, "rounds": r.stats.rounds,
-            "tokens": r.num_tokens, "gen_s": r.gen_s, "tok_per_s": r.num_tokens / r.gen_s}
+    r = generate_speculative(
+        lm.model, drafter, prompts, sampling, lm.eos_ids, response_generators(0, len(prompts), group), shape, group
+    )
+    return {
+        "aal": r.stats.aal,
+        "accept_at_depth": r.stats.accept_at_depth,
+        "rounds": r.stats.rounds,
+        "tokens": r.num_tokens,
+        "gen_s": r.gen_s,
+        "tok_per_s": r.num_tokens / r.gen_s,
+    }
 
 
 def systems(lm, args) -> dict:
     """name -> (drafter, proposal shape) for the drafters to compare."""
-    eagle = DraftConfig(draft="eagle3", draft_checkpoint=args.eagle3, tree_depth=5, tree_branch=4, tree_nodes=16, tree_stop=0.0,
-                        budget="fixed")  # every level of the 16-node trees: the issue's measure of a drafter
+    eagle = DraftConfig(
+        draft="eagle3",
+        draft_checkpoint=args.eagle3,
+        tree_depth=5,
+        tree_branch=4,
+        tree_nodes=16,
+        tree_stop=0.0,
+        budget="fixed",
+    )  # every level of the 16-node trees: the issue's measure of a drafter
     dflash = DraftConfig(draft="dflash", draft_checkpoint=args.dflash, block_size=args.block_size, budget="fixed")
-    make = {"eagle3": lambda: (make_drafter(eagle, lm.model), eagle.shape()),
-            "dflash": lambda: (make_drafter(dflash, lm.model), dflash.shape()),
-            "self (ceiling)": lambda: (SelfDrafter(lm.model), eagle.shape())}
+    make = {
+        "eagle3": lambda: (make_drafter(eagle, lm.model), eagle.shape()),
+        "dflash": lambda: (make_drafter(dflash, lm.model), dflash.shape()),
+        "self (ceiling)": lambda: (SelfDrafter(lm.model), eagle.shape()),
+    }
     return {name: m() for name, m in make.items() if name.split()[0] in args.systems.split(",")}
 
 
@@ -68,8 +84,16 @@ def snapshots_curve(lm, args, sampling) -> dict:
     for kind in meta["config"]["draft"].split(","):
         every = sorted((run / kind / "snapshots").glob("step-*.safetensors"))
         files = every[:: args.every] + ([every[-1]] if every and (len(every) - 1) % args.every else [])
-        cfg = lambda f: DraftConfig(draft=kind, draft_checkpoint=str(f), tree_depth=5, tree_branch=4, tree_nodes=16,
-                                    tree_stop=0.0, block_size=args.block_size, budget="fixed")
+        cfg = lambda f: DraftConfig(
+            draft=kind,
+            draft_checkpoint=str(f),
+            tree_depth=5,
+            tree_branch=4,
+            tree_nodes=16,
+            tree_stop=0.0,
+            block_size=args.block_size,
+            budget="fixed",
+        )
         out[kind] = []
         for f in files:
             step = int(re.search(r"step-(\d+)", f.name).group(1))
@@ -89,8 +113,11 @@ def plot_curve(curve: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for kind, rows in curve.items():
         ax.plot([r["pretrain_tokens"] / 1e6 for r in rows], [r["aal"] for r in rows], marker="o", label=kind)
-    ax.set(xlabel="pretraining tokens (millions)", ylabel="held-out AAL (generation)",
-           title="Held-out AAL against draft pretraining tokens")
+    ax.set(
+        xlabel="pretraining tokens (millions)",
+        ylabel="held-out AAL (generation)",
+        title="Held-out AAL against draft pretraining tokens",
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -130,8 +157,11 @@ def main():
         rows = {}
         for name, (drafter, shape) in compared.items():
             rows[name] = measure(lm, drafter, shape, prompts, args.group, sampling)
-            print(f"{Path(spec).parent.name or spec} {name}: AAL {rows[name]['aal']:.2f}, acceptance per depth "
-                  f"{' '.join(f'{a:.2f}' for a in rows[name]['accept_at_depth'][:5])}", flush=True)
+            print(
+                f"{Path(spec).parent.name or spec} {name}: AAL {rows[name]['aal']:.2f}, acceptance per depth "
+                f"{' '.join(f'{a:.2f}' for a in rows[name]['accept_at_depth'][:5])}",
+                flush=True,
+            )
         result["datasets"][spec] = rows
     (out / "drafter_quality.json").write_text(json.dumps(result, indent=2))
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from default_rollouts import default_rollouts
 
 from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, SparkConfig, TreeShape, build
 from sparkrl.engine.budget import FixedBudget
@@ -33,8 +34,6 @@ from sparkrl.train.assemble import make_spark
 from sparkrl.train.trainer import train
 from sparkrl.vllm.engine import VllmEngine, model_len
 from sparkrl.vllm.spark import settings_of
-
-from default_rollouts import default_rollouts
 
 
 def systems(args, lm, d, sampler, longest: int) -> dict:
@@ -47,22 +46,29 @@ def systems(args, lm, d, sampler, longest: int) -> dict:
         return {**out, "vLLM AR": lambda p, G, s, g: vllm_run(eng, p, G, s, g, lm)}
     out["sparkrl spec (budget)"] = lambda p, G, s, g: sparkrl_run(d.engine, policy, p, G, s, g, lm, sampler)
     sc = SparkConfig(spark=True)  # the paper's defaults; A from the drafter checkpoint, else the policy's head
-    A = make_spark(DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, spark_config=sc), policy,
-                   d.drafter, 1.0)[0].A if args.spark else None
+    A = (
+        make_spark(
+            DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, spark_config=sc), policy, d.drafter, 1.0
+        )[0].A
+        if args.spark
+        else None
+    )
     adapters = {"": NoAdaptation}
     if args.spark:
         adapters[" +SPARK"] = lambda: Spark.from_config(sc, A, d.drafter.vocab_ids.numel(), 1.0)
     for k in args.chains:  # vLLM's drafting: the drafter's argmax chain of k, every round (a one-branch tree)
         for tag, adapter in adapters.items():
             chain = Speculative(d.engine.drafter, TreeShape(k, 1, k), FixedBudget(TreeShape(k, 1, k)), adapter())
-            out[f"sparkrl greedy chain {k}{tag}"] = \
-                lambda p, G, s, g, e=chain: sparkrl_run(e, policy, p, G, s, g, lm, sampler)
+            out[f"sparkrl greedy chain {k}{tag}"] = lambda p, G, s, g, e=chain: sparkrl_run(
+                e, policy, p, G, s, g, lm, sampler
+            )
     engines = {"vLLM AR": VllmEngine.serving(lm, None, dtype, 1, longest)}
     for k in args.chains:
         engines[f"vLLM eagle3 chain {k}"] = VllmEngine.serving(lm, d.drafter, dtype, k, longest)
         if args.spark:
-            engines[f"vLLM eagle3 chain {k} +SPARK"] = VllmEngine.serving(lm, d.drafter, dtype, k, longest,
-                                                                         spark=(A, settings_of(sc)))
+            engines[f"vLLM eagle3 chain {k} +SPARK"] = VllmEngine.serving(
+                lm, d.drafter, dtype, k, longest, spark=(A, settings_of(sc))
+            )
     for name, eng in engines.items():
         out[name] = lambda p, G, s, g, eng=eng: vllm_run(eng, p, G, s, g, lm)
     return out
@@ -86,23 +92,35 @@ def measure(args, run: dict, prompts) -> list[dict]:
         P, G = map(int, setting.split("x"))
         got = {name: [0, 0.0, [], 0.0] for name in run}
         for rep in range(args.repeats + 1):
-            ps = prompts[rep * P:(rep + 1) * P]
+            ps = prompts[rep * P : (rep + 1) * P]
             gens = response_generators(rep, P, G)
             for name, fn in run.items():
-                n, s, aal, spark_s = fn(ps, G, sampling,
-                                        [torch.Generator().manual_seed(g.initial_seed()) for g in gens])
+                n, s, aal, spark_s = fn(
+                    ps, G, sampling, [torch.Generator().manual_seed(g.initial_seed()) for g in gens]
+                )
                 if rep:
                     got[name][0] += n
                     got[name][1] += s
                     got[name][2] += [aal] if aal is not None else []
                     got[name][3] += spark_s
-                print(f"{setting} rep {rep} {name}: {n} tokens {s:.2f}s" + (f" aal {aal:.2f}" if aal else ""),
-                      flush=True)
+                print(
+                    f"{setting} rep {rep} {name}: {n} tokens {s:.2f}s" + (f" aal {aal:.2f}" if aal else ""), flush=True
+                )
         base = got["sparkrl AR"][0] / got["sparkrl AR"][1]
         for name, (n, s, aals, spark_s) in got.items():
-            rows.append({"responses": P * G, "system": name, "tokens": n, "seconds": s, "tok_per_s": n / s,
-                         "vs_sparkrl_ar": n / s / base, "aal": sum(aals) / len(aals) if aals else None,
-                         "aal_per_rollout": aals, "spark_share": spark_s / s if "SPARK" in name else None})
+            rows.append(
+                {
+                    "responses": P * G,
+                    "system": name,
+                    "tokens": n,
+                    "seconds": s,
+                    "tok_per_s": n / s,
+                    "vs_sparkrl_ar": n / s / base,
+                    "aal": sum(aals) / len(aals) if aals else None,
+                    "aal_per_rollout": aals,
+                    "spark_share": spark_s / s if "SPARK" in name else None,
+                }
+            )
     return rows
 
 
@@ -123,8 +141,10 @@ def aal_agreement(rows, chains) -> list[dict]:
     setting and repeat: the same prompts), with a 95% bootstrap interval over those pairs."""
     out = []
     for k in chains:
-        pairs = torch.tensor(list(zip(per_rollout(rows, f"vLLM eagle3 chain {k}"),
-                                      per_rollout(rows, f"sparkrl greedy chain {k}"))), dtype=torch.float64)
+        pairs = torch.tensor(
+            list(zip(per_rollout(rows, f"vLLM eagle3 chain {k}"), per_rollout(rows, f"sparkrl greedy chain {k}"))),
+            dtype=torch.float64,
+        )
         ratio, ci = bootstrap(pairs, lambda x: float(x[:, 0].mean() / x[:, 1].mean()))
         out.append({"chain": k, "ratio": ratio, "rollouts": len(pairs), "ci": ci})
     return out
@@ -135,63 +155,123 @@ def spark_gain(rows, chains) -> list[dict]:
     engine drafting the same greedy chain, and their difference, each with a 95% bootstrap interval."""
     out = []
     for k in chains:
-        names = [f"vLLM eagle3 chain {k} +SPARK", f"vLLM eagle3 chain {k}", f"sparkrl greedy chain {k} +SPARK",
-                 f"sparkrl greedy chain {k}"]
+        names = [
+            f"vLLM eagle3 chain {k} +SPARK",
+            f"vLLM eagle3 chain {k}",
+            f"sparkrl greedy chain {k} +SPARK",
+            f"sparkrl greedy chain {k}",
+        ]
         pairs = torch.tensor(list(zip(*(per_rollout(rows, n) for n in names))), dtype=torch.float64)  # (n, 4)
         gain = lambda x, j: float(x[:, j].mean() / x[:, j + 1].mean())
         v, vci = bootstrap(pairs, lambda x: gain(x, 0))
         s, sci = bootstrap(pairs, lambda x: gain(x, 2))
         d, dci = bootstrap(pairs, lambda x: gain(x, 0) - gain(x, 2))
-        out.append({"chain": k, "vllm": v, "vllm_ci": vci, "sparkrl": s, "sparkrl_ci": sci, "difference": d,
-                    "difference_ci": dci, "rollouts": len(pairs)})
+        out.append(
+            {
+                "chain": k,
+                "vllm": v,
+                "vllm_ci": vci,
+                "sparkrl": s,
+                "sparkrl_ci": sci,
+                "difference": d,
+                "difference_ci": dci,
+                "rollouts": len(pairs),
+            }
+        )
     return out
 
 
 def grpo_steps(args) -> list[dict]:
     """One GRPO step of each engine (`sparkrl train --steps 1`), its generation and update times."""
-    common = dict(model="default", data=args.data, steps=1, prompts_per_step=8, group_size=8,
-                  max_new_tokens=args.max_new_tokens, rollout_dtype=args.dtype, checkpoint_every=1000)
-    runs = {"sparkrl AR": dict(draft="none"),
-            "sparkrl spec (budget)": dict(draft="eagle3", draft_checkpoint=args.draft_checkpoint),
-            "vLLM AR": dict(draft="none", engine="vllm")}
-    runs.update({f"vLLM eagle3 chain {k}": dict(draft="eagle3", draft_checkpoint=args.draft_checkpoint,
-                                                 engine="vllm", draft_mode="chain", budget="fixed", tree_depth=k)
-                 for k in args.chains})
+    common = dict(
+        model="default",
+        data=args.data,
+        steps=1,
+        prompts_per_step=8,
+        group_size=8,
+        max_new_tokens=args.max_new_tokens,
+        rollout_dtype=args.dtype,
+        checkpoint_every=1000,
+    )
+    runs = {
+        "sparkrl AR": dict(draft="none"),
+        "sparkrl spec (budget)": dict(draft="eagle3", draft_checkpoint=args.draft_checkpoint),
+        "vLLM AR": dict(draft="none", engine="vllm"),
+    }
+    runs.update(
+        {
+            f"vLLM eagle3 chain {k}": dict(
+                draft="eagle3",
+                draft_checkpoint=args.draft_checkpoint,
+                engine="vllm",
+                draft_mode="chain",
+                budget="fixed",
+                tree_depth=k,
+            )
+            for k in args.chains
+        }
+    )
     out = []
     for name, kw in runs.items():
         with tempfile.TemporaryDirectory() as tmp:
             train(build(RunConfig, {**common, **kw, "out": tmp}))
             m = json.loads((Path(tmp) / "metrics.jsonl").read_text().splitlines()[0])
-        out.append({"system": name, "gen_s": m["gen_s"], "train_s": m["train_s"], "draft_train_s": m["draft_train_s"],
-                    "step_s": m["gen_s"] + m["train_s"] + m["draft_train_s"], "aal": m.get("aal")})
+        out.append(
+            {
+                "system": name,
+                "gen_s": m["gen_s"],
+                "train_s": m["train_s"],
+                "draft_train_s": m["draft_train_s"],
+                "step_s": m["gen_s"] + m["train_s"] + m["draft_train_s"],
+                "aal": m.get("aal"),
+            }
+        )
         print(f"GRPO step {name}: {out[-1]}", flush=True)
     return out
 
 
 def report(args, rows, steps) -> str:
-    lines = ["| responses | system | tokens/s | vs sparkrl AR | AAL | SPARK share of time |",
-             "| ---: | --- | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {r['responses']} | {r['system']} | {r['tok_per_s']:.1f} | {r['vs_sparkrl_ar']:.2f}x | "
-              f"{'' if r['aal'] is None else format(r['aal'], '.2f')} | "
-              f"{'' if r.get('spark_share') is None else format(r['spark_share'], '.1%')} |" for r in rows]
+    lines = [
+        "| responses | system | tokens/s | vs sparkrl AR | AAL | SPARK share of time |",
+        "| ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    lines += [
+        f"| {r['responses']} | {r['system']} | {r['tok_per_s']:.1f} | {r['vs_sparkrl_ar']:.2f}x | "
+        f"{'' if r['aal'] is None else format(r['aal'], '.2f')} | "
+        f"{'' if r.get('spark_share') is None else format(r['spark_share'], '.1%')} |"
+        for r in rows
+    ]
     ci = lambda c: f"[{c[0]:.3f}, {c[1]:.3f}]"
     if not args.ar_only:
-        lines += [""] + [f"AAL, vLLM chain {a['chain']} over sparkrl's same greedy chain: {a['ratio']:.3f} "
-                         f"{ci(a['ci'])} over {a['rollouts']} rollouts" for a in aal_agreement(rows, args.chains)]
+        lines += [""] + [
+            f"AAL, vLLM chain {a['chain']} over sparkrl's same greedy chain: {a['ratio']:.3f} "
+            f"{ci(a['ci'])} over {a['rollouts']} rollouts"
+            for a in aal_agreement(rows, args.chains)
+        ]
     if args.spark:
-        lines += [f"SPARK's AAL gain, chain {g['chain']}: vLLM {g['vllm']:.3f} {ci(g['vllm_ci'])}, sparkrl "
-                  f"{g['sparkrl']:.3f} {ci(g['sparkrl_ci'])}, difference {g['difference']:+.3f} "
-                  f"{ci(g['difference_ci'])} over {g['rollouts']} rollouts" for g in spark_gain(rows, args.chains)]
+        lines += [
+            f"SPARK's AAL gain, chain {g['chain']}: vLLM {g['vllm']:.3f} {ci(g['vllm_ci'])}, sparkrl "
+            f"{g['sparkrl']:.3f} {ci(g['sparkrl_ci'])}, difference {g['difference']:+.3f} "
+            f"{ci(g['difference_ci'])} over {g['rollouts']} rollouts"
+            for g in spark_gain(rows, args.chains)
+        ]
     if steps:
-        lines += ["", "| GRPO step (8 x 8) | generation s | update s | draft training s | step s | AAL |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
-        lines += [f"| {s['system']} | {s['gen_s']:.1f} | {s['train_s']:.1f} | {s['draft_train_s']:.1f} | "
-                  f"{s['step_s']:.1f} | {'' if s['aal'] is None else format(s['aal'], '.2f')} |" for s in steps]
+        lines += [
+            "",
+            "| GRPO step (8 x 8) | generation s | update s | draft training s | step s | AAL |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| {s['system']} | {s['gen_s']:.1f} | {s['train_s']:.1f} | {s['draft_train_s']:.1f} | "
+            f"{s['step_s']:.1f} | {'' if s['aal'] is None else format(s['aal'], '.2f')} |"
+            for s in steps
+        ]
     return "\n".join(lines) + "\n"
 
 
 def plot(rows, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -218,17 +298,24 @@ def main():
     ap.add_argument("--heldout", type=float, default=0.0, help="only problems held out of draft pretraining")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--batches", default="1x1,1x8,8x8", help="PROMPTSxGROUP per setting")
-    ap.add_argument("--chains", default="3,5", type=lambda s: [int(x) for x in s.split(",")],
-                    help="vLLM chain lengths (num_speculative_tokens)")
+    ap.add_argument(
+        "--chains",
+        default="3,5",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="vLLM chain lengths (num_speculative_tokens)",
+    )
     ap.add_argument("--spark", action="store_true", help="each chain again with SPARK, in vLLM and in sparkrl")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--grpo-step", action="store_true")
     ap.add_argument("--out", default="bench/results/engines")
     args = ap.parse_args()
-    dcfg = DraftConfig(draft="none") if args.ar_only else DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint)
-    lm, d, prompts, sampler = default_rollouts(dcfg, args.dtype, args.data, args.heldout,
-                                               count=8 * (args.repeats + 1))
+    dcfg = (
+        DraftConfig(draft="none")
+        if args.ar_only
+        else DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint)
+    )
+    lm, d, prompts, sampler = default_rollouts(dcfg, args.dtype, args.data, args.heldout, count=8 * (args.repeats + 1))
     run = systems(args, lm, d, sampler, model_len(prompts, args.max_new_tokens, max(args.chains)))
     rows = measure(args, run, prompts)
     out = Path(args.out)
@@ -239,12 +326,21 @@ def main():
 
 
 def save(args, rows, steps, out: Path) -> None:
-    (out / "engines.json").write_text(json.dumps({"args": vars(args), "rows": rows, "grpo_steps": steps,
-                                                  "aal_agreement": [] if args.ar_only else aal_agreement(rows, args.chains),
-                                                  "spark_gain": spark_gain(rows, args.chains) if args.spark else [],
-                                                  "cpu_threads": torch.get_num_threads(),
-                                                  "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM")},
-                                                  "date": time.strftime("%Y-%m-%d")}, indent=1))
+    (out / "engines.json").write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "rows": rows,
+                "grpo_steps": steps,
+                "aal_agreement": [] if args.ar_only else aal_agreement(rows, args.chains),
+                "spark_gain": spark_gain(rows, args.chains) if args.spark else [],
+                "cpu_threads": torch.get_num_threads(),
+                "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM")},
+                "date": time.strftime("%Y-%m-%d"),
+            },
+            indent=1,
+        )
+    )
     (out / "engines.md").write_text(report(args, rows, steps))
     plot(rows, out / "engines.png")
     print(report(args, rows, steps), flush=True)

@@ -33,9 +33,9 @@ import torch
 from sparkrl.config import TreeShape
 from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
-from sparkrl.model.transformer import ModelArgs, Transformer
 from sparkrl.engine.spark import Spark, init_projection
 from sparkrl.engine.speculative import own_text, time_rounds
+from sparkrl.model.transformer import ModelArgs, Transformer
 
 SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab (the Hugging Face configs of these models)
     "tiny": (64, 128, 2, 4, 2, 512),
@@ -79,13 +79,19 @@ def spark_seconds(policy: Transformer, B: int, reps: int) -> float:
     spark = Spark(init_projection(policy.lm_head.weight.float(), 8), V)
     spark.begin(groups, max(B // groups, 1))
     g = torch.Generator(device=device).manual_seed(0)
-    keys = (torch.arange(groups, device=device)[:, None] * V
-            + torch.randint(0, V, (groups, 2000), device=device, generator=g)).flatten()
+    keys = (
+        torch.arange(groups, device=device)[:, None] * V
+        + torch.randint(0, V, (groups, 2000), device=device, generator=g)
+    ).flatten()
     spark.store.add(keys, torch.randn(keys.numel(), 8, device=device, generator=g) * 0.01)
     n = 4 * B
-    fb = (torch.arange(n, device=device) % B, torch.randn(n, d, device=device, generator=g),
-          torch.randn(n, V, device=device, generator=g), torch.softmax(torch.randn(n, V, device=device, generator=g) * 3, -1),
-          torch.ones(n, device=device))
+    fb = (
+        torch.arange(n, device=device) % B,
+        torch.randn(n, d, device=device, generator=g),
+        torch.randn(n, V, device=device, generator=g),
+        torch.softmax(torch.randn(n, V, device=device, generator=g) * 3, -1),
+        torch.ones(n, device=device),
+    )
     z, h = torch.randn(B, 4, V, device=device, generator=g), torch.randn(B, 4, d, device=device, generator=g)
     active = torch.arange(B, device=device)
     times = []
@@ -156,8 +162,12 @@ def plot(result: dict, path: Path) -> None:
     pred = sorted({k for r in rows for k in r["predicted_gen_speedup"]})
     width = 0.8 / max(len(pred), 1)
     for j, k in enumerate(pred):
-        axes[1].bar([i + j * width for i in range(len(rows))], [r["predicted_gen_speedup"].get(k, 0) for r in rows],
-                    width, label=k)
+        axes[1].bar(
+            [i + j * width for i in range(len(rows))],
+            [r["predicted_gen_speedup"].get(k, 0) for r in rows],
+            width,
+            label=k,
+        )
     axes[1].axhline(1.0, color="k", lw=0.8)
     axes[1].set_ylabel("predicted Gen. speedup over AR")
     axes[1].set_title("at the AAL measured on the CPU (bench/cpu_aal.py)")
@@ -191,9 +201,16 @@ def main():
         if device.type == "cuda":
             torch.cuda.empty_cache()
     predict(rows, aal)
-    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype),
-            "torch": torch.__version__, "weights": "random (timing only)", "aal": aal, "aal_source": args.aal,
-            "command": " ".join(sys.argv), "wall_s": time.perf_counter() - t0}
+    meta = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "dtype": str(dtype),
+        "torch": torch.__version__,
+        "weights": "random (timing only)",
+        "aal": aal,
+        "aal_source": args.aal,
+        "command": " ".join(sys.argv),
+        "wall_s": time.perf_counter() - t0,
+    }
     result = {"meta": meta, "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -49,14 +49,27 @@ def main():
             flat = buf.view(-1, D)
             scatter = timed(lambda: buf.scatter_(2, idx, k))
             copy = timed(lambda: flat.index_copy_(0, flat_rows, k.reshape(-1, D)))
-            rows.append({"dtype": str(dtype).split(".")[1], "capacity": cap, "sequences": B, "tokens": T,
-                         "scatter_us": scatter * 1e6, "index_copy_us": copy * 1e6, "ratio": scatter / copy})
-            print(f"{rows[-1]['dtype']:>8} cap={cap:<5} B={B:<3} T={T:<3} scatter_ {scatter * 1e6:8.1f} us   index_copy_ "
-                  f"{copy * 1e6:6.1f} us   {scatter / copy:6.1f}x", flush=True)
+            rows.append(
+                {
+                    "dtype": str(dtype).split(".")[1],
+                    "capacity": cap,
+                    "sequences": B,
+                    "tokens": T,
+                    "scatter_us": scatter * 1e6,
+                    "index_copy_us": copy * 1e6,
+                    "ratio": scatter / copy,
+                }
+            )
+            print(
+                f"{rows[-1]['dtype']:>8} cap={cap:<5} B={B:<3} T={T:<3} scatter_ {scatter * 1e6:8.1f} us   index_copy_ "
+                f"{copy * 1e6:6.1f} us   {scatter / copy:6.1f}x",
+                flush=True,
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kv_write.json").write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
-                                                   "rows": rows}, indent=2))
+    (out / "kv_write.json").write_text(
+        json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}, indent=2)
+    )
 
 
 if __name__ == "__main__":

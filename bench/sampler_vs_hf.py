@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 
 from sparkrl.config import SamplingConfig
-from sparkrl.train.data import chat_prompt_ids
 from sparkrl.cpu.accelerate import use_native
-from sparkrl.engine.sampling import SAMPLER
-from sparkrl.train.precision import rollout_copy
 from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.engine.sampling import SAMPLER
 from sparkrl.model.weights import load_model
+from sparkrl.train.data import chat_prompt_ids
+from sparkrl.train.precision import rollout_copy
 
 PROMPT = "Tom has 3 boxes with 12 apples each and eats 5 apples. How many are left? Solve it step by step."
 
@@ -42,8 +42,12 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--cpu-kernels", default="auto", choices=("auto", "packed", "weight-major", "plain"),
-                    help="sparkrl's kernels, as its --cpu-kernels")
+    ap.add_argument(
+        "--cpu-kernels",
+        default="auto",
+        choices=("auto", "packed", "weight-major", "plain"),
+        help="sparkrl's kernels, as its --cpu-kernels",
+    )
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
@@ -72,9 +76,17 @@ def main():
     def theirs(B):
         x = torch.tensor([prompt] * B)
         with torch.no_grad():
-            o = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=True, temperature=1.0, top_p=0.95,
-                            top_k=0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                            pad_token_id=lm.tokenizer.eos_token_id)
+            o = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=True,
+                temperature=1.0,
+                top_p=0.95,
+                top_k=0,
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,
+                pad_token_id=lm.tokenizer.eos_token_id,
+            )
         return (o.shape[1] - x.shape[1]) * B
 
     systems = {"sparkrl": ours, "transformers": theirs}
@@ -95,27 +107,45 @@ def main():
                 times[name].append(time.perf_counter() - t)
         med = {k: statistics.median(v) for k, v in times.items()}
         tps = {k: tokens[k] / med[k] for k in systems}
-        row = {"batch": B, "tokens": tokens, "median_s": med, "times_s": times, "tok_per_s": tps,
-               "ratio": tps["sparkrl"] / tps["transformers"]}
+        row = {
+            "batch": B,
+            "tokens": tokens,
+            "median_s": med,
+            "times_s": times,
+            "tok_per_s": tps,
+            "ratio": tps["sparkrl"] / tps["transformers"],
+        }
         if fast:
             row["fast_over_plain"] = tps["sparkrl"] / tps["sparkrl-plain"]
         if native_on:
             row["native_over_blas"] = tps["sparkrl"] / tps["sparkrl-blas"]
         rows.append(row)
-        print(f"batch {B:3d}: sparkrl {tps['sparkrl']:7.1f} tok/s, transformers {tps['transformers']:7.1f} tok/s, "
-              f"ratio {row['ratio']:.2f}x" + (f"; fast / plain kernels {row['fast_over_plain']:.2f}x" if fast
-                                              else "")
-              + (f"; compiled kernels / torch's {row['native_over_blas']:.2f}x" if native_on else ""),
-              flush=True)
+        print(
+            f"batch {B:3d}: sparkrl {tps['sparkrl']:7.1f} tok/s, transformers {tps['transformers']:7.1f} tok/s, "
+            f"ratio {row['ratio']:.2f}x"
+            + (f"; fast / plain kernels {row['fast_over_plain']:.2f}x" if fast else "")
+            + (f"; compiled kernels / torch's {row['native_over_blas']:.2f}x" if native_on else ""),
+            flush=True,
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import transformers
 
-    meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-            "machine": platform.processor() or platform.machine(), "new_tokens": args.new_tokens,
-            "repeats": args.repeats, "prompt_tokens": len(prompt), "dtype": args.dtype, "packed_weights": packed,
-            "weight_major_kernels": k["weight_major"], "float32_attention": k["attention"] != "None",
-            "native_kernel": native_on, "compiled_ops": native_on}
+    meta = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "prompt_tokens": len(prompt),
+        "dtype": args.dtype,
+        "packed_weights": packed,
+        "weight_major_kernels": k["weight_major"],
+        "float32_attention": k["attention"] != "None",
+        "native_kernel": native_on,
+        "compiled_ops": native_on,
+    }
     name = "sampler_vs_hf" + ("" if args.dtype == "float32" else f"_{args.dtype}") + ("_packed" if packed else "")
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     _plot(rows, out / f"{name}.png", args.dtype)

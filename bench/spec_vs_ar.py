@@ -25,14 +25,13 @@ import time
 from pathlib import Path
 
 import torch
+from default_rollouts import default_rollouts
 
-from sparkrl.engine.budget import AR, Budget, CostModel
 from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
+from sparkrl.engine.budget import AR, Budget, CostModel
 from sparkrl.engine.records import RoundStats
 from sparkrl.engine.rollout import generate, response_generators
 from sparkrl.engine.speculative import generate_speculative
-
-from default_rollouts import default_rollouts
 
 
 def main():
@@ -40,36 +39,73 @@ def main():
     ap.add_argument("--draft", default="eagle3", choices=("eagle3", "dflash"))
     ap.add_argument("--draft-checkpoint", default="default", help="default: the drafter shipped for the default model")
     ap.add_argument("--block-size", type=int, default=16, help="dflash: the block size")
-    ap.add_argument("--heldout", type=float, default=0.0,
-                    help="use only problems held out of draft pretraining (the share it held out, e.g. 0.05)")
+    ap.add_argument(
+        "--heldout",
+        type=float,
+        default=0.0,
+        help="use only problems held out of draft pretraining (the share it held out, e.g. 0.05)",
+    )
     ap.add_argument("--data", default="default")
     ap.add_argument("--batches", default="1x1,1x8,8x8", help="PROMPTSxGROUP per setting")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--min-responses", type=int, default=4,
-                    help="settings with fewer responses run several prompt sets one after another, to reach this")
-    ap.add_argument("--fixed-upto", type=int, default=1 << 30,
-                    help="run the full-proposal-every-round system only up to this many responses")
+    ap.add_argument(
+        "--min-responses",
+        type=int,
+        default=4,
+        help="settings with fewer responses run several prompt sets one after another, to reach this",
+    )
+    ap.add_argument(
+        "--fixed-upto",
+        type=int,
+        default=1 << 30,
+        help="run the full-proposal-every-round system only up to this many responses",
+    )
     ap.add_argument("--tree", default="5,4,16", help="depth,branch,nodes")
     ap.add_argument("--tree-stop", type=float, default=DraftConfig.tree_stop, help="as sparkrl's --tree-stop")
-    ap.add_argument("--also-stop", type=float, default=None,
-                    help="also the full proposal every round with this --tree-stop, interleaved with the others")
+    ap.add_argument(
+        "--also-stop",
+        type=float,
+        default=None,
+        help="also the full proposal every round with this --tree-stop, interleaved with the others",
+    )
     ap.add_argument("--skip", type=int, default=0, help="problems to skip (e.g. those used for pretraining)")
     ap.add_argument("--grpo-step", action="store_true")
     ap.add_argument("--budget", default="auto", choices=("auto", "adaptive"), help="the DRAFT+budget system's budget")
-    ap.add_argument("--also-full-depth", action="store_true",
-                    help="also the budget choosing among full-depth trees only (each node count at depth "
-                         "min(depth, nodes), as before trees of every depth), interleaved with the others")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="the rollout dtype of every compared system (policy and drafter)")
-    ap.add_argument("--cpu-kernels", default="auto", choices=("auto", "packed", "plain"),
-                    help="linear layers of every compared system, as sparkrl's --cpu-kernels")
+    ap.add_argument(
+        "--also-full-depth",
+        action="store_true",
+        help="also the budget choosing among full-depth trees only (each node count at depth "
+        "min(depth, nodes), as before trees of every depth), interleaved with the others",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the rollout dtype of every compared system (policy and drafter)",
+    )
+    ap.add_argument(
+        "--cpu-kernels",
+        default="auto",
+        choices=("auto", "packed", "plain"),
+        help="linear layers of every compared system, as sparkrl's --cpu-kernels",
+    )
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     depth, branch, nodes = map(int, args.tree.split(","))
-    dcfg = DraftConfig(draft=args.draft, draft_checkpoint=args.draft_checkpoint, tree_depth=depth, tree_branch=branch,
-                       tree_nodes=nodes, tree_stop=args.tree_stop, budget=args.budget, block_size=args.block_size)
-    lm, d, prompts, sampler = default_rollouts(dcfg, args.dtype, args.data, args.heldout, args.cpu_kernels, skip=args.skip)
+    dcfg = DraftConfig(
+        draft=args.draft,
+        draft_checkpoint=args.draft_checkpoint,
+        tree_depth=depth,
+        tree_branch=branch,
+        tree_nodes=nodes,
+        tree_stop=args.tree_stop,
+        budget=args.budget,
+        block_size=args.block_size,
+    )
+    lm, d, prompts, sampler = default_rollouts(
+        dcfg, args.dtype, args.data, args.heldout, args.cpu_kernels, skip=args.skip
+    )
     drafter, budget = d.rollout.model, d.budget
     full_depth_budget = full_depth_only(budget, dcfg.shape()) if args.also_full_depth else None
     sc = SamplingConfig(1.0, 0.95, args.max_new_tokens)
@@ -80,24 +116,45 @@ def main():
         # still average over several problems (their lengths and acceptance vary)
         spec, budgeted = args.draft, f"{args.draft}+budget"
         systems = {
-            "autoregressive": lambda ps: generate(lm.model, ps, sc, lm.eos_ids, response_generators(0, P, G), G,
-                                                sampler=sampler),
-            spec: lambda ps: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
-                                                  response_generators(0, P, G), dcfg.shape(), G, sampler=sampler),
-            budgeted: lambda ps: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
-                                                      response_generators(0, P, G), dcfg.shape(), G, budget=budget,
-                                                      sampler=sampler),
+            "autoregressive": lambda ps: generate(
+                lm.model, ps, sc, lm.eos_ids, response_generators(0, P, G), G, sampler=sampler
+            ),
+            spec: lambda ps: generate_speculative(
+                lm.model, drafter, ps, sc, lm.eos_ids, response_generators(0, P, G), dcfg.shape(), G, sampler=sampler
+            ),
+            budgeted: lambda ps: generate_speculative(
+                lm.model,
+                drafter,
+                ps,
+                sc,
+                lm.eos_ids,
+                response_generators(0, P, G),
+                dcfg.shape(),
+                G,
+                budget=budget,
+                sampler=sampler,
+            ),
         }
         also = f"{spec} (tree stop {args.also_stop})"
         if args.also_stop is not None:
             other = dataclasses.replace(dcfg.shape(), stop=args.also_stop)
-            systems[also] = lambda ps: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
-                                                            response_generators(0, P, G), other, G, sampler=sampler)
+            systems[also] = lambda ps: generate_speculative(
+                lm.model, drafter, ps, sc, lm.eos_ids, response_generators(0, P, G), other, G, sampler=sampler
+            )
         full_only = f"{budgeted} (full depth only)"
         if args.also_full_depth:
-            systems[full_only] = lambda ps: generate_speculative(lm.model, drafter, ps, sc, lm.eos_ids,
-                                                                 response_generators(0, P, G), dcfg.shape(), G,
-                                                                 budget=full_depth_budget, sampler=sampler)
+            systems[full_only] = lambda ps: generate_speculative(
+                lm.model,
+                drafter,
+                ps,
+                sc,
+                lm.eos_ids,
+                response_generators(0, P, G),
+                dcfg.shape(),
+                G,
+                budget=full_depth_budget,
+                sampler=sampler,
+            )
         if P * G > args.fixed_upto:  # the full proposal every round is known to lose there; save the time
             del systems[spec]
         for name in systems:  # untimed, once each: the process's first rollouts run cold (measured: the first
@@ -106,8 +163,8 @@ def main():
             systems[name](prompts[:P])
         times, tokens, stats = ({k: [] for k in systems} for _ in range(3))
         for rep in range(args.repeats):
-            for name in (list(systems) if rep % 2 == 0 else list(systems)[::-1]):
-                outs = [systems[name](prompts[j * P:(j + 1) * P]) for j in range(sets)]
+            for name in list(systems) if rep % 2 == 0 else list(systems)[::-1]:
+                outs = [systems[name](prompts[j * P : (j + 1) * P]) for j in range(sets)]
                 times[name].append(sum(o.gen_s for o in outs))
                 tokens[name].append(sum(o.num_tokens for o in outs))
                 stats[name] += [o.stats for o in outs]
@@ -116,42 +173,85 @@ def main():
         tps = {k: sum(tokens[k]) / sum(times[k]) for k in systems}
         sb = RoundStats.merge(stats[budgeted], concurrent=False)
         st = RoundStats.merge(stats[spec], concurrent=False) if spec in stats else None
-        row = {"prompts": P, "group": G, "responses": P * G, "prompt_sets": sets, "tokens": tokens,
-               "times_s": times, "tok_per_s": tps,
-               "ratio": {k: tps[k] / tps["autoregressive"] for k in systems if k != "autoregressive"},
-               # the same prompt sets as often: a rollout of several responses lasts as long as its longest
-               # (often the token cap), so its tokens/s also measures how long the shorter ones happened to run
-               "time_ratio": {k: sum(times["autoregressive"]) / sum(times[k]) for k in systems if k != "autoregressive"},
-               "aal": st.aal if st else None, "budget_aal": sb.aal, "rounds": sb.rounds,
-               "budget_tree_rounds": [sb.tree_rounds, sb.rounds], "budget_sizes": sb.sizes,
-               "split_s": {k: getattr(st or sb, k) for k in ("draft_s", "verify_s", "accept_s")},
-               "accept_at_depth": (st or sb).accept_at_depth}
+        row = {
+            "prompts": P,
+            "group": G,
+            "responses": P * G,
+            "prompt_sets": sets,
+            "tokens": tokens,
+            "times_s": times,
+            "tok_per_s": tps,
+            "ratio": {k: tps[k] / tps["autoregressive"] for k in systems if k != "autoregressive"},
+            # the same prompt sets as often: a rollout of several responses lasts as long as its longest
+            # (often the token cap), so its tokens/s also measures how long the shorter ones happened to run
+            "time_ratio": {k: sum(times["autoregressive"]) / sum(times[k]) for k in systems if k != "autoregressive"},
+            "aal": st.aal if st else None,
+            "budget_aal": sb.aal,
+            "rounds": sb.rounds,
+            "budget_tree_rounds": [sb.tree_rounds, sb.rounds],
+            "budget_sizes": sb.sizes,
+            "split_s": {k: getattr(st or sb, k) for k in ("draft_s", "verify_s", "accept_s")},
+            "accept_at_depth": (st or sb).accept_at_depth,
+        }
         if full_only in stats:
             sf = RoundStats.merge(stats[full_only], concurrent=False)
             row["full_depth_only"] = {"aal": sf.aal, "tree_rounds": [sf.tree_rounds, sf.rounds], "sizes": sf.sizes}
-            print(f"{P}x{G}: {full_only} {tps[full_only]:.1f} tok/s ({row['ratio'][full_only]:.2f}x, "
-                  f"{sf.tree_rounds}/{sf.rounds} drafted rounds {sf.sizes}, AAL {sf.aal:.2f})", flush=True)
+            print(
+                f"{P}x{G}: {full_only} {tps[full_only]:.1f} tok/s ({row['ratio'][full_only]:.2f}x, "
+                f"{sf.tree_rounds}/{sf.rounds} drafted rounds {sf.sizes}, AAL {sf.aal:.2f})",
+                flush=True,
+            )
         if also in stats:
             sa = RoundStats.merge(stats[also], concurrent=False)
-            row["also"] = {"tree_stop": args.also_stop, "aal": sa.aal, "accept_at_depth": sa.accept_at_depth,
-                           "split_s": {k: getattr(sa, k) for k in ("draft_s", "verify_s", "accept_s")}}
-            print(f"{P}x{G}: {also} {tps[also]:.1f} tok/s ({row['ratio'][also]:.2f}x, AAL {sa.aal:.2f}), "
-                  f"split {row['also']['split_s']}", flush=True)
+            row["also"] = {
+                "tree_stop": args.also_stop,
+                "aal": sa.aal,
+                "accept_at_depth": sa.accept_at_depth,
+                "split_s": {k: getattr(sa, k) for k in ("draft_s", "verify_s", "accept_s")},
+            }
+            print(
+                f"{P}x{G}: {also} {tps[also]:.1f} tok/s ({row['ratio'][also]:.2f}x, AAL {sa.aal:.2f}), "
+                f"split {row['also']['split_s']}",
+                flush=True,
+            )
         rows.append(row)
         fixed = f"{spec} {tps[spec]:.1f} tok/s ({row['ratio'][spec]:.2f}x, AAL {st.aal:.2f}), " if st else ""
-        print(f"{P}x{G}: AR {tps['autoregressive']:.1f} tok/s, {fixed}with budget {tps[budgeted]:.1f} tok/s "
-              f"({row['ratio'][budgeted]:.2f}x, in time {row['time_ratio'][budgeted]:.2f}x, {sb.tree_rounds}/{sb.rounds} drafted rounds {sb.sizes}, AAL {sb.aal:.2f}), "
-              f"split {row['split_s']}", flush=True)
-    result = {"meta": {"draft": args.draft, "block_size": args.block_size, "tree_stop": args.tree_stop, "heldout": args.heldout, "tree": [depth, branch, nodes], "max_new_tokens": args.max_new_tokens, "data": args.data,
-                       "dtype": args.dtype, "budget": args.budget, "packed_weights": d.rollout.kernels["packed"] if d.rollout else False,
-                       "float32_attention": lm.model.model.attn_dtype is not None,
-                       "draft_checkpoint": args.draft_checkpoint, "repeats": args.repeats,
-                       "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": rows}
+        print(
+            f"{P}x{G}: AR {tps['autoregressive']:.1f} tok/s, {fixed}with budget {tps[budgeted]:.1f} tok/s "
+            f"({row['ratio'][budgeted]:.2f}x, in time {row['time_ratio'][budgeted]:.2f}x, "
+            f"{sb.tree_rounds}/{sb.rounds} drafted rounds {sb.sizes}, AAL {sb.aal:.2f}), "
+            f"split {row['split_s']}",
+            flush=True,
+        )
+    result = {
+        "meta": {
+            "draft": args.draft,
+            "block_size": args.block_size,
+            "tree_stop": args.tree_stop,
+            "heldout": args.heldout,
+            "tree": [depth, branch, nodes],
+            "max_new_tokens": args.max_new_tokens,
+            "data": args.data,
+            "dtype": args.dtype,
+            "budget": args.budget,
+            "packed_weights": d.rollout.kernels["packed"] if d.rollout else False,
+            "float32_attention": lm.model.model.attn_dtype is not None,
+            "draft_checkpoint": args.draft_checkpoint,
+            "repeats": args.repeats,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
+        "rows": rows,
+    }
     if args.grpo_step:
         result["grpo_step"] = grpo_steps(args, depth, branch, nodes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "spec_vs_ar" + ("" if args.draft == "eagle3" else f"_{args.draft}") + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    name = (
+        "spec_vs_ar"
+        + ("" if args.draft == "eagle3" else f"_{args.draft}")
+        + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    )
     name += "_packed" if args.cpu_kernels == "packed" else ""
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     plot(result, out / f"{name}.png")
@@ -162,8 +262,12 @@ def full_depth_only(budget: Budget, shape) -> Budget:
     min(depth, n), the candidates before trees of every depth."""
     c = budget.cost
     keep = lambda s: s == AR or s[1] == min(shape.depth, s[0])
-    cost = CostModel(c.rows, {s: v for s, v in c.rounds.items() if keep(s)},
-                     {s: v for s, v in c.accepted.items() if keep(s)}, c.level)
+    cost = CostModel(
+        c.rows,
+        {s: v for s, v in c.rounds.items() if keep(s)},
+        {s: v for s, v in c.accepted.items() if keep(s)},
+        c.level,
+    )
     return Budget(cost, shape, adaptive=budget.adaptive)
 
 
@@ -185,7 +289,9 @@ def plot(result: dict, path: Path) -> None:
         for x, y, r in zip(xs, ys, rows):
             if name != "autoregressive" and name in r["ratio"]:
                 ax.text(x, y * 1.02, f"{r['ratio'][name]:.2f}x", ha="center", fontsize=8)
-    ax.set_xticks(range(len(rows)), [f"{r['prompts']}x{r['group']} (AAL {r['aal'] or r['budget_aal']:.2f})" for r in rows])
+    ax.set_xticks(
+        range(len(rows)), [f"{r['prompts']}x{r['group']} (AAL {r['aal'] or r['budget_aal']:.2f})" for r in rows]
+    )
     ax.set_ylim(0, max(max(r["tok_per_s"].values()) for r in rows) * 1.15)
     ax.set_ylabel("generated tokens / s")
     ax.set_title(f"Speculative ({result['meta']['draft']}) vs autoregressive rollouts, default model, CPU")
@@ -199,18 +305,41 @@ def grpo_steps(args, depth, branch, nodes) -> dict:
     from sparkrl.train.trainer import train
 
     out = {}
-    drafting = {"draft": args.draft, "draft_checkpoint": args.draft_checkpoint, "tree_depth": depth,
-                "tree_branch": branch, "tree_nodes": nodes, "block_size": args.block_size}
+    drafting = {
+        "draft": args.draft,
+        "draft_checkpoint": args.draft_checkpoint,
+        "tree_depth": depth,
+        "tree_branch": branch,
+        "tree_nodes": nodes,
+        "block_size": args.block_size,
+    }
     for name, draft in (("autoregressive", {}), (args.draft, drafting)):
         with tempfile.TemporaryDirectory() as d:
-            cfg = build(RunConfig, {"out": d, "steps": 1, "data": args.data, "prompts_per_step": 2, "group_size": 8,
-                                    "max_new_tokens": args.max_new_tokens, "rollout_dtype": args.dtype, **draft})
+            cfg = build(
+                RunConfig,
+                {
+                    "out": d,
+                    "steps": 1,
+                    "data": args.data,
+                    "prompts_per_step": 2,
+                    "group_size": 8,
+                    "max_new_tokens": args.max_new_tokens,
+                    "rollout_dtype": args.dtype,
+                    **draft,
+                },
+            )
             t = time.perf_counter()
             train(cfg)
             total = time.perf_counter() - t
             m = json.loads((Path(d) / "metrics.jsonl").read_text().splitlines()[0])
-        out[name] = {"gen_s": m["gen_s"], "draft_train_s": m["draft_train_s"], "train_s": m["train_s"],
-                     "gen_tokens": m["gen_tokens"], "aal": m.get("aal"), "wall_s": total}
+        out[name] = {
+            "gen_s": m["gen_s"],
+            "draft_train_s": m["draft_train_s"],
+            "train_s": m["train_s"],
+            "gen_tokens": m["gen_tokens"],
+            "aal": m.get("aal"),
+            "wall_s": total,
+        }
         print(name, out[name], flush=True)
     return out
 

@@ -65,9 +65,13 @@ def main():
     if a.worker:
         return worker(a.threads, a.seconds)
     cores = os.cpu_count()
-    configs = [("alone", cores, False, {}), ("alone, OMP_WAIT_POLICY=PASSIVE", cores, False, {"OMP_WAIT_POLICY": "PASSIVE"}),
-               ("shared", cores, True, {}), ("shared, 1 thread each", 1, True, {}),
-               ("shared, OMP_WAIT_POLICY=PASSIVE", cores, True, {"OMP_WAIT_POLICY": "PASSIVE"})]
+    configs = [
+        ("alone", cores, False, {}),
+        ("alone, OMP_WAIT_POLICY=PASSIVE", cores, False, {"OMP_WAIT_POLICY": "PASSIVE"}),
+        ("shared", cores, True, {}),
+        ("shared, 1 thread each", 1, True, {}),
+        ("shared, OMP_WAIT_POLICY=PASSIVE", cores, True, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ]
     rows = []
     for name, threads, comp, env in configs:
         s = run(threads, comp, env, a.seconds)
@@ -77,8 +81,9 @@ def main():
     for r in rows:
         r["ratio_to_alone"] = r["median_step_s"] / base
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "threads.json").write_text(json.dumps({"cores": cores, "torch": torch.__version__, "rows": rows},
-                                                          indent=1))
+    (Path(a.out) / "threads.json").write_text(
+        json.dumps({"cores": cores, "torch": torch.__version__, "rows": rows}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -34,11 +34,11 @@ import transformers  # noqa: E402
 import trl  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from sparkrl.commands.trl_rollout import SparkRollout, math_reward, problem_dataset  # noqa: E402
 from sparkrl.config import DraftConfig, SparkConfig, TRLConfig  # noqa: E402
+from sparkrl.model.weights import resolve_model_path  # noqa: E402
 from sparkrl.train.data import load_problems  # noqa: E402
 from sparkrl.train.rewards import Grader  # noqa: E402
-from sparkrl.commands.trl_rollout import SparkRollout, math_reward, problem_dataset  # noqa: E402
-from sparkrl.model.weights import resolve_model_path  # noqa: E402
 
 
 class TimedTrainer(trl.GRPOTrainer):
@@ -78,35 +78,65 @@ def main():
     tmp = Path(tempfile.mkdtemp())
 
     def grpo_args(rep: int) -> trl.GRPOConfig:
-        return trl.GRPOConfig(output_dir=str(tmp / "out"), max_steps=1, num_generations=a.group_size,
-                              per_device_train_batch_size=a.prompts_per_step * a.group_size,
-                              max_completion_length=a.max_new_tokens, temperature=1.0, top_p=0.95, learning_rate=a.lr,
-                              logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
-                              bf16=False, seed=a.seed + rep, disable_tqdm=True)
+        return trl.GRPOConfig(
+            output_dir=str(tmp / "out"),
+            max_steps=1,
+            num_generations=a.group_size,
+            per_device_train_batch_size=a.prompts_per_step * a.group_size,
+            max_completion_length=a.max_new_tokens,
+            temperature=1.0,
+            top_p=0.95,
+            learning_rate=a.lr,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=not torch.cuda.is_available(),
+            bf16=False,
+            seed=a.seed + rep,
+            disable_tqdm=True,
+        )
 
-    draft = DraftConfig(draft=a.draft, draft_checkpoint=a.draft_checkpoint, budget=a.budget,
-                        spark_config=SparkConfig(spark=True))
-    methods = {"trl": None,
-               "sparkrl-ar": SparkRollout(TRLConfig(draft=DraftConfig(), seed=a.seed), grpo_args(0)),
-               f"sparkrl-{a.draft}+spark": SparkRollout(TRLConfig(draft=draft, seed=a.seed), grpo_args(0))}
+    draft = DraftConfig(
+        draft=a.draft, draft_checkpoint=a.draft_checkpoint, budget=a.budget, spark_config=SparkConfig(spark=True)
+    )
+    methods = {
+        "trl": None,
+        "sparkrl-ar": SparkRollout(TRLConfig(draft=DraftConfig(), seed=a.seed), grpo_args(0)),
+        f"sparkrl-{a.draft}+spark": SparkRollout(TRLConfig(draft=draft, seed=a.seed), grpo_args(0)),
+    }
     models = {name: copy.deepcopy(base) for name in methods}
     raw = {name: [] for name in methods}
     for rep in range(a.repeats + 1):
-        for name in (list(methods) if rep % 2 == 0 else list(methods)[::-1]):
-            trainer = TimedTrainer(model=models[name], args=grpo_args(rep), reward_funcs=math_reward(grader),
-                                   train_dataset=data, processing_class=tok, rollout_func=methods[name])
+        for name in list(methods) if rep % 2 == 0 else list(methods)[::-1]:
+            trainer = TimedTrainer(
+                model=models[name],
+                args=grpo_args(rep),
+                reward_funcs=math_reward(grader),
+                train_dataset=data,
+                processing_class=tok,
+                rollout_func=methods[name],
+            )
             trainer.gen_s = []
             t = time.perf_counter()
             trainer.train()
             step_s = time.perf_counter() - t
             log = next(h for h in trainer.state.log_history if "completions/mean_length" in h)
             tokens = log["completions/mean_length"] * a.prompts_per_step * a.group_size
-            row = {"repeat": rep, "step_s": step_s, "gen_s": sum(trainer.gen_s), "tokens": tokens,
-                   "reward": log["reward"], **{k: v for k, v in log.items() if k.startswith("sparkrl/")}}
+            row = {
+                "repeat": rep,
+                "step_s": step_s,
+                "gen_s": sum(trainer.gen_s),
+                "tokens": tokens,
+                "reward": log["reward"],
+                **{k: v for k, v in log.items() if k.startswith("sparkrl/")},
+            }
             raw[name].append(row)
             aal = f", AAL {row['sparkrl/aal']:.2f}" if "sparkrl/aal" in row else ""
-            print(f"{'warm-up' if rep == 0 else f'repeat {rep}'} {name}: step {step_s:.1f}s, generation "
-                  f"{row['gen_s']:.1f}s ({tokens / row['gen_s']:.1f} tok/s){aal}", flush=True)
+            print(
+                f"{'warm-up' if rep == 0 else f'repeat {rep}'} {name}: step {step_s:.1f}s, generation "
+                f"{row['gen_s']:.1f}s ({tokens / row['gen_s']:.1f} tok/s){aal}",
+                flush=True,
+            )
     grader.close()
 
     counted = {name: rows[1:] for name, rows in raw.items()}
@@ -114,22 +144,32 @@ def main():
     summary = {}
     for name in methods:
         gen_per_tok = statistics.median(r["gen_s"] / r["tokens"] for r in counted[name])
-        summary[name] = {"step_s": med(name, "step_s"), "gen_s": med(name, "gen_s"), "gen_tok_per_s": 1 / gen_per_tok,
-                         **({"aal": med(name, "sparkrl/aal")} if "sparkrl/aal" in counted[name][0] else {})}
+        summary[name] = {
+            "step_s": med(name, "step_s"),
+            "gen_s": med(name, "gen_s"),
+            "gen_tok_per_s": 1 / gen_per_tok,
+            **({"aal": med(name, "sparkrl/aal")} if "sparkrl/aal" in counted[name][0] else {}),
+        }
     ref = summary["trl"]
     for name, s in summary.items():
         s["step_speedup_vs_trl"] = ref["step_s"] / s["step_s"]
         s["gen_speedup_vs_trl"] = s["gen_tok_per_s"] / ref["gen_tok_per_s"]
     print("\nmethod                     step s   gen s   gen tok/s   step x   gen x   AAL")
     for name, s in summary.items():
-        print(f"{name:26s} {s['step_s']:7.1f} {s['gen_s']:7.1f} {s['gen_tok_per_s']:11.1f} "
-              f"{s['step_speedup_vs_trl']:8.2f} {s['gen_speedup_vs_trl']:7.2f}   {s.get('aal', float('nan')):.2f}")
+        print(
+            f"{name:26s} {s['step_s']:7.1f} {s['gen_s']:7.1f} {s['gen_tok_per_s']:11.1f} "
+            f"{s['step_speedup_vs_trl']:8.2f} {s['gen_speedup_vs_trl']:7.2f}   {s.get('aal', float('nan')):.2f}"
+        )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "settings": vars(a),
-              "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                           "trl": trl.__version__},
-              "threads": torch.get_num_threads(), "summary": summary, "raw": raw}
+    result = {
+        "command": " ".join([sys.executable.split("/")[-1], *sys.argv]),
+        "settings": vars(a),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
+        "threads": torch.get_num_threads(),
+        "summary": summary,
+        "raw": raw,
+    }
     (out / "trl_step.json").write_text(json.dumps(result, indent=2))
     print(f"wrote {out / 'trl_step.json'}")
 

@@ -23,11 +23,11 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+from sparkrl.commands.trl_rollout import SparkRollout, math_reward, problem_dataset  # noqa: E402
 from sparkrl.config import DraftConfig, SparkConfig, TRLConfig  # noqa: E402
+from sparkrl.model.weights import resolve_model_path  # noqa: E402
 from sparkrl.train.data import load_problems  # noqa: E402
 from sparkrl.train.rewards import Grader  # noqa: E402
-from sparkrl.commands.trl_rollout import SparkRollout, math_reward, problem_dataset  # noqa: E402
-from sparkrl.model.weights import resolve_model_path  # noqa: E402
 
 
 def main():
@@ -44,13 +44,27 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    grpo = GRPOConfig(output_dir=args.out, max_steps=args.steps, num_generations=args.group_size,
-                      per_device_train_batch_size=args.prompts_per_step * args.group_size,
-                      max_completion_length=args.max_new_tokens, temperature=1.0, top_p=0.95, learning_rate=args.lr,
-                      logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
-                      bf16=False, seed=args.seed)
-    draft = DraftConfig(draft=args.draft, draft_checkpoint=args.draft_checkpoint,
-                        spark_config=SparkConfig(spark=args.draft != "none" and not args.no_spark))
+    grpo = GRPOConfig(
+        output_dir=args.out,
+        max_steps=args.steps,
+        num_generations=args.group_size,
+        per_device_train_batch_size=args.prompts_per_step * args.group_size,
+        max_completion_length=args.max_new_tokens,
+        temperature=1.0,
+        top_p=0.95,
+        learning_rate=args.lr,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        bf16=False,
+        seed=args.seed,
+    )
+    draft = DraftConfig(
+        draft=args.draft,
+        draft_checkpoint=args.draft_checkpoint,
+        spark_config=SparkConfig(spark=args.draft != "none" and not args.no_spark),
+    )
     rollout = SparkRollout(TRLConfig(draft=draft, seed=args.seed), grpo)  # refuses unsupported settings now
 
     folder = resolve_model_path("default")  # converted once from the packaged GGUF, then cached
@@ -60,8 +74,14 @@ def main():
     data = problem_dataset(problems)
     grader = Grader()
 
-    trainer = GRPOTrainer(model=model, args=grpo, reward_funcs=math_reward(grader), train_dataset=data,
-                          processing_class=tok, rollout_func=rollout)
+    trainer = GRPOTrainer(
+        model=model,
+        args=grpo,
+        reward_funcs=math_reward(grader),
+        train_dataset=data,
+        processing_class=tok,
+        rollout_func=rollout,
+    )
     try:
         trainer.train()
     finally:

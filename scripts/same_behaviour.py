@@ -9,7 +9,8 @@
 working directory precedes PYTHONPATH) on the default model, and writes what each case produced: the token
 ids of `generate` (AR, EAGLE3-style and DFlash-style drafting, each with and without SPARK, in float32 and
 bfloat16, at T 1 / top-p 0.95 with two responses per prompt, and greedy; `--budget fixed`, so that no round
-depends on this machine's timings), the drafting line's AAL and round count, and the non-timing metrics of the first two steps of the README's quick start. `compare A B` prints
+depends on this machine's timings), the drafting line's AAL and round count, and the non-timing metrics of the first
+two steps of the README's quick start. `compare A B` prints
 each case as same or different and exits non-zero on any difference. Timings are not compared here (see
 `scripts/same_speed.sh`).
 """
@@ -24,12 +25,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-           "How many clips did Natalia sell altogether in April and May?",
-           "Write a short poem about the sea."]
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Write a short poem about the sea.",
+]
 FIXED = ["--budget", "fixed"]  # every round drafts: the rounds do not depend on this machine's timings
-ARMS = {"ar": [], "eagle3": ["--draft", "eagle3", *FIXED], "eagle3+spark": ["--draft", "eagle3", "--spark", *FIXED],
-        "dflash": ["--draft", "dflash", *FIXED], "dflash+spark": ["--draft", "dflash", "--spark", *FIXED]}
+ARMS = {
+    "ar": [],
+    "eagle3": ["--draft", "eagle3", *FIXED],
+    "eagle3+spark": ["--draft", "eagle3", "--spark", *FIXED],
+    "dflash": ["--draft", "dflash", *FIXED],
+    "dflash+spark": ["--draft", "dflash", "--spark", *FIXED],
+}
 SAMPLING = {"t1": ["--temperature", "1", "--top-p", "0.95", "--n", "2"], "greedy": ["--temperature", "0"]}
 TIMING = re.compile(r"(_s|_seconds|tok_per_s|time|wall)$")  # metric names that hold timings
 
@@ -59,16 +67,53 @@ def record(root: Path, out: Path) -> None:
         prompts = Path(tmp) / "prompts.txt"
         prompts.write_text("\n".join(PROMPTS) + "\n")
         for name, flags in cases().items():
-            p = sparkrl(root, ["generate", "--model", "default", "--prompts-file", str(prompts), "--json",
-                               "--max-new-tokens", "48", "--seed", "3", *flags])
+            p = sparkrl(
+                root,
+                [
+                    "generate",
+                    "--model",
+                    "default",
+                    "--prompts-file",
+                    str(prompts),
+                    "--json",
+                    "--max-new-tokens",
+                    "48",
+                    "--seed",
+                    "3",
+                    *flags,
+                ],
+            )
             drafting = re.search(r"aal ([0-9.]+), (\d+) rounds", p.stderr)
-            result[name] = {"token_ids": [json.loads(l)["token_ids"] for l in p.stdout.splitlines() if l.strip()],
-                            "aal_rounds": drafting.groups() if drafting else None}
-            print(f"{name}: {sum(map(len, result[name]['token_ids']))} tokens, drafting {result[name]['aal_rounds']}",
-                  file=sys.stderr, flush=True)
+            result[name] = {
+                "token_ids": [json.loads(l)["token_ids"] for l in p.stdout.splitlines() if l.strip()],
+                "aal_rounds": drafting.groups() if drafting else None,
+            }
+            print(
+                f"{name}: {sum(map(len, result[name]['token_ids']))} tokens, drafting {result[name]['aal_rounds']}",
+                file=sys.stderr,
+                flush=True,
+            )
         run = Path(tmp) / "run"
-        sparkrl(root, ["train", "--model", "default", "--data", "default", "--out", str(run), "--steps", "2",
-                       "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "64"])
+        sparkrl(
+            root,
+            [
+                "train",
+                "--model",
+                "default",
+                "--data",
+                "default",
+                "--out",
+                str(run),
+                "--steps",
+                "2",
+                "--prompts-per-step",
+                "2",
+                "--group-size",
+                "4",
+                "--max-new-tokens",
+                "64",
+            ],
+        )
         steps = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
         result["quick start, 2 steps"] = [{k: v for k, v in s.items() if not TIMING.search(k)} for s in steps]
         print(f"quick start: {len(steps)} steps", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""`python -m sparkrl ...`: the command line, also as torchrun starts it (`torchrun --nproc-per-node N -m sparkrl train ...`)."""
+"""`python -m sparkrl ...`: the command line, also as torchrun starts it (`torchrun --nproc-per-node N -m sparkrl train
+...`)."""
 
 import sys
 

@@ -74,8 +74,11 @@ def flag(name: str) -> str:
 def choices(cls) -> dict[str, tuple]:
     """{field name: allowed values} of the `Literal[...]` fields of a config class."""
     hints = typing.get_type_hints(cls)
-    return {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(cls)
-            if typing.get_origin(hints[f.name]) is Literal}
+    return {
+        f.name: typing.get_args(hints[f.name])
+        for f in dataclasses.fields(cls)
+        if typing.get_origin(hints[f.name]) is Literal
+    }
 
 
 class Checked:
@@ -86,13 +89,19 @@ class Checked:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name in allowed:
-                require(v in allowed[f.name], f"{flag(f.name)} must be one of {', '.join(map(str, allowed[f.name]))}, "
-                                              f"got {v!r}")
+                require(
+                    v in allowed[f.name],
+                    f"{flag(f.name)} must be one of {', '.join(map(str, allowed[f.name]))}, got {v!r}",
+                )
             if "bound" in f.metadata:
                 op, low, why = f.metadata["bound"]
                 ok = v >= low if op == ">=" else v > low
-                require(ok, f"{f.metadata['flag'] or flag(f.name)} must be {op} {low}" + (f" ({why})" if why else "")
-                        + f", got {v}")
+                require(
+                    ok,
+                    f"{f.metadata['flag'] or flag(f.name)} must be {op} {low}"
+                    + (f" ({why})" if why else "")
+                    + f", got {v}",
+                )
         self.validate()
 
     def validate(self) -> None:
@@ -120,11 +129,15 @@ class TreeShape(Checked):
     stopped; 0 (the default): every level."""
 
     def validate(self):
-        require(self.depth <= self.nodes,
-                f"--tree-depth {self.depth} is larger than the node budget --tree-nodes {self.nodes}")
+        require(
+            self.depth <= self.nodes,
+            f"--tree-depth {self.depth} is larger than the node budget --tree-nodes {self.nodes}",
+        )
         require(0 <= self.stop < 1, f"--tree-stop {self.stop} is a probability in [0, 1)")
-        require(self.mode == "tree" or (self.branch, self.nodes) == (1, self.depth),
-                f"a {self.mode} is one path: use TreeShape.{self.mode}({self.depth})")
+        require(
+            self.mode == "tree" or (self.branch, self.nodes) == (1, self.depth),
+            f"a {self.mode} is one path: use TreeShape.{self.mode}({self.depth})",
+        )
 
     @classmethod
     def chain(cls, depth: int) -> "TreeShape":
@@ -177,11 +190,15 @@ class ModelConfig(Checked):
             raise UserError(f"--device {self.device!r} is not a torch device; use cpu, cuda or cuda:N") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
-            raise UserError(f"--device {self.device}: {why}; use --device cpu (or install a CUDA build of torch "
-                            "on a machine with a GPU)")
-        require(not (dev.type == "cpu" and self.dtype == "float16"),
-                "--dtype float16 on a CPU runs in slow software emulation (a policy update took 11x longer); use "
-                "--dtype bfloat16 or float32")
+            raise UserError(
+                f"--device {self.device}: {why}; use --device cpu (or install a CUDA build of torch "
+                "on a machine with a GPU)"
+            )
+        require(
+            not (dev.type == "cpu" and self.dtype == "float16"),
+            "--dtype float16 on a CPU runs in slow software emulation (a policy update took 11x longer); use "
+            "--dtype bfloat16 or float32",
+        )
 
 
 @dataclass(frozen=True)
@@ -200,7 +217,8 @@ class SamplingConfig(Checked):
 @dataclass(frozen=True)
 class DataConfig(Checked):
     data: str = "default"
-    """Dataset: 'default' (generated arithmetic word problems), gsm8k, math, dapo, simplelr (hub ids), or a local .jsonl/.parquet file."""
+    """Dataset: 'default' (generated arithmetic word problems), gsm8k, math, dapo, simplelr (hub ids), or a local
+    .jsonl/.parquet file."""
     max_prompt_tokens: int = at_least(8, 512, trl="max_prompt_length")
     """Longest prompt after the chat template, in tokens."""
     prompt_overflow: Literal["skip", "truncate"] = "skip"
@@ -266,13 +284,17 @@ class SparkConfig(Checked):
     """Feedback weight of rejected contexts."""
 
     def validate(self):
-        require(self.spark_path_weight + self.spark_rejected_weight > 0,
-                "--spark-path-weight and --spark-rejected-weight must not both be 0")
+        require(
+            self.spark_path_weight + self.spark_rejected_weight > 0,
+            "--spark-path-weight and --spark-rejected-weight must not both be 0",
+        )
 
 
 def existing_checkpoint(flag_: str, path: str) -> None:
-    require(path in ("", "default", "fresh") or os.path.exists(path),
-            f"{flag_} {path} does not exist; make one with `sparkrl pretrain-draft`")
+    require(
+        path in ("", "default", "fresh") or os.path.exists(path),
+        f"{flag_} {path} does not exist; make one with `sparkrl pretrain-draft`",
+    )
 
 
 @dataclass(frozen=True)
@@ -311,7 +333,10 @@ class DraftConfig(Checked):
 
     def validate(self):
         existing_checkpoint("--draft-checkpoint", self.draft_checkpoint)
-        require(self.draft != "none" or not self.spark_config.spark, "--spark corrects a drafter: pass --draft eagle3 or dflash")
+        require(
+            self.draft != "none" or not self.spark_config.spark,
+            "--spark corrects a drafter: pass --draft eagle3 or dflash",
+        )
         if self.engine == "vllm":
             self.check_vllm()
         if self.draft != "none":
@@ -319,15 +344,26 @@ class DraftConfig(Checked):
 
     def check_vllm(self) -> None:
         """What --engine vllm cannot do, refused in one line each."""
-        require(self.draft != "dflash", "--engine vllm runs EAGLE3-style drafters only (vLLM's dflash method wants a "
-                "Qwen3-style block drafter): pass --draft eagle3 or none")
+        require(
+            self.draft != "dflash",
+            "--engine vllm runs EAGLE3-style drafters only (vLLM's dflash method wants a "
+            "Qwen3-style block drafter): pass --draft eagle3 or none",
+        )
         if self.draft == "eagle3":
-            require(self.draft_mode == "chain", "--engine vllm drafts chains, not trees: pass --draft-mode chain "
-                    "(--tree-depth drafted tokens a round)")
-            require(self.budget == "fixed", "--engine vllm drafts a fixed chain length every round (vLLM has no "
-                    "speculation budget): pass --budget fixed")
-        require(not self.spark_config.spark_carry, "--spark-carry keeps B across rollouts, and vLLM drops a group's B "
-                "when its last response ends: use --engine sparkrl")
+            require(
+                self.draft_mode == "chain",
+                "--engine vllm drafts chains, not trees: pass --draft-mode chain (--tree-depth drafted tokens a round)",
+            )
+            require(
+                self.budget == "fixed",
+                "--engine vllm drafts a fixed chain length every round (vLLM has no "
+                "speculation budget): pass --budget fixed",
+            )
+        require(
+            not self.spark_config.spark_carry,
+            "--spark-carry keeps B across rollouts, and vLLM drops a group's B "
+            "when its last response ends: use --engine sparkrl",
+        )
         require(not self.round_log, "--round-log records sparkrl's own rounds: use --engine sparkrl")
 
     def shape(self) -> TreeShape:
@@ -341,7 +377,8 @@ class DraftConfig(Checked):
 @dataclass(frozen=True)
 class RunConfig(Checked):
     out: str = option("", required=True)
-    """Output directory: config.json, metrics.jsonl, checkpoints/, and model/ (the final policy, Hugging Face format)."""
+    """Output directory: config.json, metrics.jsonl, checkpoints/, and model/ (the final policy, Hugging Face
+    format)."""
     steps: int = at_least(1, 10)
     """GRPO steps (policy updates) to run in total."""
     seed: int = 0
@@ -463,19 +500,30 @@ class PretrainConfig(Checked):
         require(bool(self.out), "--out is required: the directory for the drafter checkpoint")
         require(self.holdout < 1, f"--holdout {self.holdout} must be below 1 (the share of problems held out)")
         kinds = self.kinds()
-        require(bool(kinds) and all(k in ("eagle3", "dflash") for k in kinds) and len(set(kinds)) == len(kinds),
-                f"--draft {self.draft!r}: give drafter kinds from eagle3, dflash, comma-separated, each once")
-        require(self.feature_loss >= 0 or self.feature_loss == -1,
-                f"--feature-loss {self.feature_loss} must be >= 0 (or -1: 2 for a fresh drafter, an --init "
-                "drafter's own)")
-        require(self.anchors >= 1 or self.anchors == -1,
-                f"--anchors {self.anchors} must be >= 1 (or -1: 8 for a fresh drafter, an --init drafter's own)")
+        require(
+            bool(kinds) and all(k in ("eagle3", "dflash") for k in kinds) and len(set(kinds)) == len(kinds),
+            f"--draft {self.draft!r}: give drafter kinds from eagle3, dflash, comma-separated, each once",
+        )
+        require(
+            self.feature_loss >= 0 or self.feature_loss == -1,
+            f"--feature-loss {self.feature_loss} must be >= 0 (or -1: 2 for a fresh drafter, an --init drafter's own)",
+        )
+        require(
+            self.anchors >= 1 or self.anchors == -1,
+            f"--anchors {self.anchors} must be >= 1 (or -1: 8 for a fresh drafter, an --init drafter's own)",
+        )
         require(self.init != "fresh", "--init fresh: leave --init out to start from fresh weights")
-        require(not (self.init and self.draft_layers), f"--draft-layers {self.draft_layers} with --init: a drafter "
-                "started from a checkpoint keeps its own layers; leave one of the two out")
+        require(
+            not (self.init and self.draft_layers),
+            f"--draft-layers {self.draft_layers} with --init: a drafter "
+            "started from a checkpoint keeps its own layers; leave one of the two out",
+        )
         if self.init not in ("", "default"):
-            require(len(kinds) == 1, f"--init {self.init} is one drafter: pass one --draft kind, or --init default "
-                    "(each kind from its shipped drafter)")
+            require(
+                len(kinds) == 1,
+                f"--init {self.init} is one drafter: pass one --draft kind, or --init default "
+                "(each kind from its shipped drafter)",
+            )
             existing_checkpoint("--init", self.init)
 
     def kinds(self) -> list[str]:

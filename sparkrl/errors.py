@@ -34,12 +34,22 @@ def enough_space(path: str | Path, needed: int, what: str, flag: str = "--out") 
     """A UserError unless the disk holding `path` has `needed` bytes free."""
     free = shutil.disk_usage(path).free
     if free < needed:
-        raise UserError(f"{flag} {path}: {what} needs about {needed / 1e9:.1f} GB and the disk has {free / 1e9:.1f} GB "
-                        "free; free some space or choose another folder")
+        raise UserError(
+            f"{flag} {path}: {what} needs about {needed / 1e9:.1f} GB and the disk has {free / 1e9:.1f} GB "
+            "free; free some space or choose another folder"
+        )
 
 
-WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOTDIR,
-                errno.EISDIR)
+WRITE_ERRORS = (
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EEXIST,
+    errno.ENOTDIR,
+    errno.EISDIR,
+)
 
 
 def output_error(e: BaseException) -> str | None:

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-
-ADVICE = ("pass --threads 1 (or start with OMP_WAIT_POLICY=PASSIVE) while other work shares this CPU: torch's "
-          "spinning threads then make each step several times slower")
+ADVICE = (
+    "pass --threads 1 (or start with OMP_WAIT_POLICY=PASSIVE) while other work shares this CPU: torch's "
+    "spinning threads then make each step several times slower"
+)
 
 
 def cache_dir() -> Path:
@@ -48,8 +49,11 @@ def cpu_kind() -> tuple[str, ...]:
 def measurement_path(name: str, *facts) -> Path:
     """Where a one-off timing of this machine is cached: keyed on the processor (`cpu_kind`), torch's thread
     count and version, and the `facts` the timing depends on (model, dtype, shapes...)."""
-    key = json.dumps([cpu_kind(), platform.machine(), torch.get_num_threads(), torch.__version__, *facts],
-                     sort_keys=True, default=str)
+    key = json.dumps(
+        [cpu_kind(), platform.machine(), torch.get_num_threads(), torch.__version__, *facts],
+        sort_keys=True,
+        default=str,
+    )
     return cache_dir() / "costs" / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -57,6 +61,7 @@ def cpu_busy(window_s: float = 0.3) -> float | None:
     """Share of the machine's CPU time other processes used over the next `window_s` seconds, from
     /proc/stat less this process's own CPU time (its threads may still spin); None where /proc/stat
     is not available."""
+
     def read():
         with open("/proc/stat") as f:
             v = [int(x) for x in f.readline().split()[1:]]
@@ -80,8 +85,9 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
     busy = cpu_busy() if torch.get_num_threads() > 1 else None
     if busy is not None and busy >= 0.4:
-        print(f"sparkrl: warning: other processes are using {busy:.0%} of this machine's CPU; {ADVICE}",
-              file=sys.stderr)
+        print(
+            f"sparkrl: warning: other processes are using {busy:.0%} of this machine's CPU; {ADVICE}", file=sys.stderr
+        )
 
 
 class RateWatch:
@@ -93,6 +99,9 @@ class RateWatch:
     def observe(self, tok_per_s: float) -> None:
         if not self.warned and self.best and tok_per_s < self.best / 3 and torch.get_num_threads() > 1:
             self.warned = True
-            print(f"\nsparkrl: warning: generation ran at {tok_per_s:.0f} tok/s, under a third of this run's best "
-                  f"({self.best:.0f}); if another process is using the CPU, {ADVICE}", file=sys.stderr)
+            print(
+                f"\nsparkrl: warning: generation ran at {tok_per_s:.0f} tok/s, under a third of this run's best "
+                f"({self.best:.0f}); if another process is using the CPU, {ADVICE}",
+                file=sys.stderr,
+            )
         self.best = max(self.best, tok_per_s)

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from helpers import default_tokenizer_dir, hf_model, ours_from_hf
 
 
@@ -42,8 +41,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from safetensors.torch import save_file
 
     out = tmp_path_factory.mktemp("tiny-model")
-    hf = hf_model("llama", vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  tie_word_embeddings=True)
+    hf = hf_model(
+        "llama", vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, tie_word_embeddings=True
+    )
     cfg = hf.config.to_dict()
     (out / "config.json").write_text(json.dumps(cfg))
     state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}

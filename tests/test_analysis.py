@@ -5,15 +5,18 @@ from __future__ import annotations
 import pytest
 
 from sparkrl.commands.analysis import analyze, stages
-from sparkrl.errors import UserError
 from sparkrl.engine.records import HIT, MISS, UNDRAFTED
+from sparkrl.errors import UserError
 
 
 def test_statistics_by_hand():
-    rec = {"group_size": 2, "responses": [
-        {"tokens": [3, 5, 7, 5, 5], "outcome": [UNDRAFTED, MISS, HIT, MISS, HIT], "round": [0, 0, 1, 2, 3]},
-        {"tokens": [5, 9], "outcome": [HIT, MISS], "round": [1, 2]},
-    ]}
+    rec = {
+        "group_size": 2,
+        "responses": [
+            {"tokens": [3, 5, 7, 5, 5], "outcome": [UNDRAFTED, MISS, HIT, MISS, HIT], "round": [0, 0, 1, 2, 3]},
+            {"tokens": [5, 9], "outcome": [HIT, MISS], "round": [1, 2]},
+        ],
+    }
     r = analyze([rec])
     assert r["drafted_positions"] == 6 and r["misses"] == 3  # the undrafted first token is no event
     w = r["within_response"]

@@ -5,17 +5,24 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers import ParityGrader, assert_drawn
+
 from sparkrl.commands import bench as bench_mod
-from sparkrl.commands.cli import main
 from sparkrl.commands.bench import BenchConfig
+from sparkrl.commands.cli import main
 from sparkrl.config import build
 
 
 def _cfg(model_dir, out, **kw):
-    flat = dict(model=str(model_dir), out=str(out), datasets="default", steps=2, prompts_per_step=2, group_size=2,
-                max_new_tokens=8)
+    flat = dict(
+        model=str(model_dir),
+        out=str(out),
+        datasets="default",
+        steps=2,
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=8,
+    )
     return build(BenchConfig, {**flat, **kw})
 
 
@@ -26,8 +33,9 @@ def _metrics(folder):
 def test_bench_quick_table_resume_and_plots(tiny_model_dir, tmp_path):
     out = tmp_path / "b"
     methods = "ar,eagle3,eagle3+spark,dflash,dflash+spark"
-    res = bench_mod.bench(_cfg(tiny_model_dir, out, methods=methods, block_size=4), grader=ParityGrader(),
-                          log=lambda s: None)
+    res = bench_mod.bench(
+        _cfg(tiny_model_dir, out, methods=methods, block_size=4), grader=ParityGrader(), log=lambda s: None
+    )
     ms = res["datasets"]["default"]["methods"]
     assert set(ms) == set(methods.split(","))
     ar = _metrics(out / "default" / "ar")
@@ -48,8 +56,10 @@ def test_bench_quick_table_resume_and_plots(tiny_model_dir, tmp_path):
     assert len(ms["eagle3"]["e2e_speedup_ci"]) == 2 and len(ms["ar"]["kl_per_step"]) == 2
     log = out / "default" / "eagle3_spark" / "round_log.jsonl"  # every drafting run logs its rounds for analyze
     assert [json.loads(l)["step"] for l in log.read_text().splitlines()] == [1, 2]
-    seeds = {json.loads((out / "default" / f / "config.json").read_text())["config"]["seed"]
-             for f in ("ar", "eagle3", "eagle3_spark")}
+    seeds = {
+        json.loads((out / "default" / f / "config.json").read_text())["config"]["seed"]
+        for f in ("ar", "eagle3", "eagle3_spark")
+    }
     assert seeds == {0}
     md = (out / "bench.md").read_text()
     assert "| default |" in md and "paper mean" in md and "EAGLE3-style:" in md and "DFlash-style:" in md
@@ -58,13 +68,19 @@ def test_bench_quick_table_resume_and_plots(tiny_model_dir, tmp_path):
     saved = json.loads((out / "bench.json").read_text())
     assert saved["machine"]["torch"] and saved["sizes"]["group_size"] == 2
     # resume continues every method to the new step count, keeping what was done
-    res = bench_mod.bench(_cfg(tiny_model_dir, out, steps=3, resume=True, methods=methods, block_size=4),
-                          grader=ParityGrader(), log=lambda s: None)
+    res = bench_mod.bench(
+        _cfg(tiny_model_dir, out, steps=3, resume=True, methods=methods, block_size=4),
+        grader=ParityGrader(),
+        log=lambda s: None,
+    )
     assert all(s["steps"] == 3 for s in res["datasets"]["default"]["methods"].values())
     assert [json.loads(l)["step"] for l in log.read_text().splitlines()] == [1, 2, 3]
     # a bench summarised at fewer steps than some run did (killed just after a step) counts only those
-    res = bench_mod.bench(_cfg(tiny_model_dir, out, steps=2, resume=True, methods=methods, block_size=4),
-                          grader=ParityGrader(), log=lambda s: None)
+    res = bench_mod.bench(
+        _cfg(tiny_model_dir, out, steps=2, resume=True, methods=methods, block_size=4),
+        grader=ParityGrader(),
+        log=lambda s: None,
+    )
     ms = res["datasets"]["default"]["methods"]
     assert all(s["steps"] == 2 and len(s["kl_per_step"]) == 2 for s in ms.values())
     assert res["datasets"]["default"]["spark_gain"]["eagle3"]["steps"] == 2
@@ -73,16 +89,22 @@ def test_bench_quick_table_resume_and_plots(tiny_model_dir, tmp_path):
 
 
 def test_bench_ablations(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(bench_mod, "ABLATIONS", {"update every 5 rounds": {"spark_every": 5},
-                                                 "frozen projection A": {"spark_frozen_a": True}})
-    res = bench_mod.bench(_cfg(tiny_model_dir, tmp_path / "a", ablations=True, steps=1), grader=ParityGrader(),
-                          log=lambda s: None)
+    monkeypatch.setattr(
+        bench_mod,
+        "ABLATIONS",
+        {"update every 5 rounds": {"spark_every": 5}, "frozen projection A": {"spark_frozen_a": True}},
+    )
+    res = bench_mod.bench(
+        _cfg(tiny_model_dir, tmp_path / "a", ablations=True, steps=1), grader=ParityGrader(), log=lambda s: None
+    )
     ms = res["datasets"]["default"]["methods"]
     assert set(ms) == {"full SPARK", "update every 5 rounds", "frozen projection A"}
     for name, s in ms.items():  # each variant ran with its own settings (frozen A: A unchanged)
         assert s["steps"] == 1 and len(s["aal_per_step"]) == 1
-    cfgs = {p.parent.name: json.loads(p.read_text())["config"]["draft"]["spark_config"]
-            for p in (tmp_path / "a").rglob("config.json")}
+    cfgs = {
+        p.parent.name: json.loads(p.read_text())["config"]["draft"]["spark_config"]
+        for p in (tmp_path / "a").rglob("config.json")
+    }
     assert {c["spark_every"] for c in cfgs.values() if c["spark"]} == {1, 5}
     assert sum(c["spark_frozen_a"] for c in cfgs.values()) == 1
     assert "| default | frozen projection A |" in (tmp_path / "a" / "bench.md").read_text()
@@ -95,24 +117,42 @@ def test_bench_ablations(tiny_model_dir, tmp_path, monkeypatch):
 
 def test_bench_ablation_variants(tiny_model_dir, tmp_path):
     """--variants runs only the chosen rows (any case), beside full SPARK and AR, in the table's order."""
-    res = bench_mod.bench(_cfg(tiny_model_dir, tmp_path / "v", ablations=True, steps=1,
-                               variants="Frozen projection A, carry correction across rollouts"),
-                          grader=ParityGrader(), log=lambda s: None)
-    assert list(res["datasets"]["default"]["methods"]) == ["full SPARK", "carry correction across rollouts",
-                                                           "frozen projection A"]
+    res = bench_mod.bench(
+        _cfg(
+            tiny_model_dir,
+            tmp_path / "v",
+            ablations=True,
+            steps=1,
+            variants="Frozen projection A, carry correction across rollouts",
+        ),
+        grader=ParityGrader(),
+        log=lambda s: None,
+    )
+    assert list(res["datasets"]["default"]["methods"]) == [
+        "full SPARK",
+        "carry correction across rollouts",
+        "frozen projection A",
+    ]
     assert sorted(p.name for p in (tmp_path / "v" / "default" / "chunk0").iterdir()) == [
-        "ar", "carry_correction_across_rollouts", "frozen_projection_A", "full"]
+        "ar",
+        "carry_correction_across_rollouts",
+        "frozen_projection_A",
+        "full",
+    ]
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["bench"], "--out is required"),
-    (["bench", "--out", "X", "--methods", "ar,medusa"], "unknown method 'medusa'"),
-    (["bench", "--out", "X", "--preset", "huge"], "invalid choice"),
-    (["bench", "--out", "X", "--group-size", "1"], "--group-size must be >= 2"),
-    (["bench", "--out", "X", "--datasets", "/no/such.jsonl"], "is not a file"),
-    (["bench", "--out", "X", "--variants", "rank 4"], "pass --ablations too"),
-    (["bench", "--out", "X", "--ablations", "--variants", "rank 4,rank 5"], "unknown row 'rank 5'"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["bench"], "--out is required"),
+        (["bench", "--out", "X", "--methods", "ar,medusa"], "unknown method 'medusa'"),
+        (["bench", "--out", "X", "--preset", "huge"], "invalid choice"),
+        (["bench", "--out", "X", "--group-size", "1"], "--group-size must be >= 2"),
+        (["bench", "--out", "X", "--datasets", "/no/such.jsonl"], "is not a file"),
+        (["bench", "--out", "X", "--variants", "rank 4"], "pass --ablations too"),
+        (["bench", "--out", "X", "--ablations", "--variants", "rank 4,rank 5"], "unknown row 'rank 5'"),
+    ],
+)
 def test_bench_bad_input(argv, msg, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
@@ -126,7 +166,10 @@ def test_bench_policy_lr_reaches_every_method():
     runs = [bench_mod.run_config(cfg, "default", m, f"x/{m}") for m in ("ar", "eagle3", "eagle3+spark")]
     assert all(r.grpo.lr == 5e-5 for r in runs)
     assert all(r.sampling.temperature == 1.0 for r in runs)
-    assert bench_mod.run_config(BenchConfig(out="x", temperature=0.6), "default", "eagle3", "x/e").sampling.temperature == 0.6
+    assert (
+        bench_mod.run_config(BenchConfig(out="x", temperature=0.6), "default", "eagle3", "x/e").sampling.temperature
+        == 0.6
+    )
     assert bench_mod.run_config(BenchConfig(out="x"), "default", "ar", "x/ar").grpo.lr == 1e-6
 
 

@@ -6,13 +6,28 @@ import json
 
 import pytest
 import torch
-
 from helpers import ROWS, Alternating, full_depth, small_policy, synthetic
-from sparkrl.engine.budget import (AR, EXPLORE_EVERY, LONGEST_WAIT, PROBE_EVERY, Budget, CostModel, PRIOR_ROWS, at_zero,
-                            kept_drafts, nondecreasing, round_work, smoothed, timed_sizes, timing_work, tree_sizes)
+
 from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.tree import build_tree
+from sparkrl.engine.budget import (
+    AR,
+    EXPLORE_EVERY,
+    LONGEST_WAIT,
+    PRIOR_ROWS,
+    PROBE_EVERY,
+    Budget,
+    CostModel,
+    at_zero,
+    kept_drafts,
+    nondecreasing,
+    round_work,
+    smoothed,
+    timed_sizes,
+    timing_work,
+    tree_sizes,
+)
 from sparkrl.engine.records import Tree
 from sparkrl.engine.rollout import generate, response_generators
 from sparkrl.engine.speculative import generate_speculative, time_rounds
@@ -20,8 +35,22 @@ from sparkrl.engine.speculative import generate_speculative, time_rounds
 
 def test_tree_sizes_cover_every_depth_and_cap_the_nodes_a_depth_records():
     assert tree_sizes(TreeShape(3, 2, 6)) == [(1, 1), (2, 1), (2, 2), (4, 2), (4, 3), (6, 3)]
-    assert tree_sizes(TreeShape(5, 4, 16)) == [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 3), (4, 4), (8, 2),
-                                               (8, 3), (8, 4), (8, 5), (12, 3), (16, 4), (16, 5)]
+    assert tree_sizes(TreeShape(5, 4, 16)) == [
+        (1, 1),
+        (2, 1),
+        (2, 2),
+        (4, 1),
+        (4, 2),
+        (4, 3),
+        (4, 4),
+        (8, 2),
+        (8, 3),
+        (8, 4),
+        (8, 5),
+        (12, 3),
+        (16, 4),
+        (16, 5),
+    ]
     assert tree_sizes(TreeShape.chain(3)) == [(3, 3)] and tree_sizes(TreeShape.block(15)) == [(15, 15)]
 
 
@@ -36,9 +65,13 @@ def test_budget_speculates_with_few_rows_and_not_with_many():
 def ranked_tree() -> Tree:
     """A 6-node tree of depth 3 (node: depth, builder rank): a 1-2, b 1-1, c 2-3 under b, d 3-4 under c, e 2-5
     under a, f 3-6 under e; two rows alike."""
-    return Tree(tokens=torch.zeros(2, 7, dtype=torch.long), parents=torch.tensor([[-1, 0, 0, 2, 3, 1, 5]] * 2),
-                valid=torch.ones(2, 7, dtype=torch.bool), depth=torch.tensor([[0, 1, 1, 2, 3, 2, 3]] * 2),
-                rank=torch.tensor([[0, 2, 1, 3, 4, 5, 6]] * 2))
+    return Tree(
+        tokens=torch.zeros(2, 7, dtype=torch.long),
+        parents=torch.tensor([[-1, 0, 0, 2, 3, 1, 5]] * 2),
+        valid=torch.ones(2, 7, dtype=torch.bool),
+        depth=torch.tensor([[0, 1, 1, 2, 3, 2, 3]] * 2),
+        rank=torch.tensor([[0, 2, 1, 3, 4, 5, 6]] * 2),
+    )
 
 
 PATHS = torch.tensor([[2, 3, 4], [1, 5, 6]])  # accepted: b, c, d in row 0; a, e, f in row 1
@@ -56,8 +89,13 @@ def test_kept_drafts_rank_the_nodes_of_each_depth_among_themselves():
 
 def test_a_verified_round_updates_every_size_it_contains():
     shape = TreeShape(3, 2, 6)
-    b = Budget(CostModel(ROWS, {s: [1.0] * 4 for s in [AR] + tree_sizes(shape)},
-                         {s: [0.0] * 4 for s in tree_sizes(shape)}, [0.0] * 4), shape, prior_accept=1.5)
+    b = Budget(
+        CostModel(
+            ROWS, {s: [1.0] * 4 for s in [AR] + tree_sizes(shape)}, {s: [0.0] * 4 for s in tree_sizes(shape)}, [0.0] * 4
+        ),
+        shape,
+        prior_accept=1.5,
+    )
     acc = type("Acc", (), {"path": PATHS})
     b.observe((6, 3), ranked_tree(), acc)  # the prior counts as PRIOR_ROWS rows, a round as its 2 rows
     prior = lambda d: 1.5 * d / 3
@@ -82,8 +120,11 @@ def test_a_shallower_tree_is_the_deeper_trees_best_nodes_of_its_depths(tiny_llam
     torch.manual_seed(0)
     drafter = Eagle3Drafter(tiny_llama.args).bind(tiny_llama)
     B = 3
-    z, a, h = torch.randn(B, drafter.vocab_ids.numel()), torch.randn(B, tiny_llama.args.hidden_size), \
-        torch.randn(B, tiny_llama.args.hidden_size)
+    z, a, h = (
+        torch.randn(B, drafter.vocab_ids.numel()),
+        torch.randn(B, tiny_llama.args.hidden_size),
+        torch.randn(B, tiny_llama.args.hidden_size),
+    )
     root = torch.tensor([1, 2, 3])
     trees = {}
     for n, d in [(9, 4), (6, 2), (3, 1)]:
@@ -156,9 +197,13 @@ def test_a_few_sizes_are_timed_and_the_fit_gives_every_other_one():
     timed = {AR: [1.0, 2.0], **{s: line(*s) for s in timed_sizes(shape)}}
     fit = smoothed(timed, tree_sizes(shape))
     assert sorted(fit) == sorted([AR] + tree_sizes(shape)) and fit[AR] == [1.0, 2.0]
-    assert all(torch.allclose(torch.tensor(fit[s], dtype=torch.float64), torch.tensor(line(*s), dtype=torch.float64))
-               for s in tree_sizes(shape))
-    assert timed_sizes(TreeShape.chain(3)) == [(3, 3)] and timed_sizes(TreeShape(2, 2, 3)) == tree_sizes(TreeShape(2, 2, 3))
+    assert all(
+        torch.allclose(torch.tensor(fit[s], dtype=torch.float64), torch.tensor(line(*s), dtype=torch.float64))
+        for s in tree_sizes(shape)
+    )
+    assert timed_sizes(TreeShape.chain(3)) == [(3, 3)] and timed_sizes(TreeShape(2, 2, 3)) == tree_sizes(
+        TreeShape(2, 2, 3)
+    )
 
 
 def test_smoothed_fits_tree_rounds_linearly_in_nodes_and_depth():
@@ -166,12 +211,19 @@ def test_smoothed_fits_tree_rounds_linearly_in_nodes_and_depth():
     noise-free timings come back exactly, the fit of noisy ones has the least squared error and removes a
     tree's lucky timing); AR rounds and shapes of fewer than three sizes stay as timed."""
     sizes = tree_sizes(TreeShape(5, 4, 16))
-    exact = {AR: [1.0, 2.0], **{(n, d): [1.2 + 0.05 * n + 0.1 * (d - 1), 2.5 + 0.2 * n + 0.3 * (d - 1)] for n, d in sizes}}
-    assert all(torch.allclose(torch.tensor(smoothed(exact)[s], dtype=torch.float64), torch.tensor(v, dtype=torch.float64))
-               for s, v in exact.items())
+    exact = {
+        AR: [1.0, 2.0],
+        **{(n, d): [1.2 + 0.05 * n + 0.1 * (d - 1), 2.5 + 0.2 * n + 0.3 * (d - 1)] for n, d in sizes},
+    }
+    assert all(
+        torch.allclose(torch.tensor(smoothed(exact)[s], dtype=torch.float64), torch.tensor(v, dtype=torch.float64))
+        for s, v in exact.items()
+    )
     noisy = {s: [v[0] * (0.8 if s == (4, 3) else 1.0), v[1]] for s, v in exact.items()}  # (4, 3) timed 20% low
     fit = smoothed(noisy)
-    assert fit[AR] == noisy[AR] and fit[4, 3][0] > 0.95 * exact[4, 3][0] and fit[4, 3][1] == pytest.approx(exact[4, 3][1])
+    assert (
+        fit[AR] == noisy[AR] and fit[4, 3][0] > 0.95 * exact[4, 3][0] and fit[4, 3][1] == pytest.approx(exact[4, 3][1])
+    )
     X = torch.tensor([[1.0, n, d - 1] for n, d in sizes], dtype=torch.float64)
     y = torch.tensor([noisy[s][0] for s in sizes], dtype=torch.float64)
     best = X @ torch.linalg.pinv(X) @ y  # the least-squares projection
@@ -191,8 +243,12 @@ def test_the_prediction_follows_the_expected_acceptance():
     """Timed rounds accepted 0.2 drafts per row (random prompts); each further draft walks one more
     level (0.1 s at 1 row): at 0.5 expected drafts a 4-node tree loses to an AR step, at 1.0 it wins."""
     slow = [9.0, 9.0]  # smaller trees, out of the running
-    cost = CostModel((1, 2), full_depth({0: [1.0, 1.2], 1: slow, 2: slow, 4: [1.5, 2.0]}, 4),
-                     full_depth({1: [0.0, 0.0], 2: [0.0, 0.0], 4: [0.2, 0.4]}, 4), [0.1, 0.2])
+    cost = CostModel(
+        (1, 2),
+        full_depth({0: [1.0, 1.2], 1: slow, 2: slow, 4: [1.5, 2.0]}, 4),
+        full_depth({1: [0.0, 0.0], 2: [0.0, 0.0], 4: [0.2, 0.4]}, 4),
+        [0.1, 0.2],
+    )
     T = (4, 4)
     assert cost.seconds(1, T, 1.2) == pytest.approx(1.6) and cost.seconds(2, T, 0.4) == pytest.approx(2.0)
     assert cost.seconds(1, T) == 1.5 and cost.seconds(1, AR, 3.0) == 1.0  # AR rounds walk no tree
@@ -200,8 +256,15 @@ def test_the_prediction_follows_the_expected_acceptance():
     assert b.accepted[T] == 0.5 and b.choose(1) == AR  # (1.5 + 0.03) / 1.5 > 1.0
     b.accepted[T] = 1.0
     assert b.choose(1) == T  # (1.5 + 0.08) / 2.0 < 1.0
-    back = Budget(CostModel((1, 2), full_depth({n: slow for n in (0, 1, 2, 4)}, 4),
-                            full_depth({n: [0.0] * 2 for n in (1, 2, 4)}, 4), [0.0] * 2), TreeShape(4, 1, 4))
+    back = Budget(
+        CostModel(
+            (1, 2),
+            full_depth({n: slow for n in (0, 1, 2, 4)}, 4),
+            full_depth({n: [0.0] * 2 for n in (1, 2, 4)}, 4),
+            [0.0] * 2,
+        ),
+        TreeShape(4, 1, 4),
+    )
     back.load_state_dict(b.state_dict())  # a resumed run decides with the timing its start measured
     assert back.cost == cost and back.choose(1) == T
 
@@ -211,8 +274,12 @@ def test_a_tree_that_nearly_pays_is_tried_again_and_one_that_does_not_rarely():
     the 15% margin, so every 8th round drafts it; once a drafted round shows it pays, every round does.
     Expecting 0.1 drafts (1.36 s per token) it is tried once every PROBE_EVERY rounds."""
     slow = [9.0, 9.0]
-    cost = CostModel((1, 2), full_depth({0: [1.0, 1.2], 1: slow, 2: slow, 4: [1.5, 2.0]}, 4),
-                     full_depth({n: [0.0, 0.0] for n in (1, 2, 4)}, 4), [0.0, 0.0])
+    cost = CostModel(
+        (1, 2),
+        full_depth({0: [1.0, 1.2], 1: slow, 2: slow, 4: [1.5, 2.0]}, 4),
+        full_depth({n: [0.0, 0.0] for n in (1, 2, 4)}, 4),
+        [0.0, 0.0],
+    )
     T = (4, 4)
     b = Budget(cost, TreeShape(4, 1, 4))
     b.accepted[T], b.seen[T] = 0.4, 100  # as after many rounds
@@ -224,8 +291,17 @@ def test_a_tree_that_nearly_pays_is_tried_again_and_one_that_does_not_rarely():
     back.load_state_dict(b.state_dict())  # a resumed run explores when the uninterrupted one would
     assert [back.choose(1) for _ in range(EXPLORE_EVERY)] == [b.choose(1) for _ in range(EXPLORE_EVERY)]
     path = torch.arange(1, 5)[None]
-    b.observe(T, Tree(torch.zeros(1, 5, dtype=torch.long), path - 2, torch.ones(1, 5, dtype=torch.bool),
-                      torch.arange(5)[None], torch.arange(5)[None]), type("Acc", (), {"path": path}))
+    b.observe(
+        T,
+        Tree(
+            torch.zeros(1, 5, dtype=torch.long),
+            path - 2,
+            torch.ones(1, 5, dtype=torch.bool),
+            torch.arange(5)[None],
+            torch.arange(5)[None],
+        ),
+        type("Acc", (), {"path": path}),
+    )
     assert b.accepted[T] == pytest.approx(0.76)  # the tried round accepted 4 drafts
     assert [b.choose(1) for _ in range(5)] == [T] * 5
     b.accepted[T] = 0.1
@@ -236,11 +312,16 @@ def test_a_tree_that_nearly_pays_is_tried_again_and_one_that_does_not_rarely():
 def test_a_round_over_more_rows_waits_longer_before_the_next_exploration():
     """A drafted round over B rows told B rows' acceptance: a tree within the margin is explored again after
     EXPLORE_EVERY declined rounds per row of it, any other after PROBE_EVERY per row, at most LONGEST_WAIT."""
-    cost = CostModel((1, 64), full_depth({0: [1.0, 1.0], 1: [9.0, 9.0], 2: [9.0, 9.0], 4: [1.5, 1.5]}, 4),
-                     full_depth({n: [0.0, 0.0] for n in (1, 2, 4)}, 4), [0.0, 0.0])
+    cost = CostModel(
+        (1, 64),
+        full_depth({0: [1.0, 1.0], 1: [9.0, 9.0], 2: [9.0, 9.0], 4: [1.5, 1.5]}, 4),
+        full_depth({n: [0.0, 0.0] for n in (1, 2, 4)}, 4),
+        [0.0, 0.0],
+    )
     T = (4, 4)
     b = Budget(cost, TreeShape(4, 1, 4))
     b.accepted[T], b.seen[T] = 0.4, 100  # 1.07 s per token: within the margin, declined
+
     def gaps(runs):
         out = []
         for rows, after in runs:  # explore over `rows`, then decline over `after`
@@ -249,16 +330,30 @@ def test_a_round_over_more_rows_waits_longer_before_the_next_exploration():
             picks = [b.choose(after) for _ in range(LONGEST_WAIT + 1)]
             out.append(picks.index(T) + 1)
         return out
-    assert gaps([(2, 1), (1, 2), (8, 1), (64, 64)]) == [2 * EXPLORE_EVERY, EXPLORE_EVERY, 8 * EXPLORE_EVERY, LONGEST_WAIT]
+
+    assert gaps([(2, 1), (1, 2), (8, 1), (64, 64)]) == [
+        2 * EXPLORE_EVERY,
+        EXPLORE_EVERY,
+        8 * EXPLORE_EVERY,
+        LONGEST_WAIT,
+    ]
     b.accepted[T] = 0.1  # 1.36 s per token: past the margin
     assert gaps([(1, 1), (2, 2), (64, 1)]) == [PROBE_EVERY, 2 * PROBE_EVERY, LONGEST_WAIT]
     b.accepted[T] = 0.4
     rows = torch.arange(1, 5)[None].expand(8, -1)  # a verified round over 8 rows, all 4 drafts accepted
     b.seen[T] = 100
-    b.observe(T, Tree(torch.zeros(8, 5, dtype=torch.long), rows - 2, torch.ones(8, 5, dtype=torch.bool),
-                      torch.arange(5)[None].expand(8, -1), torch.arange(5)[None].expand(8, -1)),
-              type("Acc", (), {"path": rows}))
-    assert b.accepted[T] == pytest.approx(0.9 ** 8 * 0.4 + (1 - 0.9 ** 8) * 4)  # as 8 rows one by one
+    b.observe(
+        T,
+        Tree(
+            torch.zeros(8, 5, dtype=torch.long),
+            rows - 2,
+            torch.ones(8, 5, dtype=torch.bool),
+            torch.arange(5)[None].expand(8, -1),
+            torch.arange(5)[None].expand(8, -1),
+        ),
+        type("Acc", (), {"path": rows}),
+    )
+    assert b.accepted[T] == pytest.approx(0.9**8 * 0.4 + (1 - 0.9**8) * 4)  # as 8 rows one by one
 
 
 def test_mixed_rounds_stay_exact_greedy(tiny_llama):
@@ -267,8 +362,17 @@ def test_mixed_rounds_stay_exact_greedy(tiny_llama):
     shape = TreeShape(3, 2, 5)
     ar = generate(tiny_llama, prompts, sc, (7,), response_generators(0, 2, 3), group_size=3)
     b = Alternating(synthetic(), shape)
-    sp = generate_speculative(tiny_llama, Eagle3Drafter(tiny_llama.args), prompts, sc, (7,),
-                              response_generators(0, 2, 3), shape, group_size=3, budget=b)
+    sp = generate_speculative(
+        tiny_llama,
+        Eagle3Drafter(tiny_llama.args),
+        prompts,
+        sc,
+        (7,),
+        response_generators(0, 2, 3),
+        shape,
+        group_size=3,
+        budget=b,
+    )
     assert sp.tokens == ar.tokens
     assert 0 < sp.stats.tree_rounds < sp.stats.rounds
 
@@ -281,8 +385,17 @@ def test_drafter_catches_up_after_autoregressive_rounds():
     policy = small_policy(seed=3)
     shape = TreeShape(3, 1, 3)
     sc = SamplingConfig(0.0, 1.0, 25)
-    sp = generate_speculative(policy, SelfDrafter(policy), [[1, 2, 3], [4, 0, 1]], sc, (),
-                              response_generators(0, 2, 2), shape, group_size=2, budget=Alternating(synthetic(), shape))
+    sp = generate_speculative(
+        policy,
+        SelfDrafter(policy),
+        [[1, 2, 3], [4, 0, 1]],
+        sc,
+        (),
+        response_generators(0, 2, 2),
+        shape,
+        group_size=2,
+        budget=Alternating(synthetic(), shape),
+    )
     st = sp.stats
     assert 0 < st.tree_rounds < st.rounds
     assert st.accepted_at_depth == [st.tree_row_rounds] * 3
@@ -292,8 +405,10 @@ def test_adaptive_budget_learns_the_whole_round_from_a_clock():
     """Rounds that take longer than the cost model predicts (acceptance, commit, catch-up) move an
     adaptive budget to autoregressive steps; --budget auto ignores the clock."""
     shape = TreeShape(3, 2, 6)
-    fixed, adaptive = Budget(synthetic(), shape, prior_accept=1.5), Budget(synthetic(), shape, prior_accept=1.5,
-                                                                           adaptive=True)
+    fixed, adaptive = (
+        Budget(synthetic(), shape, prior_accept=1.5),
+        Budget(synthetic(), shape, prior_accept=1.5, adaptive=True),
+    )
     T = (4, 3)
     assert fixed.choose(1) == adaptive.choose(1) == T
     for _ in range(30):  # the clock says a 4-node round over 1 row takes 3x what the cost model predicts
@@ -330,7 +445,16 @@ def test_adaptive_budget_through_the_engine_with_a_fake_clock(tiny_llama, monkey
     runs = {}
     for adaptive in (False, True):
         b = Budget(cost, shape, prior_accept=2.0, adaptive=adaptive)
-        runs[adaptive] = generate_speculative(tiny_llama, Eagle3Drafter(tiny_llama.args), prompts, sc, (),
-                                              response_generators(0, 2, 2), shape, group_size=2, budget=b).stats
+        runs[adaptive] = generate_speculative(
+            tiny_llama,
+            Eagle3Drafter(tiny_llama.args),
+            prompts,
+            sc,
+            (),
+            response_generators(0, 2, 2),
+            shape,
+            group_size=2,
+            budget=b,
+        ).stats
     assert runs[False].tree_rounds == runs[False].rounds  # the cost model alone says trees always pay
     assert runs[True].tree_rounds < runs[True].rounds / 2  # the clock says they do not: mostly AR steps

@@ -53,9 +53,25 @@ def test_train_takes_trl_grpo_config_names_as_aliases_and_resolves_them_to_ours(
     from sparkrl.commands.cli import parse
     from sparkrl.errors import UserError
 
-    cmd, cfg = parse(["train", "--out", str(tmp_path / "r"), "--num_generations", "4", "--beta", "0.0",
-                      "--epsilon", "0.2", "--learning_rate", "1e-5", "--max_completion_length", "64",
-                      "--max_prompt_length", "256"])
+    cmd, cfg = parse(
+        [
+            "train",
+            "--out",
+            str(tmp_path / "r"),
+            "--num_generations",
+            "4",
+            "--beta",
+            "0.0",
+            "--epsilon",
+            "0.2",
+            "--learning_rate",
+            "1e-5",
+            "--max_completion_length",
+            "64",
+            "--max_prompt_length",
+            "256",
+        ]
+    )
     assert cmd == "train"
     assert (cfg.grpo.group_size, cfg.grpo.kl_beta, cfg.grpo.clip_eps, cfg.grpo.lr) == (4, 0.0, 0.2, 1e-5)
     assert (cfg.sampling.max_new_tokens, cfg.data.max_prompt_tokens) == (64, 256)
@@ -77,7 +93,10 @@ def test_bad_output_locations_and_interrupts_give_one_line(tmp_path, capsys, mon
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert cli.main(["train", "--out", str(afile)]) == 2
-    assert capsys.readouterr().err.strip() == f"sparkrl: error: --out {afile} is a file, not a folder; pass a folder (new or existing)"
+    assert (
+        capsys.readouterr().err.strip()
+        == f"sparkrl: error: --out {afile} is a file, not a folder; pass a folder (new or existing)"
+    )
     assert cli.main(["export", str(tmp_path / "run"), "--out", str(afile)]) == 2
     assert "is a file" in capsys.readouterr().err
     if os.geteuid() != 0:  # root writes anywhere: the read-only case is checked on the error's mapping below
@@ -86,14 +105,17 @@ def test_bad_output_locations_and_interrupts_give_one_line(tmp_path, capsys, mon
         assert cli.main(["train", "--out", str(ro / "run")]) == 2
         assert "cannot be written" in capsys.readouterr().err
     full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
-    assert output_error(full) == f"could not write ({tmp_path / 'x'}): No space left on device; free some space or " \
-                                 "choose a writable --out"
+    assert (
+        output_error(full) == f"could not write ({tmp_path / 'x'}): No space left on device; free some space or "
+        "choose a writable --out"
+    )
     assert output_error(OSError(errno.EROFS, "Read-only file system")).startswith("could not write: Read-only")
     assert output_error(ValueError("other")) is None
 
     def raising(e):
         def run(cfg):
             raise e
+
         return run
 
     monkeypatch.setattr(cli, "run_train", raising(full))

@@ -13,13 +13,27 @@ import os
 
 import pytest
 import torch
-
-from helpers import (ALPHA, EOS, SEEDS, V, ParityGrader, chi_square_pvalue, hf_model, ours_from_hf, random_round,
-                     reference, run_config, sequence_probs, small_policy)
+from helpers import (
+    ALPHA,
+    EOS,
+    SEEDS,
+    ParityGrader,
+    V,
+    chi_square_pvalue,
+    hf_model,
+    ours_from_hf,
+    random_round,
+    reference,
+    run_config,
+    sequence_probs,
+    small_policy,
+)
 
 DEVICE = torch.device(os.environ.get("SPARKRL_CUDA_TIER_DEVICE", "cuda"))
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="no CUDA device"),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -44,8 +58,18 @@ def test_the_model_matches_transformers(family, dtype):
     assert float((torch.cat(chunks, 1) - ref).abs().max()) < tol * scale
 
 
-@pytest.mark.parametrize("mode,spark", [("ar", False), ("tree", False), ("tree", True), ("chain", False),
-                                        ("chain", True), ("block", False), ("block", True)])
+@pytest.mark.parametrize(
+    "mode,spark",
+    [
+        ("ar", False),
+        ("tree", False),
+        ("tree", True),
+        ("chain", False),
+        ("chain", True),
+        ("block", False),
+        ("block", True),
+    ],
+)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_every_kind_of_round_samples_the_policy_exactly(mode, spark, seed):
     """Chi-square of the committed sequences against the policy's exact distribution (T 0.8, top-p 0.7), ragged
@@ -65,7 +89,7 @@ def test_every_kind_of_round_samples_the_policy_exactly(mode, spark, seed):
     if mode == "ar":
         r = generate(policy, prompts, sc, (EOS,), gens, group_size=G)
     else:
-        drafter = (DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args))
+        drafter = DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args)
         drafter = drafter.to(DEVICE).bind(policy)
         shape = {"tree": TreeShape(2, 2, 4), "chain": TreeShape.chain(2), "block": TreeShape.block(2)}[mode]
         corr = Spark(init_projection(policy.lm_head.weight, 4), V, k=2, eta=5.0, temperature=0.8) if spark else None
@@ -74,7 +98,7 @@ def test_every_kind_of_round_samples_the_policy_exactly(mode, spark, seed):
         if spark:
             assert r.stats.adapter["spark_contexts"] > 0
     for i, prompt in enumerate(prompts):
-        samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]
+        samples = [tuple(t) for t in r.tokens[i * G : (i + 1) * G]]
         assert chi_square_pvalue(samples, sequence_probs(cpu, prompt, L, 0.8, 0.7)) > ALPHA
 
 
@@ -118,8 +142,18 @@ def test_a_grpo_step_with_eagle3_drafting_and_spark(tiny_dir, tmp_path):
 
     from sparkrl.train.trainer import train
 
-    cfg = run_config(tiny_dir, tmp_path / "r", steps=1, device=str(DEVICE), draft="eagle3", spark=True,
-                     budget="fixed", tree_depth=2, tree_branch=2, tree_nodes=3)
+    cfg = run_config(
+        tiny_dir,
+        tmp_path / "r",
+        steps=1,
+        device=str(DEVICE),
+        draft="eagle3",
+        spark=True,
+        budget="fixed",
+        tree_depth=2,
+        tree_branch=2,
+        tree_nodes=3,
+    )
     train(cfg, grader=ParityGrader())
     m = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])
     assert m["step"] == 1 and m["gen_tokens"] > 0 and m["aal"] >= 1.0 and m["spark_contexts"] > 0
@@ -127,5 +161,7 @@ def test_a_grpo_step_with_eagle3_drafting_and_spark(tiny_dir, tmp_path):
 
 def test_two_nccl_ranks_are_out_of_reach():
     if DEVICE.type != "cuda" or torch.cuda.device_count() < 2:
-        pytest.skip("a 2-process NCCL run needs two GPUs; the lent machine has one (gloo's 2-rank runs: "
-                    "tests/test_distributed.py)")
+        pytest.skip(
+            "a 2-process NCCL run needs two GPUs; the lent machine has one (gloo's 2-rank runs: "
+            "tests/test_distributed.py)"
+        )

@@ -6,10 +6,10 @@ import json
 import re
 
 import pytest
-
 from helpers import shared_file
-from sparkrl.train.data import build_prompts, generate_default, load_problems, parse_row
+
 from sparkrl.errors import UserError
+from sparkrl.train.data import build_prompts, generate_default, load_problems, parse_row
 
 
 def _jsonl(path, rows):
@@ -22,13 +22,20 @@ def test_formats_are_detected_per_row(tmp_path):
         {"question": "Q1", "answer": "work\n#### 1,234"},  # GSM8K
         {"problem": "Q2", "answer": "\\frac{1}{2}", "level": "Level 3"},  # MATH with answer
         {"problem": "Q3", "solution": "so \\boxed{7}."},  # MATH with solution
-        {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "Q4"}],
-         "reward_model": {"ground_truth": "34", "style": "rule"}},  # DAPO
+        {
+            "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "Q4"}],
+            "reward_model": {"ground_truth": "34", "style": "rule"},
+        },  # DAPO
         {"question": "Q5", "gt_answer": "9", "answer": "9"},  # SimpleLR
     ]
     ds = load_problems(_jsonl(tmp_path / "mixed.jsonl", rows))
     assert [(p.question, p.answer) for p in ds.problems] == [
-        ("Q1", "1234"), ("Q2", "\\frac{1}{2}"), ("Q3", "7"), ("Q4", "34"), ("Q5", "9")]
+        ("Q1", "1234"),
+        ("Q2", "\\frac{1}{2}"),
+        ("Q3", "7"),
+        ("Q4", "34"),
+        ("Q5", "9"),
+    ]
     assert ds.skipped == {}
 
 
@@ -36,8 +43,13 @@ def test_dapo_parquet(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"prompt": [{"role": "user", "content": f"Problem {i}"}], "reward_model": {"ground_truth": str(i), "style": "rule"}}
-            for i in range(1, 4)]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"Problem {i}"}],
+            "reward_model": {"ground_truth": str(i), "style": "rule"},
+        }
+        for i in range(1, 4)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "dapo.parquet")
     ds = load_problems(str(tmp_path / "dapo.parquet"))
     assert [p.answer for p in ds.problems] == ["1", "2", "3"]
@@ -45,12 +57,18 @@ def test_dapo_parquet(tmp_path):
 
 def test_bad_rows_are_skipped_and_counted(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"question": "ok", "answer": "#### 3"}\n{"question": "no answer", "answer": "#### "}\n'
-                    '{"question": "no marker", "answer": "3"}\nnot json\n{"foo": 1}\n{"problem": "", "answer": "2"}\n')
+    path.write_text(
+        '{"question": "ok", "answer": "#### 3"}\n{"question": "no answer", "answer": "#### "}\n'
+        '{"question": "no marker", "answer": "3"}\nnot json\n{"foo": 1}\n{"problem": "", "answer": "2"}\n'
+    )
     ds = load_problems(str(path))
     assert len(ds.problems) == 1
-    assert ds.skipped == {"rows with no answer": 2, "rows that are not objects": 1,
-                          "rows with an unknown format": 1, "rows with no question": 1}
+    assert ds.skipped == {
+        "rows with no answer": 2,
+        "rows that are not objects": 1,
+        "rows with an unknown format": 1,
+        "rows with no question": 1,
+    }
     assert "skipped" in ds.summary()
 
 
@@ -94,7 +112,9 @@ def test_prompt_limit_skip_and_truncate():
     assert "boxed" in tok.decode(cut.prompt_ids[-1])  # the instruction survives truncation
 
 
-@pytest.mark.parametrize("rel,n", [("gsm8k/train.jsonl", 7473), ("math/train.jsonl", 7500), ("simplelr/train.parquet", 8523)])
+@pytest.mark.parametrize(
+    "rel,n", [("gsm8k/train.jsonl", 7473), ("math/train.jsonl", 7500), ("simplelr/train.parquet", 8523)]
+)
 def test_real_datasets_load(rel, n):
     ds = load_problems(str(shared_file(rel)))
     assert len(ds.problems) + sum(ds.skipped.values()) == n

@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from helpers import assert_drawn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,8 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_the_device_check_runs_in_smoke_mode_and_writes_its_json_and_png(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path)}
-    p = subprocess.run(["bash", str(ROOT / "scripts" / "device_check.sh"), "--smoke"], env=env, capture_output=True,
-                       text=True, timeout=900)
+    p = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "device_check.sh"), "--smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "passed" in p.stdout
     result = json.loads((tmp_path / "gpu_costs_smoke.json").read_text())

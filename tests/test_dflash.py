@@ -7,16 +7,15 @@ import json
 
 import pytest
 import torch
-
 from helpers import ALPHA, SEEDS, ParityGrader, chi_square_pvalue, run_config, small_policy
-from sparkrl.config import SamplingConfig
+
+from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters import load_drafter
 from sparkrl.drafters.dflash import DFlashDrafter, block_logits, block_loss, build_block, sample_anchors
 from sparkrl.drafters.eagle3 import Eagle3Drafter
-from sparkrl.config import TreeShape
-from sparkrl.errors import UserError
 from sparkrl.engine.rollout import generate, response_generators
 from sparkrl.engine.speculative import generate_speculative
+from sparkrl.errors import UserError
 
 
 def test_training_blocks_equal_inference_blocks(tiny_llama):
@@ -31,12 +30,12 @@ def test_training_blocks_equal_inference_blocks(tiny_llama):
             for k in range(2):
                 cache = d.new_cache(1, 32)
                 anchor = int(a[b, k])
-                d(None, feats[b:b + 1, :anchor], cache)  # the context before the anchor
+                d(None, feats[b : b + 1, :anchor], cache)  # the context before the anchor
                 cache.commit(n_keep=torch.tensor([anchor]))
-                step = d.block(toks[b:b + 1, anchor], cache, 3)
+                step = d.block(toks[b : b + 1, anchor], cache, 3)
                 assert torch.allclose(step.z[0], z[b, k], atol=1e-4)
                 cache.commit(n_keep=torch.tensor([0]))  # roll the block back
-                prop = build_block(d, cache, toks[b:b + 1, anchor], 3)
+                prop = build_block(d, cache, toks[b : b + 1, anchor], 3)
                 tree = prop.tree
                 assert tree.tokens[0, 1:].tolist() == d.vocab_ids[z[b, k].argmax(-1)].tolist()
                 assert tree.parents[0].tolist() == [-1, 0, 1, 2] and prop.q is None
@@ -122,8 +121,16 @@ def test_greedy_with_block_drafter_equals_greedy(tiny_llama):
     prompts = [[1, 2, 3, 4, 5], [6, 7]]
     sc = SamplingConfig(0.0, 1.0, 12)
     ar = generate(tiny_llama, prompts, sc, (5,), response_generators(0, 2, 3), group_size=3)
-    sp = generate_speculative(tiny_llama, DFlashDrafter(tiny_llama.args, block_size=5), prompts, sc, (5,),
-                              response_generators(0, 2, 3), TreeShape.block(4), group_size=3)
+    sp = generate_speculative(
+        tiny_llama,
+        DFlashDrafter(tiny_llama.args, block_size=5),
+        prompts,
+        sc,
+        (5,),
+        response_generators(0, 2, 3),
+        TreeShape.block(4),
+        group_size=3,
+    )
     assert sp.tokens == ar.tokens and sp.finish_reason == ar.finish_reason and sp.stats.rounds > 0
 
 
@@ -132,8 +139,9 @@ def test_checkpoints_and_block_size_errors(tmp_path, tiny_llama):
     path = tmp_path / "d.pt"
     torch.save(d.checkpoint(), path)
     back = load_drafter(path, tiny_llama.args, "dflash")
-    assert back.block_size == 6 and all(torch.equal(a, b) for a, b in zip(d.state_dict().values(),
-                                                                           back.state_dict().values()))
+    assert back.block_size == 6 and all(
+        torch.equal(a, b) for a, b in zip(d.state_dict().values(), back.state_dict().values())
+    )
     with pytest.raises(UserError, match="holds a drafter of kind 'dflash', not 'eagle3'; pass --draft dflash"):
         load_drafter(path, tiny_llama.args, "eagle3")
     torch.save(Eagle3Drafter(tiny_llama.args).checkpoint(), tmp_path / "e.pt")
@@ -143,10 +151,13 @@ def test_checkpoints_and_block_size_errors(tmp_path, tiny_llama):
         back.check_block(7)
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["train", "--out", "X", "--draft", "dflash", "--block-size", "1"], "--block-size must be >= 2"),
-    (["pretrain-draft", "--out", "X", "--draft", "dflash", "--block-size", "0"], "--block-size must be >= 2"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["train", "--out", "X", "--draft", "dflash", "--block-size", "1"], "--block-size must be >= 2"),
+        (["pretrain-draft", "--out", "X", "--draft", "dflash", "--block-size", "0"], "--block-size must be >= 2"),
+    ],
+)
 def test_bad_block_size_is_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):
     from sparkrl.commands.cli import main
 
@@ -159,18 +170,71 @@ def test_pretrain_and_train_with_dflash_and_spark(tiny_model_dir, tmp_path):
     from sparkrl.commands.cli import main
     from sparkrl.train.trainer import train
 
-    assert main(["pretrain-draft", "--model", str(tiny_model_dir), "--out", str(tmp_path / "pre"), "--draft", "dflash",
-                 "--block-size", "4", "--prompts", "8", "--epochs", "1", "--max-new-tokens", "12",
-                 "--draft-vocab", "64", "--default-size", "20"]) == 0
+    assert (
+        main(
+            [
+                "pretrain-draft",
+                "--model",
+                str(tiny_model_dir),
+                "--out",
+                str(tmp_path / "pre"),
+                "--draft",
+                "dflash",
+                "--block-size",
+                "4",
+                "--prompts",
+                "8",
+                "--epochs",
+                "1",
+                "--max-new-tokens",
+                "12",
+                "--draft-vocab",
+                "64",
+                "--default-size",
+                "20",
+            ]
+        )
+        == 0
+    )
     ck = tmp_path / "pre" / "dflash" / "drafter.pt"
-    kw = dict(max_new_tokens=8, draft="dflash", draft_checkpoint=str(ck), block_size=3, budget="fixed", spark=True,
-              spark_rank=4)
+    kw = dict(
+        max_new_tokens=8,
+        draft="dflash",
+        draft_checkpoint=str(ck),
+        block_size=3,
+        budget="fixed",
+        spark=True,
+        spark_rank=4,
+    )
     train(run_config(tiny_model_dir, tmp_path / "run", **kw), grader=ParityGrader())
     m = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert all(x["aal"] == x["committed"] / x["row_rounds"] and x["spark_contexts"] > 0 and x["draft_train_s"] > 0 for x in m)
+    assert all(
+        x["aal"] == x["committed"] / x["row_rounds"] and x["spark_contexts"] > 0 and x["draft_train_s"] > 0 for x in m
+    )
     assert len(m[0]["accept_at_depth"]) == 2
     with pytest.raises(UserError, match="larger than the drafter was trained for"):
         train(run_config(tiny_model_dir, tmp_path / "r2", **{**kw, "block_size": 5}), grader=ParityGrader())
     # generate, with the measured per-round budget (the default) and without SPARK
-    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--n", "3", "--max-new-tokens", "6",
-                 "--draft", "dflash", "--draft-checkpoint", str(ck), "--block-size", "3", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_model_dir),
+                "--prompt",
+                "hi",
+                "--n",
+                "3",
+                "--max-new-tokens",
+                "6",
+                "--draft",
+                "dflash",
+                "--draft-checkpoint",
+                str(ck),
+                "--block-size",
+                "3",
+                "--json",
+            ]
+        )
+        == 0
+    )

@@ -16,17 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
-from safetensors.torch import load_file, save_file
-
-from sparkrl.train.checkpoint import load_latest
+import sparkrl.train.trainer as trainer_mod
 from sparkrl.commands.cli import main
 from sparkrl.config import RunConfig, build
-from sparkrl.train.rewards import Score
-import sparkrl.train.trainer as trainer_mod
-from sparkrl.train.trainer import train
 from sparkrl.model.weights import load_model
+from sparkrl.train.checkpoint import load_latest
+from sparkrl.train.rewards import Score
+from sparkrl.train.trainer import train
 
 # Figures that differ with the number of ranks by design: times, and engine rounds (each rank runs its own).
 PER_RANK = {"rounds", "tree_rounds", "tree_sizes", "policy_forwards", "gen_tok_per_s"}
@@ -64,9 +63,22 @@ def model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 def _flat(model_dir, out, **kw) -> dict:
-    return {"model": str(model_dir), "out": str(out), "steps": 2, "group_size": 2, "prompts_per_step": 4,
-            "max_new_tokens": 8, "default_size": 20, "lr": 1e-3, "micro_batch": 2, "rollout_dtype": "float32",
-            "budget": "fixed", "threads": 1, "cpu_kernels": "plain", **kw}  # one thread in every process: the same
+    return {
+        "model": str(model_dir),
+        "out": str(out),
+        "steps": 2,
+        "group_size": 2,
+        "prompts_per_step": 4,
+        "max_new_tokens": 8,
+        "default_size": 20,
+        "lr": 1e-3,
+        "micro_batch": 2,
+        "rollout_dtype": "float32",
+        "budget": "fixed",
+        "threads": 1,
+        "cpu_kernels": "plain",
+        **kw,
+    }  # one thread in every process: the same
     # float reductions; plain kernels: under auto a packed float32 layer rounds a row differently by how many rows
     # share the product (weight-major up to 4, oneDNN above), and a rank's batch is half the one process's
 
@@ -75,8 +87,9 @@ def _rank(rank: int, size: int, port: int, flat: dict) -> None:
     """One torchrun-like rank: the environment torchrun sets, then `train`; writes the texts it scored,
     a digest of the weights it ended with (every rank must hold the same; a sharded policy's differ
     by rank and are left out) and whether its policy was sharded."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(size), RANK=str(rank),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(size), RANK=str(rank), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     runs, loop = [], trainer_mod._train  # keep the run, to read the weights this rank ends with
     trainer_mod._train = lambda run: (runs.append(run), loop(run))[1]
@@ -84,9 +97,11 @@ def _rank(rank: int, size: int, port: int, flat: dict) -> None:
     train(build(RunConfig, flat), grader=grader)
     out, run = Path(flat["out"]), runs[0]
     sharded = isinstance(next(run.policy.parameters()), DTensor)
-    modules = ([] if sharded else [run.policy]) + ([run.drafting.drafter] + ([run.drafting.projection] if
-                                                                             run.drafting.adapts else [])
-                                                   if run.cfg.draft.draft != "none" else [])
+    modules = ([] if sharded else [run.policy]) + (
+        [run.drafting.drafter] + ([run.drafting.projection] if run.drafting.adapts else [])
+        if run.cfg.draft.draft != "none"
+        else []
+    )
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for m in modules for p in m.parameters()))
     (out / f"rank-{rank}-{flat['steps']}.json").write_text(json.dumps([grader.texts, digest.hexdigest(), sharded]))
 
@@ -100,12 +115,13 @@ def _free_port() -> int:
 def run_ranks(flat: dict, size: int = 2) -> list[list[str]]:
     """Run `train` on `size` ranks; returns the texts scored at each step, in the whole batch's order."""
     mp.spawn(_rank, args=(size, _free_port(), flat), nprocs=size, join=True)
-    texts, digests, sharded = zip(*(json.loads((Path(flat["out"]) / f"rank-{r}-{flat['steps']}.json").read_text())
-                                    for r in range(size)))
+    texts, digests, sharded = zip(
+        *(json.loads((Path(flat["out"]) / f"rank-{r}-{flat['steps']}.json").read_text()) for r in range(size))
+    )
     assert len(set(digests)) == 1, "the ranks ended with different weights"
     assert set(sharded) == {flat.get("shard_policy") == "fsdp"}
     per = flat["prompts_per_step"] // size * flat["group_size"]  # a rank's responses per step
-    return [sum((t[i:i + per] for t in texts), []) for i in range(0, len(texts[0]), per)]
+    return [sum((t[i : i + per] for t in texts), []) for i in range(0, len(texts[0]), per)]
 
 
 def run_single(flat: dict, monkeypatch) -> list[list[str]]:
@@ -113,7 +129,7 @@ def run_single(flat: dict, monkeypatch) -> list[list[str]]:
     grader = RecordingGrader()
     train(build(RunConfig, flat), grader=grader)
     n = flat["prompts_per_step"] * flat["group_size"]
-    return [grader.texts[i:i + n] for i in range(0, len(grader.texts), n)]
+    return [grader.texts[i : i + n] for i in range(0, len(grader.texts), n)]
 
 
 def _metrics(out) -> list[dict]:
@@ -138,8 +154,11 @@ def assert_same_run(a, b, exact: bool = False, atol: float = 1e-5):
         tensors += [(f"drafter.{k}", v, db["state"][k]) for k, v in da["state"].items()]
         if "spark" in da:
             tensors.append(("spark.A", da["spark"]["A"], db["spark"]["A"]))
-    bad = [f"{name}: max |diff| {float((x.float() - y.float()).abs().max()):.3g}" for name, x, y in tensors
-           if not (torch.equal(x, y) if exact else _close(x, y, atol))]
+    bad = [
+        f"{name}: max |diff| {float((x.float() - y.float()).abs().max()):.3g}"
+        for name, x, y in tensors
+        if not (torch.equal(x, y) if exact else _close(x, y, atol))
+    ]
     ma, mb = _metrics(a), _metrics(b)
     assert [m["step"] for m in ma] == [m["step"] for m in mb]
     for x, y in zip(ma, mb):
@@ -168,8 +187,14 @@ def test_two_ranks_make_the_update_of_one_process(autoregressive_runs):
     m = _metrics(d / "one")
     assert m[0]["grad_norm"] > 0 and 0 < m[0]["truncated_frac"] < 1  # a gradient, and responses of varied lengths
     assert_same_run(d / "one", d / "two")
-    assert sorted(p.name for p in (d / "two").iterdir()) == ["checkpoints", "config.json", "metrics.jsonl", "model",
-                                                             "rank-0-2.json", "rank-1-2.json"]
+    assert sorted(p.name for p in (d / "two").iterdir()) == [
+        "checkpoints",
+        "config.json",
+        "metrics.jsonl",
+        "model",
+        "rank-0-2.json",
+        "rank-1-2.json",
+    ]
 
 
 def test_two_ranks_resume_exactly(autoregressive_runs, model_dir):
@@ -180,19 +205,25 @@ def test_two_ranks_resume_exactly(autoregressive_runs, model_dir):
     assert_same_run(d / "two", d / "resumed", exact=True)
 
 
-@pytest.mark.parametrize("kind", [
-    pytest.param(dict(draft="eagle3", spark=True, spark_rank=4, tree_depth=2, tree_branch=2, tree_nodes=3),
-                 id="eagle3-spark"),
-    pytest.param(dict(draft="dflash", block_size=4), id="dflash", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param(
+            dict(draft="eagle3", spark=True, spark_rank=4, tree_depth=2, tree_branch=2, tree_nodes=3), id="eagle3-spark"
+        ),
+        pytest.param(dict(draft="dflash", block_size=4), id="dflash", marks=pytest.mark.slow),
+    ],
+)
 def test_two_ranks_train_drafter_and_spark_as_one_process(kind, model_dir, tmp_path, monkeypatch):
     flat = lambda name: _flat(model_dir, tmp_path / name, draft_checkpoint="fresh", **kind)
     log = lambda name: {"round_log": str(tmp_path / f"{name}.jsonl")}
     single = run_single({**flat("one"), **log("one")}, monkeypatch)
     assert run_ranks({**flat("two"), **log("two")}) == single
     assert_same_run(tmp_path / "one", tmp_path / "two")
-    outcomes = lambda name: [[(r["tokens"], r["outcome"]) for r in json.loads(line)["responses"]]
-                             for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    outcomes = lambda name: [
+        [(r["tokens"], r["outcome"]) for r in json.loads(line)["responses"]]
+        for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()
+    ]
     assert outcomes("one") == outcomes("two")  # the same tokens and drafting outcomes (rounds are per rank)
     m = _metrics(tmp_path / "two")
     assert all(x["draft_ce"] > 0 and x["committed"] > 0 for x in m)
@@ -214,19 +245,47 @@ def test_world_size_that_does_not_split_the_prompts_is_one_line(tiny_model_dir, 
 def test_torchrun_starts_data_parallel_training(shard, model_dir, tmp_path):
     out = tmp_path / "run"
     torchrun = Path(sys.executable).with_name("torchrun")
-    r = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "sparkrl",
-                        "train", "--model", str(model_dir), "--out", str(out), "--steps", "1", "--group-size", "2",
-                        "--prompts-per-step", "2", "--max-new-tokens", "4", "--default-size", "20",
-                        "--shard-policy", shard],
-                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    r = subprocess.run(
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "sparkrl",
+            "train",
+            "--model",
+            str(model_dir),
+            "--out",
+            str(out),
+            "--steps",
+            "1",
+            "--group-size",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--default-size",
+            "20",
+            "--shard-policy",
+            shard,
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("trained 1 step ->") == 1  # every rank finished (exit 0); rank 0 alone prints the summary
     assert len(_metrics(out)) == 1 and _metrics(out)[0]["gen_tokens"] > 0
     assert (out / "checkpoints" / "step-000001" / "policy.safetensors").exists() and (out / "model").is_dir()
 
 
-EAGLE3_SPARK = dict(draft="eagle3", draft_checkpoint="fresh", spark=True, spark_rank=4, tree_depth=2, tree_branch=2,
-                    tree_nodes=3)
+EAGLE3_SPARK = dict(
+    draft="eagle3", draft_checkpoint="fresh", spark=True, spark_rank=4, tree_depth=2, tree_branch=2, tree_nodes=3
+)
 
 
 @pytest.fixture(scope="module")

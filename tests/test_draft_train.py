@@ -7,18 +7,17 @@ import json
 
 import pytest
 import torch
-
 from helpers import ParityGrader, hf_model, ours_from_hf, run_config
+
+from sparkrl.config import DraftConfig
+from sparkrl.drafters import load_drafter
+from sparkrl.drafters.eagle3 import Eagle3Drafter, draft_loss
 from sparkrl.engine.budget import CostModel
+from sparkrl.errors import UserError
+from sparkrl.model.weights import load_model
 from sparkrl.train.assemble import make_drafter
 from sparkrl.train.checkpoint import load_latest
-from sparkrl.config import DraftConfig
-from sparkrl.drafters.eagle3 import draft_loss
-from sparkrl.drafters import load_drafter
-from sparkrl.drafters.eagle3 import Eagle3Drafter
-from sparkrl.errors import UserError
 from sparkrl.train.trainer import train
-from sparkrl.model.weights import load_model
 
 
 def test_draft_loss_decreases_and_top1_rises(tiny_llama):
@@ -55,7 +54,13 @@ def test_draft_loss_by_hand(tiny_llama, feature_weight):
         out = tiny_llama(toks, taps=d.feature_layers)
         logits = tiny_llama.logits(out.hidden)
         loss, _ = d.loss(toks, out.taps, out.hidden, logits, mask)
-        assert abs(loss.item() - draft_loss(d, toks, out.taps, out.hidden, logits, mask, feature_weight=feature_weight)[0].item()) < 1e-7
+        assert (
+            abs(
+                loss.item()
+                - draft_loss(d, toks, out.taps, out.hidden, logits, mask, feature_weight=feature_weight)[0].item()
+            )
+            < 1e-7
+        )
         loss, st = draft_loss(d, toks, out.taps, out.hidden, logits, mask, steps=1, feature_weight=feature_weight)
         step = d(toks[:, 1:], d.features({i: t[:, :-1] for i, t in out.taps.items()}))
     total, tree, n = 0.0, 0.0, 0
@@ -64,7 +69,7 @@ def test_draft_loss_by_hand(tiny_llama, feature_weight):
             if not mask[b, t]:
                 continue
             diff = (step.a[b, t] - out.hidden[b, t + 1]).double()
-            sl1 = torch.where(diff.abs() < 1, 0.5 * diff ** 2, diff.abs() - 0.5).mean()
+            sl1 = torch.where(diff.abs() < 1, 0.5 * diff**2, diff.abs() - 0.5).mean()
             p = torch.softmax(logits[b, t + 1].double(), -1)[d.vocab_ids]
             ce = -(p * torch.log_softmax(step.z[b, t].double(), -1)).sum()
             total += feature_weight * sl1 + 0.1 * ce
@@ -91,16 +96,26 @@ def test_unrolled_training_matches_tree_drafting(tiny_llama, layers):
         segs = unrolled(d, padded, feats, 3)
         for j in (0, 4, 7):
             cache = d.new_cache(1, 32)
-            first = d(toks[:, 1:j + 2], feats[:, :j + 1], cache)
+            first = d(toks[:, 1 : j + 2], feats[:, : j + 1], cache)
             cache.commit(n_keep=torch.tensor([j + 1]))
             a1 = first.a[:, -1:]
             assert torch.allclose(a1[0, 0], segs[0][0][0, j], atol=1e-5)
-            node = d(toks[:, j + 2:j + 3], a1, cache, tree_mask=torch.ones(1, 1, 1, dtype=torch.bool),
-                     depth=torch.zeros(1, 1, dtype=torch.long))
+            node = d(
+                toks[:, j + 2 : j + 3],
+                a1,
+                cache,
+                tree_mask=torch.ones(1, 1, 1, dtype=torch.bool),
+                depth=torch.zeros(1, 1, dtype=torch.long),
+            )
             assert torch.allclose(node.z[0, 0], segs[1][1][0, j], atol=1e-4)
             if j + 3 < 10:
-                node2 = d(toks[:, j + 3:j + 4], node.a, cache, tree_mask=torch.ones(1, 1, 2, dtype=torch.bool),
-                          depth=torch.ones(1, 1, dtype=torch.long))
+                node2 = d(
+                    toks[:, j + 3 : j + 4],
+                    node.a,
+                    cache,
+                    tree_mask=torch.ones(1, 1, 2, dtype=torch.bool),
+                    depth=torch.ones(1, 1, dtype=torch.long),
+                )
                 assert torch.allclose(node2.z[0, 0], segs[2][1][0, j], atol=1e-4)
 
 
@@ -163,8 +178,12 @@ def _cfg(model_dir, out, **kw):
 def test_train_with_drafter_writes_draft_metrics_and_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
     # a cost model under which trees pay while the budget still expects many accepted drafts (the
     # prior), and stop paying once it has seen this untrained drafter's low acceptance
-    cost = CostModel((1, 4, 16, 64), {(0, 0): [1.0] * 4, (1, 1): [2.1] * 4, (2, 2): [2.6] * 4, (3, 2): [3.1] * 4},
-                     {s: [0.0] * 4 for s in [(1, 1), (2, 2), (3, 2)]}, [0.0] * 4)
+    cost = CostModel(
+        (1, 4, 16, 64),
+        {(0, 0): [1.0] * 4, (1, 1): [2.1] * 4, (2, 2): [2.6] * 4, (3, 2): [3.1] * 4},
+        {s: [0.0] * 4 for s in [(1, 1), (2, 2), (3, 2)]},
+        [0.0] * 4,
+    )
     monkeypatch.setattr(CostModel, "measure", classmethod(lambda cls, *a, **k: cost))
     train(_cfg(tiny_model_dir, tmp_path / "a", steps=3), grader=ParityGrader())
     train(_cfg(tiny_model_dir, tmp_path / "b", steps=1), grader=ParityGrader())
@@ -174,8 +193,9 @@ def test_train_with_drafter_writes_draft_metrics_and_resumes_exactly(tiny_model_
     timing = lambda k: k.endswith("_s") or k == "gen_tok_per_s"
     # with --budget auto (the default) the resumed run makes the same tree / autoregressive choices:
     # the budget's estimates and cost model are in the checkpoint
-    assert [{k: v for k, v in x.items() if not timing(k)} for x in mb] == \
-        [{k: v for k, v in x.items() if not timing(k)} for x in m]
+    assert [{k: v for k, v in x.items() if not timing(k)} for x in mb] == [
+        {k: v for k, v in x.items() if not timing(k)} for x in m
+    ]
     assert 0 < sum(x["tree_rounds"] for x in m) < sum(x["rounds"] for x in m)  # the budget mixed both kinds
     for key in ("aal", "rounds", "policy_forwards", "draft_s", "verify_s", "accept_at_depth", "draft_ce"):
         assert key in m[0]

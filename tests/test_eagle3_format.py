@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import hf_model, ours_from_hf
 from safetensors.torch import load_file
 
-from helpers import hf_model, ours_from_hf
 from sparkrl.drafters.eagle3 import Eagle3Drafter
-from sparkrl.errors import UserError
 from sparkrl.drafters.eagle3_format import export_draft
+from sparkrl.errors import UserError
 
 
 def rms(x, w, eps):
@@ -27,7 +27,7 @@ def rope(x, pos, theta):  # (T, H, D), neox-style halves as Llama's; angles in f
     inv = (1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)).float()
     ang = pos[:, None].float() * inv[None]  # (T, D/2)
     cos, sin = (torch.cat([f(ang)] * 2, -1)[:, None].double() for f in (torch.cos, torch.sin))
-    return x * cos + torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1) * sin
+    return x * cos + torch.cat([-x[..., D // 2 :], x[..., : D // 2]], -1) * sin
 
 
 def vllm_reference(folder, embed, taps, tokens):
@@ -36,7 +36,10 @@ def vllm_reference(folder, embed, taps, tokens):
     the draft vocabulary; the pre-norm output fed back as the next feature)."""
     top = json.loads((folder / "config.json").read_text())
     cfg = {**top.get("transformer_layer_config", {}), **top}
-    w = {k.replace("layers.0.", "midlayer."): v.double() if v.is_floating_point() else v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    w = {
+        k.replace("layers.0.", "midlayer."): v.double() if v.is_floating_point() else v
+        for k, v in load_file(str(folder / "model.safetensors")).items()
+    }
     eps, H, Hk = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     theta = cfg["rope_parameters"]["rope_theta"] if "rope_parameters" in cfg else cfg.get("rope_theta", 10000.0)
     D = cfg.get("head_dim") or cfg["hidden_size"] // H
@@ -51,14 +54,17 @@ def vllm_reference(folder, embed, taps, tokens):
     pos = torch.arange(T)
     q, k = rope(q, pos, theta), rope(k, pos, theta)
     k, v = k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1)
-    att = torch.einsum("qhd,khd->hqk", q, k) / D ** 0.5
+    att = torch.einsum("qhd,khd->hqk", q, k) / D**0.5
     att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
     o = torch.einsum("hqk,khd->qhd", att, v).reshape(T, H * D) @ w["midlayer.self_attn.o_proj.weight"].T
     normed_residual = cfg.get("norm_before_residual", "speculators_model_type" in top)  # vLLM's defaults per format
     x = (rms(feat, w["midlayer.hidden_norm.weight"], eps) if normed_residual else feat) + o
     m = rms(x, w["midlayer.post_attention_layernorm.weight"], eps)
-    x = x + (F.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)) \
+    x = (
+        x
+        + (F.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T))
         @ w["midlayer.mlp.down_proj.weight"].T
+    )
     z = rms(x, w["norm.weight"], eps) @ w["lm_head.weight"].T  # (T, draft vocab)
     full = torch.full((T, cfg["vocab_size"]), float("-inf"), dtype=torch.float64)
     full[:, torch.arange(z.shape[1]) + w["d2t"]] = z
@@ -70,7 +76,7 @@ def test_export_computes_in_vllms_layout_what_the_drafter_computes(feature_layer
     hf = hf_model("llama", num_hidden_layers=4)
     policy = ours_from_hf(hf).double()
     V = policy.args.vocab_size
-    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:V // 2].sort().values
+    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(0))[: V // 2].sort().values
     torch.manual_seed(1)
     d = Eagle3Drafter(policy.args, feature_layers, vocab).double().bind(policy)
     for p in d.parameters():  # norms and projections away from their initial values
@@ -135,24 +141,56 @@ def test_a_published_style_checkpoint_computes_in_sparkrl_what_vllm_computes(tmp
     hf = hf_model("qwen3", num_hidden_layers=6)
     policy = ours_from_hf(hf).double()
     d, V, Vd = policy.args.hidden_size, policy.args.vocab_size, 40
-    layer = {"model_type": "llama", "hidden_size": d, "num_attention_heads": 2, "num_key_value_heads": 1,
-             "head_dim": 32, "intermediate_size": 80, "num_hidden_layers": 1, "rms_norm_eps": 1e-6,
-             "vocab_size": V, "rope_theta": 1e6, "hidden_act": "silu"}
+    layer = {
+        "model_type": "llama",
+        "hidden_size": d,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "intermediate_size": 80,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": V,
+        "rope_theta": 1e6,
+        "hidden_act": "silu",
+    }
     (tmp_path / "pub").mkdir()
-    (tmp_path / "pub" / "config.json").write_text(json.dumps({
-        "speculators_model_type": "eagle3", "transformer_layer_config": layer, "draft_vocab_size": Vd,
-        "target_hidden_size": d, "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
-        "speculators_config": {"proposal_methods": [{"speculative_tokens": 3}], "verifier": {"name_or_path": "x"}}}))
+    (tmp_path / "pub" / "config.json").write_text(
+        json.dumps(
+            {
+                "speculators_model_type": "eagle3",
+                "transformer_layer_config": layer,
+                "draft_vocab_size": Vd,
+                "target_hidden_size": d,
+                "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+                "speculators_config": {
+                    "proposal_methods": [{"speculative_tokens": 3}],
+                    "verifier": {"name_or_path": "x"},
+                },
+            }
+        )
+    )
     g = torch.Generator().manual_seed(3)
     r = lambda *shape: torch.randn(*shape, generator=g) * 0.1
     vocab = torch.randperm(V, generator=g)[:Vd].sort().values
-    w = {"fc.weight": r(d, 3 * d), "norm.weight": 1 + r(d), "lm_head.weight": r(Vd, d), "d2t": vocab - torch.arange(Vd),
-         "t2d": torch.zeros(V, dtype=torch.bool), "embed_tokens.weight": r(V, d),
-         "layers.0.input_layernorm.weight": 1 + r(d), "layers.0.hidden_norm.weight": 1 + r(d),
-         "layers.0.self_attn.q_proj.weight": r(64, 2 * d), "layers.0.self_attn.k_proj.weight": r(32, 2 * d),
-         "layers.0.self_attn.v_proj.weight": r(32, 2 * d), "layers.0.self_attn.o_proj.weight": r(d, 64),
-         "layers.0.post_attention_layernorm.weight": 1 + r(d), "layers.0.mlp.gate_proj.weight": r(80, d),
-         "layers.0.mlp.up_proj.weight": r(80, d), "layers.0.mlp.down_proj.weight": r(d, 80)}
+    w = {
+        "fc.weight": r(d, 3 * d),
+        "norm.weight": 1 + r(d),
+        "lm_head.weight": r(Vd, d),
+        "d2t": vocab - torch.arange(Vd),
+        "t2d": torch.zeros(V, dtype=torch.bool),
+        "embed_tokens.weight": r(V, d),
+        "layers.0.input_layernorm.weight": 1 + r(d),
+        "layers.0.hidden_norm.weight": 1 + r(d),
+        "layers.0.self_attn.q_proj.weight": r(64, 2 * d),
+        "layers.0.self_attn.k_proj.weight": r(32, 2 * d),
+        "layers.0.self_attn.v_proj.weight": r(32, 2 * d),
+        "layers.0.self_attn.o_proj.weight": r(d, 64),
+        "layers.0.post_attention_layernorm.weight": 1 + r(d),
+        "layers.0.mlp.gate_proj.weight": r(80, d),
+        "layers.0.mlp.up_proj.weight": r(80, d),
+        "layers.0.mlp.down_proj.weight": r(d, 80),
+    }
     save_file(w, str(tmp_path / "pub" / "model.safetensors"))
     drafter = load_drafter(str(tmp_path / "pub"), policy.args, "eagle3").double().bind(policy)
     assert drafter.feature_layers == (0, 2, 3) and drafter.norm_before_residual and not drafter.stack.args.qk_norm
@@ -160,11 +198,13 @@ def test_a_published_style_checkpoint_computes_in_sparkrl_what_vllm_computes(tmp
     with torch.no_grad():
         o = policy(tokens, taps=tuple(range(6)))
         step = drafter(tokens, drafter.features(o.taps))
-        got, fed_back = vllm_reference(tmp_path / "pub", policy.model.embed_tokens.weight,
-                                       {i + 1: t[0] for i, t in o.taps.items()}, tokens[0])
+        got, fed_back = vllm_reference(
+            tmp_path / "pub", policy.model.embed_tokens.weight, {i + 1: t[0] for i, t in o.taps.items()}, tokens[0]
+        )
     assert torch.allclose(fed_back, step.a[0], atol=1e-10)
     assert torch.allclose(got[:, vocab].float(), step.z[0], atol=1e-5, rtol=1e-5)
     out = export_draft(drafter, policy, hf.config.to_dict(), tmp_path / "again", dtype=torch.float64)
-    again, _ = vllm_reference(out, policy.model.embed_tokens.weight, {i + 1: t[0] for i, t in o.taps.items()},
-                              tokens[0])
+    again, _ = vllm_reference(
+        out, policy.model.embed_tokens.weight, {i + 1: t[0] for i, t in o.taps.items()}, tokens[0]
+    )
     assert torch.allclose(again, got, atol=1e-9)

@@ -5,15 +5,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import (
+    ALPHA,
+    EOS,
+    SEEDS,
+    Alternating,
+    chi_square_pvalue,
+    exact_sequences,
+    sequence_probs,
+    small_policy,
+    synthetic,
+)
 
-from helpers import (ALPHA, EOS, SEEDS, Alternating, chi_square_pvalue, exact_sequences, sequence_probs, small_policy,
-                     synthetic)
-from sparkrl.engine.budget import AR
 from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.selfdraft import SelfDrafter
-from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.engine.budget import AR
 from sparkrl.engine.records import HIT
+from sparkrl.engine.rollout import generate, response_generators
 from sparkrl.engine.speculative import generate_speculative
 
 PROMPTS = [[1, 2, 3, 4], [2, 0]]  # ragged prefixes; EOS ends responses at different rounds
@@ -47,7 +56,7 @@ def test_chi_square_pools_rare_outcomes_and_refuses_impossible_ones():
 
 def assert_exact(r, policy, L, temperature, top_p, G):
     for i, prompt in enumerate(PROMPTS):
-        samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]
+        samples = [tuple(t) for t in r.tokens[i * G : (i + 1) * G]]
         assert chi_square_pvalue(samples, sequence_probs(policy, prompt, L, temperature, top_p)) > ALPHA
 
 
@@ -61,8 +70,16 @@ def test_reduced_draft_vocabulary_is_exact(temperature, top_p, mode, seed):
     drafter = Eagle3Drafter(policy.args, vocab_ids=torch.tensor(DRAFT_VOCAB))
     G, L = 3000, 3
     shape = TreeShape(depth=2, branch=2, nodes=4) if mode == "tree" else TreeShape.chain(2)
-    r = generate_speculative(policy, drafter, PROMPTS, SamplingConfig(temperature, top_p, L), (EOS,),
-                             response_generators(1 + seed, 2, G), shape, group_size=G)
+    r = generate_speculative(
+        policy,
+        drafter,
+        PROMPTS,
+        SamplingConfig(temperature, top_p, L),
+        (EOS,),
+        response_generators(1 + seed, 2, G),
+        shape,
+        group_size=G,
+    )
     # the proposals were restricted: every accepted draft is in the draft vocabulary, and there were
     # many of them, while many committed tokens are outside it
     hits = [t for toks, outs in zip(r.tokens, r.outcome) for t, o in zip(toks, outs) if o == HIT]
@@ -90,8 +107,11 @@ class FullAutoregressiveShallow(Alternating):
         return [(2, 1) if self.shape.mode == "tree" else full, full, AR][self.calls % 3]
 
 
-@pytest.mark.parametrize("budget", [Alternating, TwoAutoregressive, FullAutoregressiveShallow],
-                         ids=["tree-ar", "ar-ar-tree", "tree-ar-shallow"])
+@pytest.mark.parametrize(
+    "budget",
+    [Alternating, TwoAutoregressive, FullAutoregressiveShallow],
+    ids=["tree-ar", "ar-ar-tree", "tree-ar-shallow"],
+)
 @pytest.mark.parametrize("mode,top_p", [("tree", 1.0), ("tree", 0.9), ("chain", 1.0), ("chain", 0.9)])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_budget_mixed_rounds_are_exact_sampled(mode, top_p, budget, seed):
@@ -101,8 +121,17 @@ def test_budget_mixed_rounds_are_exact_sampled(mode, top_p, budget, seed):
     policy = small_policy(seed)
     G, L = 3000, 4
     shape = TreeShape(depth=2, branch=3, nodes=6) if mode == "tree" else TreeShape.chain(2)  # 3 siblings
-    r = generate_speculative(policy, Eagle3Drafter(policy.args), PROMPTS, SamplingConfig(1.0, top_p, L), (EOS,),
-                             response_generators(2 + seed, 2, G), shape, group_size=G, budget=budget(synthetic(), shape))
+    r = generate_speculative(
+        policy,
+        Eagle3Drafter(policy.args),
+        PROMPTS,
+        SamplingConfig(1.0, top_p, L),
+        (EOS,),
+        response_generators(2 + seed, 2, G),
+        shape,
+        group_size=G,
+        budget=budget(synthetic(), shape),
+    )
     assert 0 < stat(r, "tree_rounds") < stat(r, "rounds")
     # in both orders round 2 is a tree round after an autoregressive one: drafts were accepted there
     assert any(k == 2 and o == HIT for rounds, outs in zip(r.round_of, r.outcome) for k, o in zip(rounds, outs))
@@ -115,9 +144,11 @@ def test_greedy_chains_equal_greedy(kind):
     agrees with and the residual is the policy's argmax."""
     policy = small_policy(seed=3)
     torch.manual_seed(0)
-    drafter = {"eagle3": lambda: Eagle3Drafter(policy.args),
-               "eagle3-reduced-vocab": lambda: Eagle3Drafter(policy.args, vocab_ids=torch.tensor([0, 2, 3, EOS])),
-               "self": lambda: SelfDrafter(policy)}[kind]()
+    drafter = {
+        "eagle3": lambda: Eagle3Drafter(policy.args),
+        "eagle3-reduced-vocab": lambda: Eagle3Drafter(policy.args, vocab_ids=torch.tensor([0, 2, 3, EOS])),
+        "self": lambda: SelfDrafter(policy),
+    }[kind]()
     prompts = [[4, 3], [1, 2, 3, 4], [2, 0, 1, 3, 4], [0, 4, 3]]  # ends: EOS at 6, length, EOS first, EOS at 7
     sc = SamplingConfig(0.0, 1.0, 12)
     ar = generate(policy, prompts, sc, (EOS,), response_generators(0, 4, 2), group_size=2)

@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
+from helpers import FAMILIES, hf_model, ours_from_hf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from helpers import FAMILIES, hf_model, ours_from_hf
 from sparkrl.errors import UserError
 from sparkrl.model.export import MARKER, export_model
 from sparkrl.model.weights import load_model
@@ -90,14 +90,23 @@ def test_tokenizer_files_travel_and_exports_replace_only_exports(tiny_model_dir,
     policy = load_model(str(tiny_model_dir), with_tokenizer=False).model
     out = export_model(policy, tiny_model_dir, tmp_path / "export")
     names = set(os.listdir(out))
-    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-            "tokenizer_config.json", "chat_template.jinja", MARKER} <= names
-    assert json.loads((out / "generation_config.json").read_text()) == \
-        json.loads((tiny_model_dir / "generation_config.json").read_text())
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        MARKER,
+    } <= names
+    assert json.loads((out / "generation_config.json").read_text()) == json.loads(
+        (tiny_model_dir / "generation_config.json").read_text()
+    )
     tok, ref = AutoTokenizer.from_pretrained(str(out)), AutoTokenizer.from_pretrained(str(tiny_model_dir))
     msgs = [{"role": "user", "content": "What is 2 + 3?"}]
-    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
-        ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == ref.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True
+    )
     assert tok("2 + 3 = 5")["input_ids"] == ref("2 + 3 = 5")["input_ids"]
     assert load_model(str(out)).eos_ids == load_model(str(tiny_model_dir)).eos_ids
 
@@ -141,8 +150,9 @@ def test_default_model_export_matches_transformers(tmp_path):
     lm = load_model("default")
     out = export_model(lm.model, lm.path, tmp_path / "export")
     tok = AutoTokenizer.from_pretrained(str(out))
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Name three prime numbers."}],
-                                     add_generation_prompt=True, tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Name three prime numbers."}], add_generation_prompt=True, tokenize=False
+    )
     ids = tok(prompt)["input_ids"]
     assert ids == lm.tokenizer(prompt)["input_ids"]
     hf = _load_hf(out, dtype=torch.float32)

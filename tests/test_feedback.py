@@ -21,14 +21,14 @@ import pytest
 import torch
 
 from sparkrl.engine import spark as spark_mod
-from sparkrl.engine.records import Contexts
+from sparkrl.engine.records import Acceptance, Contexts, Tree
 from sparkrl.engine.verify import accept_chain, accept_tree
-from sparkrl.engine.records import Acceptance, Tree
 
 D_FEAT, VD = 3, 6  # feature size and draft vocabulary of the hand-built contexts
 
 
 # --- recognisable values ----------------------------------------------------------------------------
+
 
 def h_code(b: int, c: int) -> int:
     return 100 * b + c + 1  # h[b, c, :] == h_code, z[b, c, :] == -h_code
@@ -98,6 +98,7 @@ def expect(entries, w_path: float, w_rejected: float) -> list[tuple]:
 
 # --- hand-built rounds --------------------------------------------------------------------------------
 
+
 class Acc(NamedTuple):  # the acceptance walk's result, before it is shaped for sparkrl
     path: list  # per row, accepted nodes (padded with -1 to the max depth)
     n_accepted: list
@@ -117,7 +118,7 @@ def make_tree(parents: list[list[int]], valid: list[list[bool]] | None = None) -
     depth = torch.zeros(B, N, dtype=torch.long)
     for i in range(1, N):  # parents come first
         has = par[:, i] >= 0
-        depth[:, i] = torch.where(has, depth.gather(1, par[:, i:i + 1].clamp(min=0))[:, 0] + 1, 0)
+        depth[:, i] = torch.where(has, depth.gather(1, par[:, i : i + 1].clamp(min=0))[:, 0] + 1, 0)
     return Tree(tokens=10 + torch.arange(N).expand(B, N).clone(), parents=par, valid=val, depth=depth)
 
 
@@ -127,8 +128,10 @@ def chain_tree(B: int, D: int) -> Tree:
 
 def levels_p(levels_nodes: list[torch.Tensor]) -> list[torch.Tensor]:
     B = levels_nodes[0].numel()
-    return [torch.tensor([float(path_code(b, l)) for b in range(B)])[:, None].expand(B, VD).clone()
-            for l in range(len(levels_nodes))]
+    return [
+        torch.tensor([float(path_code(b, l)) for b in range(B)])[:, None].expand(B, VD).clone()
+        for l in range(len(levels_nodes))
+    ]
 
 
 def target_at(rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
@@ -150,10 +153,15 @@ def feed(spark, tree: Tree, acc: Acc, ctx: Ctx, levels_nodes: list[torch.Tensor]
     rejected = torch.zeros(B, N, dtype=torch.bool)
     for b, nodes in enumerate(acc.rejected):
         rejected[b, nodes] = True
-    A = Acceptance(path=torch.tensor(acc.path), n_accepted=torch.tensor(acc.n_accepted),
-                   bonus=torch.zeros(B, dtype=torch.long), last=torch.tensor(acc.last),
-                   visited=torch.stack(levels_nodes, 1), rejected=rejected,
-                   targets=torch.stack(levels_p(levels_nodes), 1))  # (B, L), (B, N), (B, L, Vd)
+    A = Acceptance(
+        path=torch.tensor(acc.path),
+        n_accepted=torch.tensor(acc.n_accepted),
+        bonus=torch.zeros(B, dtype=torch.long),
+        last=torch.tensor(acc.last),
+        visited=torch.stack(levels_nodes, 1),
+        rejected=rejected,
+        targets=torch.stack(levels_p(levels_nodes), 1),
+    )  # (B, L), (B, N), (B, L, Vd)
     X = Contexts(h, z, torch.tensor(ctx.node), rejected_children=not one_path)
     spark_mod.round_feedback(spark, X, A, target_at)
 
@@ -187,8 +195,12 @@ def four_row_round():
     Row 3: root: 1 rejected, 2 rejected, 3 accepted; 3 is a leaf. One accepted.
     """
     tree = make_tree([PARENTS, PARENTS_ROW1, PARENTS, PARENTS], [VALID, VALID_ROW1, VALID, VALID])
-    acc = Acc(path=[[2, 4, 8], [-1, -1, -1], [2, -1, -1], [3, -1, -1]], n_accepted=[3, 0, 1, 1], last=[8, 0, 2, 3],
-              rejected=[[1, 7], [1, 3], [1, 4, 5], [1, 2]])
+    acc = Acc(
+        path=[[2, 4, 8], [-1, -1, -1], [2, -1, -1], [3, -1, -1]],
+        n_accepted=[3, 0, 1, 1],
+        last=[8, 0, 2, 3],
+        rejected=[[1, 7], [1, 3], [1, 4, 5], [1, 2]],
+    )
     levels = [torch.tensor(x) for x in ([0, 0, 0, 0], [2, 0, 2, 3], [4, 0, 2, 3], [8, 0, 2, 3])]
     return tree, acc, Ctx(NODE_CTX, 5), levels
 
@@ -196,7 +208,9 @@ def four_row_round():
 FOUR_ROW_FULL = [
     # row 0: path nodes 0, 2, 4 (contexts 0, 2, 3); node 8 has no context; rejected 1 (context 1);
     # rejected 7 is not expanded; 3 and 5 come after the accepted child, so they were never tried
-    (0, 0, P(0, 0), "path"), (0, 2, P(0, 1), "path"), (0, 3, P(0, 2), "path"),
+    (0, 0, P(0, 0), "path"),
+    (0, 2, P(0, 1), "path"),
+    (0, 3, P(0, 2), "path"),
     (0, 1, T(0, 1), "rej"),
     # row 1: path node 0 (context 3); rejected 1 (context 0); rejected 3 is not expanded; node 2 with
     # its context is not a child of the root in this row
@@ -204,11 +218,15 @@ FOUR_ROW_FULL = [
     (1, 0, T(1, 1), "rej"),
     # row 2: path nodes 0, 2 (contexts 2, 4); rejected 1 at the root (context 0); at 2 the walk stopped,
     # so both children were tried: 4, 5 (contexts 1, 3)
-    (2, 2, P(2, 0), "path"), (2, 4, P(2, 1), "path"),
-    (2, 0, T(2, 1), "rej"), (2, 1, T(2, 4), "rej"), (2, 3, T(2, 5), "rej"),
+    (2, 2, P(2, 0), "path"),
+    (2, 4, P(2, 1), "path"),
+    (2, 0, T(2, 1), "rej"),
+    (2, 1, T(2, 4), "rej"),
+    (2, 3, T(2, 5), "rej"),
     # row 3: path node 0 (context 1); node 3 has no context; rejected 1, 2 (contexts 2, 0)
     (3, 1, P(3, 0), "path"),
-    (3, 2, T(3, 1), "rej"), (3, 0, T(3, 2), "rej"),
+    (3, 2, T(3, 1), "rej"),
+    (3, 0, T(3, 2), "rej"),
 ]
 
 
@@ -225,11 +243,17 @@ def test_tree_feedback_accepted_only():
     tree, acc, ctx, levels = four_row_round()
     s = FakeSpark(0.7, 0.3, accepted_only=True)
     feed(s, tree, acc, ctx, levels, one_path=False)
-    assert s.received() == expect([
-        (0, 0, P(0, 0), "path"), (0, 2, P(0, 1), "path"), (0, 3, P(0, 2), "path"),
-        (2, 2, P(2, 0), "path"),
-        (3, 1, P(3, 0), "path"),
-    ], 0.7, 0.3)
+    assert s.received() == expect(
+        [
+            (0, 0, P(0, 0), "path"),
+            (0, 2, P(0, 1), "path"),
+            (0, 3, P(0, 2), "path"),
+            (2, 2, P(2, 0), "path"),
+            (3, 1, P(3, 0), "path"),
+        ],
+        0.7,
+        0.3,
+    )
 
 
 def early_round():
@@ -252,10 +276,17 @@ def test_tree_feedback_when_the_walk_ends_early():
     tree, acc, ctx, levels = early_round()
     s = FakeSpark(0.7, 0.3)
     feed(s, tree, acc, ctx, levels, one_path=False)
-    assert s.received() == expect([
-        (0, 0, P(0, 0), "path"), (0, 1, T(0, 1), "rej"), (0, 2, T(0, 2), "rej"),  # 3: not expanded
-        (1, 2, P(1, 0), "path"), (1, 0, P(1, 1), "path"),  # 2, 3 after the accepted 1; 6 not expanded
-    ], 0.7, 0.3)
+    assert s.received() == expect(
+        [
+            (0, 0, P(0, 0), "path"),
+            (0, 1, T(0, 1), "rej"),
+            (0, 2, T(0, 2), "rej"),  # 3: not expanded
+            (1, 2, P(1, 0), "path"),
+            (1, 0, P(1, 1), "path"),  # 2, 3 after the accepted 1; 6 not expanded
+        ],
+        0.7,
+        0.3,
+    )
 
 
 def test_tree_feedback_root_only_round():
@@ -263,10 +294,18 @@ def test_tree_feedback_root_only_round():
     tree, acc, ctx, levels = root_only_round()
     s = FakeSpark(0.7, 0.3)
     feed(s, tree, acc, ctx, levels, one_path=False)
-    assert s.received() == expect([
-        (0, 4, P(0, 0), "path"), (0, 2, T(0, 1), "rej"), (0, 0, T(0, 3), "rej"),  # 2: not expanded
-        (1, 1, P(1, 0), "path"), (1, 2, T(1, 1), "rej"), (1, 0, T(1, 2), "rej"),  # 3: not expanded
-    ], 0.7, 0.3)
+    assert s.received() == expect(
+        [
+            (0, 4, P(0, 0), "path"),
+            (0, 2, T(0, 1), "rej"),
+            (0, 0, T(0, 3), "rej"),  # 2: not expanded
+            (1, 1, P(1, 0), "path"),
+            (1, 2, T(1, 1), "rej"),
+            (1, 0, T(1, 2), "rej"),  # 3: not expanded
+        ],
+        0.7,
+        0.3,
+    )
     s = FakeSpark(0.7, 0.3, accepted_only=True)
     feed(s, tree, acc, ctx, levels, one_path=False)
     assert s.received() == []
@@ -287,8 +326,12 @@ def one_path_round(kind: str, n_acc: list[int]):
     reached, a stopped row stays on its last node); "chain": `accept_chain`'s, every position."""
     B = len(n_acc)
     tree = chain_tree(B, D)
-    acc = Acc(path=[[j + 1 if j < n else -1 for j in range(D)] for n in n_acc], n_accepted=n_acc, last=n_acc,
-              rejected=[[n + 1] if n < D else [] for n in n_acc])
+    acc = Acc(
+        path=[[j + 1 if j < n else -1 for j in range(D)] for n in n_acc],
+        n_accepted=n_acc,
+        last=n_acc,
+        rejected=[[n + 1] if n < D else [] for n in n_acc],
+    )
     L = D + 1 if kind == "chain" else min(max(n_acc) + 1, D + 1)
     levels = [torch.tensor([l if kind == "chain" else min(l, n) for n in n_acc]) for l in range(L)]
     ctx = Ctx([list(range(D)) + [-1]] * B, D)
@@ -296,9 +339,14 @@ def one_path_round(kind: str, n_acc: list[int]):
 
 
 ONE_PATH_FULL = [
-    (0, 0, P(0, 0), "path"), (0, 1, P(0, 1), "path"), (0, 2, P(0, 2), "path"), (0, 3, P(0, 3), "path"),
+    (0, 0, P(0, 0), "path"),
+    (0, 1, P(0, 1), "path"),
+    (0, 2, P(0, 2), "path"),
+    (0, 3, P(0, 3), "path"),
     (1, 0, P(1, 0), "rej"),
-    (2, 0, P(2, 0), "path"), (2, 1, P(2, 1), "path"), (2, 2, P(2, 2), "rej"),
+    (2, 0, P(2, 0), "path"),
+    (2, 1, P(2, 1), "path"),
+    (2, 2, P(2, 2), "rej"),
 ]
 
 
@@ -325,10 +373,7 @@ def test_one_path_feedback_when_no_row_reaches_the_end(kind):
     tree, acc, ctx, levels = one_path_round(kind, [1, 0])
     s = FakeSpark(0.7, 0.3)
     feed(s, tree, acc, ctx, levels, one_path=True)
-    assert s.received() == expect([
-        (0, 0, P(0, 0), "path"), (0, 1, P(0, 1), "rej"),
-        (1, 0, P(1, 0), "rej"),
-    ], 0.7, 0.3)
+    assert s.received() == expect([(0, 0, P(0, 0), "path"), (0, 1, P(0, 1), "rej"), (1, 0, P(1, 0), "rej")], 0.7, 0.3)
 
 
 # --- the hand-built rounds are real walks -------------------------------------------------------------
@@ -369,9 +414,13 @@ def test_hand_built_rounds_are_real_walks(name):
     """Every round fed back above (path, n_accepted, last, the levels' nodes and the tried-and-rejected
     nodes, including that a child after the accepted one is never tried) is what the walk does."""
     tree, acc, _, levels = {
-        "four rows": four_row_round, "early": early_round, "root only": root_only_round,
-        "block": lambda: one_path_round("block", N_ACC), "block early": lambda: one_path_round("block", [1, 0]),
-        "chain": lambda: one_path_round("chain", N_ACC), "chain early": lambda: one_path_round("chain", [1, 0]),
+        "four rows": four_row_round,
+        "early": early_round,
+        "root only": root_only_round,
+        "block": lambda: one_path_round("block", N_ACC),
+        "block early": lambda: one_path_round("block", [1, 0]),
+        "chain": lambda: one_path_round("chain", N_ACC),
+        "chain early": lambda: one_path_round("chain", [1, 0]),
     }[name]()
     if name.startswith("chain"):
         res = chain_walk(acc.n_accepted)

@@ -13,7 +13,7 @@ def test_group_advantages_by_hand():
     r = torch.tensor([1.0, 0.0, 0.2, 1.2, 0.5, 0.5, 0.5, 0.5])
     adv = group_advantages(r, 4)
     for g in range(2):
-        xs = r[4 * g:4 * g + 4].tolist()
+        xs = r[4 * g : 4 * g + 4].tolist()
         mean = sum(xs) / 4
         std = math.sqrt(sum((x - mean) ** 2 for x in xs) / 3)
         for j, x in enumerate(xs):
@@ -53,8 +53,16 @@ def test_grpo_loss_matches_float64_hand_computation_and_microbatches():
     total = int(mask.sum())
     eps, beta = 0.1, 0.04
     full = grpo_loss(logp, old, ref, adv, mask, eps, beta, total)
-    hand = _hand_loss(logp.double().tolist(), old.double().tolist(), ref.double().tolist(), adv.double().tolist(),
-                      mask.tolist(), eps, beta, total)
+    hand = _hand_loss(
+        logp.double().tolist(),
+        old.double().tolist(),
+        ref.double().tolist(),
+        adv.double().tolist(),
+        mask.tolist(),
+        eps,
+        beta,
+        total,
+    )
     assert abs(full.loss.item() - hand) < 1e-5
     assert full.tokens == total and full.clipped > 0
     # gradient against float64 autograd of the same expression
@@ -67,8 +75,12 @@ def test_grpo_loss_matches_float64_hand_computation_and_microbatches():
     ((per * mask).sum() / total).backward()
     assert torch.allclose(logp.grad.double(), l64.grad, atol=1e-6)
     # splitting into micro-batches sums to the same loss
-    parts = sum(grpo_loss(logp[i:i + 2], old[i:i + 2], ref[i:i + 2], adv[i:i + 2], mask[i:i + 2], eps, beta, total).loss
-                for i in range(0, B, 2))
+    parts = sum(
+        grpo_loss(
+            logp[i : i + 2], old[i : i + 2], ref[i : i + 2], adv[i : i + 2], mask[i : i + 2], eps, beta, total
+        ).loss
+        for i in range(0, B, 2)
+    )
     assert abs(parts.item() - full.loss.item()) < 1e-6
 
 

@@ -11,19 +11,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparkrl.train.assemble import make_drafting
 from sparkrl.config import DraftConfig, SamplingConfig, SparkConfig
-from sparkrl.train.data import chat_prompt_ids
-from sparkrl.train.precision import rollout_copy
 from sparkrl.engine.rollout import generate, response_generators
 from sparkrl.model.weights import load_model
+from sparkrl.train.assemble import make_drafting
+from sparkrl.train.data import chat_prompt_ids
+from sparkrl.train.precision import rollout_copy
 
 pytestmark = pytest.mark.slow
 KERNELS = "auto"  # the default; "packed" or "plain" (torch's kernels) fail here
 
-PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
-           "clips did Natalia sell altogether in April and May?",
-           "Write a short poem about the sea."]
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
+    "clips did Natalia sell altogether in April and May?",
+    "Write a short poem about the sea.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +33,13 @@ def default_lm():
     return load_model("default")
 
 
-@pytest.mark.parametrize("dtype,temperature,top_p,n", [(torch.bfloat16, 0.0, 1.0, 1), (torch.bfloat16, 1.0, 0.95, 2),
-                                                        (torch.float32, 0.0, 1.0, 1)])
-def test_speculative_rollouts_are_the_autoregressive_tokens_on_the_default_model(default_lm, dtype, temperature,
-                                                                                 top_p, n):
+@pytest.mark.parametrize(
+    "dtype,temperature,top_p,n",
+    [(torch.bfloat16, 0.0, 1.0, 1), (torch.bfloat16, 1.0, 0.95, 2), (torch.float32, 0.0, 1.0, 1)],
+)
+def test_speculative_rollouts_are_the_autoregressive_tokens_on_the_default_model(
+    default_lm, dtype, temperature, top_p, n
+):
     """Both drafters with SPARK on (its corrected proposals take the drafter's code path and more)."""
     rollout = rollout_copy(default_lm.model, dtype, KERNELS, separate=True)
     policy = rollout.model

@@ -10,12 +10,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparkrl.cpu import native
-
 from sparkrl.cpu import accelerate as cpu_layer
+from sparkrl.cpu import native
 from sparkrl.cpu.accelerate import CpuAttention, CpuRMSNorm, accelerate
-from sparkrl.cpu.kernels import (PACKED_WEIGHT_MAJOR_ROWS, WEIGHT_MAJOR_ROWS, CpuLinear as Linear, is_packed, linears, pack, packable,
-                             weight_major_linear)
+from sparkrl.cpu.kernels import (
+    PACKED_WEIGHT_MAJOR_ROWS,
+    WEIGHT_MAJOR_ROWS,
+    is_packed,
+    linears,
+    pack,
+    packable,
+    weight_major_linear,
+)
+from sparkrl.cpu.kernels import CpuLinear as Linear
 from sparkrl.model.transformer import apply_rope
 from sparkrl.train.precision import rollout_copy
 
@@ -38,10 +45,9 @@ def _layer(n_in, n_out, bias, seed=0, dtype=BF16):
 def _close_to_float64(y, x, lin):
     """y within the dtype's rounding of the float64 product (accumulation error scaled by |x| |w|)."""
     ref = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
-    scale = F.linear(x.double().abs(), lin.weight.double().abs(),
-                     None if lin.bias is None else lin.bias.double().abs())
+    scale = F.linear(x.double().abs(), lin.weight.double().abs(), None if lin.bias is None else lin.bias.double().abs())
     err = (y.double() - ref).abs()
-    tol = 2 ** -7 if y.dtype == BF16 else 2 ** -20
+    tol = 2**-7 if y.dtype == BF16 else 2**-20
     assert bool((err <= tol * scale + 1e-6).all()), float((err / scale).max())
 
 
@@ -57,7 +63,7 @@ def test_packed_linear_matches_a_float64_reference(shape, bias, dtype):
     assert y.shape == (*shape[:-1], 160) and y.dtype == dtype
     _close_to_float64(y, x, lin)
     plain = F.linear(x, lin.weight, lin.bias)
-    assert (y.float() - plain.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()  # plain F.linear agrees
+    assert (y.float() - plain.float()).abs().max() <= 2**-6 * plain.float().abs().max()  # plain F.linear agrees
 
 
 @pytest.mark.parametrize("dtype", PACKED_DTYPES)
@@ -88,7 +94,7 @@ def test_a_refreshed_rollout_copy_samples_from_the_new_master_weights():
         copy_.refresh()
         y1 = layer(x)
     _close_to_float64(y1, x, layer)
-    assert torch.allclose(y1.float(), 2 * y0.float(), rtol=2 ** -6, atol=1e-2)
+    assert torch.allclose(y1.float(), 2 * y0.float(), rtol=2**-6, atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", PACKED_DTYPES)
@@ -350,8 +356,9 @@ def test_layers_run_the_compiled_product_where_it_serves_when_it_is_on(packed, w
         _close_to_float64(linears(x, lin, other)[0], x, lin)
 
 
-needs_bf16_dot = pytest.mark.skipif(not (native.available() and native.bf16_dot()),
-                                    reason="this CPU has no bfloat16 dot products (AVX512-BF16)")
+needs_bf16_dot = pytest.mark.skipif(
+    not (native.available() and native.bf16_dot()), reason="this CPU has no bfloat16 dot products (AVX512-BF16)"
+)
 
 
 @needs_bf16_dot
@@ -387,7 +394,7 @@ def test_the_compiled_rms_norm_matches_a_float64_reference(shape, dtype):
     torch.manual_seed(0)
     x, w = (torch.randn(shape) * 3).to(dtype), torch.randn(shape[-1]).to(dtype)
     ref = w.double() * x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
-    tol = 2 ** -7 if dtype == BF16 else 2 ** -20
+    tol = 2**-7 if dtype == BF16 else 2**-20
     for inp in (x, x.transpose(0, -1).contiguous().transpose(0, -1)):
         y = native.rms_norm(inp, w, 1e-5)
         assert y.shape == x.shape and y.dtype == dtype
@@ -411,15 +418,16 @@ def test_the_compiled_rope_matches_a_float64_reference(dtype, D):
     y = native.rope(x, cos, sin)
     assert y.shape == x.shape and y.is_contiguous() and y.dtype == dtype
     scale = xd.abs() * c.abs() + torch.cat((xd[..., h:], xd[..., :h]), -1).abs() * s.abs()
-    tol = 2 ** -6 if dtype == BF16 else 2 ** -20
+    tol = 2**-6 if dtype == BF16 else 2**-20
     assert bool(((y.double() - ref).abs() <= tol * scale + 1e-6).all())
     if dtype == BF16:
         assert torch.equal(y, apply_rope(x, cos, sin))
         odd = x.clone()
         odd[0, 0, 0, :4] = torch.tensor([float("inf"), float("nan"), -float("inf"), 3e38])
         odd[0, 1] = (1 + torch.arange(D) / 128).to(dtype)  # products with 16 significant bits: rounding ties
-        torch.testing.assert_close(native.rope(odd, cos, sin), apply_rope(odd, cos, sin), rtol=0, atol=0,
-                                   equal_nan=True)
+        torch.testing.assert_close(
+            native.rope(odd, cos, sin), apply_rope(odd, cos, sin), rtol=0, atol=0, equal_nan=True
+        )
 
 
 @needs_native
@@ -439,17 +447,22 @@ def test_the_compiled_cached_attention_matches_a_float64_reference(dtypes, T, D)
     mask[1, 0, 0] = False
     y = native.attention(q, k, v, mask, S, out_dtype)
     assert y.shape == (B, T, H, D) and y.dtype == out_dtype and y.is_contiguous()
-    qd, kd, vd = q.double(), k[:, :, :S].double().repeat_interleave(H // Hk, 1), v[:, :, :S].double().repeat_interleave(H // Hk, 1)
-    scores = (qd @ kd.transpose(-1, -2)) / D ** 0.5
+    qd, kd, vd = (
+        q.double(),
+        k[:, :, :S].double().repeat_interleave(H // Hk, 1),
+        v[:, :, :S].double().repeat_interleave(H // Hk, 1),
+    )
+    scores = (qd @ kd.transpose(-1, -2)) / D**0.5
     ref = torch.softmax(scores.masked_fill(~mask, -float("inf")), -1).nan_to_num(0.0) @ vd  # (B, H, T, D)
     ref = ref.transpose(1, 2)
-    tol = 2 ** -8 if out_dtype == BF16 else 2 ** -18
-    assert bool(((y.double() - ref).abs() <= tol * (ref.abs() + 1) ).all())
+    tol = 2**-8 if out_dtype == BF16 else 2**-18
+    assert bool(((y.double() - ref).abs() <= tol * (ref.abs() + 1)).all())
     assert bool((y[1, 0] == 0).all())
-    theirs = F.scaled_dot_product_attention(q.float(), k[:, :, :S].float(), v[:, :, :S].float(), attn_mask=mask,
-                                            enable_gqa=True).transpose(1, 2)
+    theirs = F.scaled_dot_product_attention(
+        q.float(), k[:, :, :S].float(), v[:, :, :S].float(), attn_mask=mask, enable_gqa=True
+    ).transpose(1, 2)
     ok = mask.any(-1)[:, 0]  # (B, T): queries that see something
-    assert torch.allclose(y.float()[ok], theirs[ok], atol=2 ** -7 if out_dtype == BF16 else 1e-5, rtol=0)
+    assert torch.allclose(y.float()[ok], theirs[ok], atol=2**-7 if out_dtype == BF16 else 1e-5, rtol=0)
 
 
 @needs_native
@@ -527,4 +540,3 @@ def test_norms_and_rope_run_compiled_only_when_on_and_never_while_training(tiny_
             cached.append(torch.cat([model(tokens[:, :3], cache).hidden, model(tokens[:, 3:], cache).hidden], 1))
             assert ("attention" in calls) == on
     assert torch.allclose(cached[0], cached[1], atol=1e-5, rtol=1e-5) and torch.allclose(cached[0], ref, atol=1e-5)
-

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparkrl.train.grpo import token_logprobs
 from sparkrl.model.logprobs import head_logprobs
+from sparkrl.train.grpo import token_logprobs
 from sparkrl.train.precision import rollout_copy
 
 
@@ -40,8 +40,9 @@ def test_gradients_pass_gradcheck():
     w = torch.randn(11, 4, generator=g, dtype=torch.float64, requires_grad=True)
     t = torch.randint(0, 11, (7,), generator=g)
     # the analytic backward against finite differences (float32 outputs: loose tolerance)
-    assert torch.autograd.gradcheck(lambda a, b: head_logprobs(a, b, t, 0.8, rows=3)[0].double(), (h, w),
-                                    eps=1e-3, atol=2e-3, rtol=1e-2)
+    assert torch.autograd.gradcheck(
+        lambda a, b: head_logprobs(a, b, t, 0.8, rows=3)[0].double(), (h, w), eps=1e-3, atol=2e-3, rtol=1e-2
+    )
 
 
 def test_kept_logits_are_the_models_and_carry_no_gradient(tiny_llama):

@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
-
 from helpers import FAMILIES, hf_model, ours_from_hf
-from sparkrl.model import transformer as model_mod
-from sparkrl.errors import UserError
-from sparkrl.model.transformer import ModelArgs, Transformer
+
 from sparkrl.cpu.accelerate import CpuAttention, accelerate
+from sparkrl.errors import UserError
+from sparkrl.model import transformer as model_mod
+from sparkrl.model.transformer import ModelArgs, Transformer
 
 
 def _rel_err(a, b):
@@ -102,7 +102,7 @@ def test_tree_forward_and_commit_equal_recompute(family, attn):
         cache = m.new_cache(B, 40)
         toks = torch.zeros(B, max(P), dtype=torch.long)
         for b in range(B):
-            toks[b, :P[b]] = prefix[b]
+            toks[b, : P[b]] = prefix[b]
         m(toks, cache)
         cache.commit(n_keep=torch.tensor(P))
         tree_logits = m.logits(m(nodes, cache, tree_mask=mask.expand(B, -1, -1), depth=depth.expand(B, -1)).hidden)
@@ -147,8 +147,12 @@ def test_float32_attention_of_a_bfloat16_model_matches_a_float64_reference(tiny_
             for a, b in [(0, 6), (6, 7), (7, 9)]:
                 m(x[:, a:b], cache)
                 cache.commit(n_keep=torch.full((2,), b - a))
-            m(torch.randint(0, 97, (2, len(parents))), cache, tree_mask=mask.expand(2, -1, -1),
-              depth=depth.expand(2, -1))
+            m(
+                torch.randint(0, 97, (2, len(parents))),
+                cache,
+                tree_mask=mask.expand(2, -1, -1),
+                depth=depth.expand(2, -1),
+            )
         assert cache.k[0].dtype == (torch.float32 if on else torch.bfloat16)
         err = 0.0
         for q, k, v, kw, out in seen:
@@ -194,13 +198,24 @@ def test_keep_rows_and_taps(tiny_llama):
     assert torch.allclose(m.model.norm(full.taps[2]), full.hidden)
 
 
-@pytest.mark.parametrize("steps", [[[0, 2, 3, 5]], [[1, 2, 3, 4, 5]], [[0, 1, 2, 3, 4]], [[3, 5], [0]],
-                                   [[0, 0, 1, 1, 2, 2]], [[4, 1]]], ids=["drop", "first", "last", "twice", "expand", "reorder"])
+@pytest.mark.parametrize(
+    "steps",
+    [[[0, 2, 3, 5]], [[1, 2, 3, 4, 5]], [[0, 1, 2, 3, 4]], [[3, 5], [0]], [[0, 0, 1, 1, 2, 2]], [[4, 1]]],
+    ids=["drop", "first", "last", "twice", "expand", "reorder"],
+)
 def test_keep_rows_equals_a_gather_of_the_rows(steps):
     """Compaction in place (rows ascending, fewer) and gathers (expansion, reorder) keep exactly the rows
     asked for, step after step, and later writes land in the kept rows only."""
-    args = ModelArgs("llama", vocab_size=10, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
-                     head_dim=4)
+    args = ModelArgs(
+        "llama",
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+    )
     cache = model_mod.KVCache.empty(args, 6, 5, "cpu", torch.float64)
     for buf in (*cache.k, *cache.v):
         buf.copy_(torch.randn_like(buf))
@@ -210,13 +225,17 @@ def test_keep_rows_equals_a_gather_of_the_rows(steps):
         rows = torch.tensor(rows)
         cache.keep_rows(rows)
         ref = [b[rows] for b in ref[0]], ref[1][rows]
-        assert all(torch.equal(a, b) for a, b in zip((*cache.k, *cache.v), ref[0])) and torch.equal(cache.lengths, ref[1])
+        assert all(torch.equal(a, b) for a, b in zip((*cache.k, *cache.v), ref[0])) and torch.equal(
+            cache.lengths, ref[1]
+        )
     k = torch.randn(cache.batch, 1, 1, 4, dtype=torch.float64)
     cache.write(0, cache.rows(torch.zeros(cache.batch, 1, dtype=torch.long)), k, k)
     assert torch.equal(cache.k[0][:, :, :1], k) and torch.equal(cache.k[0][:, :, 1:], ref[0][0][:, :, 1:])
     # a commit of a speculative region on the compacted cache moves the same positions as on a fresh copy of it
-    fresh = model_mod.KVCache(torch.stack([torch.stack(cache.k), torch.stack(cache.v)]).contiguous(), cache.lengths.clone())
-    keep = torch.tensor([[0, 2], [1, 2], [0, 1]]).repeat(2, 1)[:cache.batch]
+    fresh = model_mod.KVCache(
+        torch.stack([torch.stack(cache.k), torch.stack(cache.v)]).contiguous(), cache.lengths.clone()
+    )
+    keep = torch.tensor([[0, 2], [1, 2], [0, 1]]).repeat(2, 1)[: cache.batch]
     for c in (cache, fresh):
         c.lengths = torch.zeros(cache.batch, dtype=torch.long)
         c.pending = 3

@@ -35,7 +35,9 @@ def test_float32_head_follows_the_master_after_refresh_and_only_for_half_copies(
     copy.refresh()
     assert torch.equal(copy.model.head32[0], tiny_llama.lm_head.weight)
     assert copy.model.head32[0] is not tiny_llama.lm_head.weight  # a copy the rollout owns
-    assert rollout_copy(tiny_llama, torch.float32, "plain", head_float32=True).model.head32 == ()  # float32: nothing to do
+    assert (
+        rollout_copy(tiny_llama, torch.float32, "plain", head_float32=True).model.head32 == ()
+    )  # float32: nothing to do
 
 
 def test_the_float32_attention_decision_is_measured_once_and_cached_and_applied(monkeypatch, tmp_path, tiny_llama):
@@ -44,8 +46,11 @@ def test_the_float32_attention_decision_is_measured_once_and_cached_and_applied(
     policy) and --cpu-kernels plain are not measured."""
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path))
     calls = []
-    monkeypatch.setattr(tuning, "_attention_seconds", lambda q, k, v, mask: calls.append(k.dtype) or
-                        (2.0 if k.dtype == torch.bfloat16 else 1.0))
+    monkeypatch.setattr(
+        tuning,
+        "_attention_seconds",
+        lambda q, k, v, mask: calls.append(k.dtype) or (2.0 if k.dtype == torch.bfloat16 else 1.0),
+    )
     attn = lambda model: {m.attn_dtype for m in model.modules() if isinstance(m, CpuAttention)}
     copy = rollout_copy(tiny_llama, torch.bfloat16, "packed").model
     assert set(calls) == {torch.bfloat16, torch.float32}
@@ -56,9 +61,11 @@ def test_the_float32_attention_decision_is_measured_once_and_cached_and_applied(
     assert tuning.float32_attention_pays(torch.bfloat16, tiny_llama.args) and len(calls) == n  # cached
     stored = json.loads(next((tmp_path / "costs").glob("attention-*.json")).read_text())
     assert stored["pays"] and stored["speedup"] == 2.0
-    for model in (rollout_copy(tiny_llama, torch.float32, "packed").model,
-                  rollout_copy(Eagle3Drafter(tiny_llama.args), torch.bfloat16, "packed").model,
-                  rollout_copy(tiny_llama, torch.bfloat16, "plain").model):
+    for model in (
+        rollout_copy(tiny_llama, torch.float32, "packed").model,
+        rollout_copy(Eagle3Drafter(tiny_llama.args), torch.bfloat16, "packed").model,
+        rollout_copy(tiny_llama, torch.bfloat16, "plain").model,
+    ):
         assert attn(model) == {None}
     assert len(calls) == n
     monkeypatch.setenv("SPARKRL_CACHE", str(tmp_path / "other"))
@@ -85,10 +92,13 @@ def test_the_rollout_dtype_compares_each_dtype_as_its_rollout_copy_runs(monkeypa
     monkeypatch.setattr(tuning, "_step_seconds", fake_steps)
     assert rollout_dtype("auto", tiny_llama) == torch.float32  # 2x, 1x, 0.5x: geometric mean 1
     on = native.available()  # the compiled kernels, and then their attention in bfloat16; else torch's, measured
-    assert seen == {(r, torch.float32, False, on, None) for r in (1, 8, 64)} | \
-        {(r, torch.bfloat16, False, on, None if on else torch.float32) for r in (1, 8, 64)}
+    assert seen == {(r, torch.float32, False, on, None) for r in (1, 8, 64)} | {
+        (r, torch.bfloat16, False, on, None if on else torch.float32) for r in (1, 8, 64)
+    }
     stored = json.loads(next((tmp_path / "costs").glob("dtype-*.json")).read_text())
     assert stored["by_rows"] == {"1": 2.0, "8": 1.0, "64": 0.5} and abs(stored["speedup"] - 1.0) < 1e-12
     speed[torch.bfloat16] = {1: 0.5, 8: 2.0, 64: 16.0}
     assert rollout_dtype("auto", tiny_llama) == torch.float32  # cached
-    assert type(tiny_llama.lm_head) is Linear and tiny_llama.lm_head.weight.dtype == torch.float32  # the policy untouched
+    assert (
+        type(tiny_llama.lm_head) is Linear and tiny_llama.lm_head.weight.dtype == torch.float32
+    )  # the policy untouched

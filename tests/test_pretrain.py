@@ -8,18 +8,20 @@ import json
 
 import pytest
 import torch
-
 from helpers import assert_drawn
+
 from sparkrl.config import PretrainConfig, build
-from sparkrl.train.data import Problem, held_out, load_problems, parse_row
-from sparkrl.train.precision import RolloutCopy
 from sparkrl.drafters.base import expected_length, read_checkpoint, save_safetensors, target_probs
 from sparkrl.errors import UserError
+from sparkrl.train.data import Problem, held_out, load_problems, parse_row
 from sparkrl.train.features import policy_pass
+from sparkrl.train.precision import RolloutCopy
 from sparkrl.train.pretrain import batch_plan, build_corpus, load_corpus_problems, lr_at, per_depth, pretrain
 
-GSM_ROW = {"question": "Tom has {n} apples and buys 3 more. How many apples does he have?",
-           "answer": "He buys 3 so he has {n}+3=<<{n}+3={m}>>{m} apples.\n#### {m}"}
+GSM_ROW = {
+    "question": "Tom has {n} apples and buys 3 more. How many apples does he have?",
+    "answer": "He buys 3 so he has {n}+3=<<{n}+3={m}>>{m} apples.\n#### {m}",
+}
 
 
 def gsm8k_file(tmp_path, n: int = 60):
@@ -78,9 +80,23 @@ def test_expected_length_by_hand():
 
 
 def _cfg(tmp_path, tiny_model_dir, data, **kw):
-    flat = dict(model=str(tiny_model_dir), out=str(tmp_path / "pre"), data=str(data), prompts=4, max_new_tokens=8,
-                draft_vocab=64, micro_batch=4, eval_sequences=6, eval_every=3, checkpoint_every=2, warmup=2,
-                holdout=0.2, lr=1e-3, draft="eagle3,dflash", block_size=4)
+    flat = dict(
+        model=str(tiny_model_dir),
+        out=str(tmp_path / "pre"),
+        data=str(data),
+        prompts=4,
+        max_new_tokens=8,
+        draft_vocab=64,
+        micro_batch=4,
+        eval_sequences=6,
+        eval_every=3,
+        checkpoint_every=2,
+        warmup=2,
+        holdout=0.2,
+        lr=1e-3,
+        draft="eagle3,dflash",
+        block_size=4,
+    )
     return build(PretrainConfig, {**flat, **kw})
 
 
@@ -90,7 +106,9 @@ def test_held_out_problems_never_enter_the_corpus(tiny_model_dir, tmp_path):
     data = gsm8k_file(tmp_path)
     cfg = _cfg(tmp_path, tiny_model_dir, data, prompts=8)
     lm = load_model(str(tiny_model_dir))
-    train, test, sources = build_corpus(cfg, RolloutCopy(lm.model, torch.float32), lm.tokenizer, lm.eos_ids, load_corpus_problems(cfg))
+    train, test, sources = build_corpus(
+        cfg, RolloutCopy(lm.model, torch.float32), lm.tokenizer, lm.eos_ids, load_corpus_problems(cfg)
+    )
     problems = load_problems(str(data)).problems
     held = [p for p in problems if held_out(p, 0.2)]
     assert held and sources["solutions"] > 0 and sources["policy responses"] > 0
@@ -100,8 +118,8 @@ def test_held_out_problems_never_enter_the_corpus(tiny_model_dir, tmp_path):
     assert any(p.question in lm.tokenizer.decode(s.ids) for p in held for s in test)
     # the drafter trains from the last prompt position on: every sequence's answer start is its prompt
     for s in train + test:
-        head = lm.tokenizer.decode(s.ids[:s.start])
-        assert s.start > 0 and head.rstrip().endswith("assistant") and lm.tokenizer.decode(s.ids[s.start:]).strip()
+        head = lm.tokenizer.decode(s.ids[: s.start])
+        assert s.start > 0 and head.rstrip().endswith("assistant") and lm.tokenizer.decode(s.ids[s.start :]).strip()
     _, _, _, _, mask = policy_pass(lm.model, train[:2], ())
     for row, s in zip(mask, train[:2]):
         assert row.nonzero()[0, 0] == s.start - 1 and row.nonzero()[-1, 0] == len(s.ids) - 3
@@ -113,9 +131,9 @@ def test_feature_store_batch_equals_the_policy_pass_and_is_read_back(tiny_model_
     """A batch assembled from stored per-sequence features equals the plain policy pass at every real
     position (padding is zero); a second read runs no policy; other feature layers or another tag are
     other files."""
+    from sparkrl.model.weights import load_model
     from sparkrl.train.features import FeatureStore
     from sparkrl.train.pretrain import Seq
-    from sparkrl.model.weights import load_model
 
     policy = load_model(str(tiny_model_dir), with_tokenizer=False).model
     seqs = [Seq(list(range(5, 5 + n)), 3) for n in (9, 30, 17)]
@@ -127,13 +145,14 @@ def test_feature_store_batch_equals_the_policy_pass_and_is_read_back(tiny_model_
     again = policy_pass(policy, seqs, (0, 1), store=store)
     for a, b, c in ((ref[0], got[0], again[0]), (ref[4], got[4], again[4])):  # tokens, mask
         assert torch.equal(a, b) and torch.equal(b, c)
-    for name, a, b, c in [("hidden", ref[2], got[2], again[2]), ("logits", ref[3], got[3], again[3])] + \
-            [(f"tap {i}", ref[1][i], got[1][i], again[1][i]) for i in (0, 1)]:
+    for name, a, b, c in [("hidden", ref[2], got[2], again[2]), ("logits", ref[3], got[3], again[3])] + [
+        (f"tap {i}", ref[1][i], got[1][i], again[1][i]) for i in (0, 1)
+    ]:
         assert torch.equal(b, c), name
         for row, s in enumerate(seqs):
-            assert torch.equal(a[row, :len(s.ids)], b[row, :len(s.ids)]), name
+            assert torch.equal(a[row, : len(s.ids)], b[row, : len(s.ids)]), name
         if name != "logits":
-            assert not b[0, len(seqs[0].ids):].any(), name
+            assert not b[0, len(seqs[0].ids) :].any(), name
     assert store.path(seqs[0].ids, (0, 1)) != store.path(seqs[0].ids, (1,))
     assert store.path(seqs[0].ids, (0, 1)) != FeatureStore(tmp_path / "f", "other").path(seqs[0].ids, (0, 1))
     with pytest.raises(UserError, match="--no-feature-cache"):
@@ -180,11 +199,15 @@ def test_pretrain_two_kinds_scores_held_out_and_resumes_exactly_after_a_crash(ti
     out = tmp_path / "a" / "pre"
     recs = [json.loads(l) for l in (out / "pretrain.jsonl").read_text().splitlines()]
     held = [r for r in recs if r.get("heldout")]
-    assert {r["kind"] for r in held} == {"eagle3", "dflash"} and held[0]["step"] == 0 and held[-1]["step"] == full["steps"]
+    assert (
+        {r["kind"] for r in held} == {"eagle3", "dflash"} and held[0]["step"] == 0 and held[-1]["step"] == full["steps"]
+    )
     for r in held:
         assert 1.0 <= r["expected_length"] and all(0 <= r[f"acc_{d}"] <= 1 for d in (1, 2, 3))
         assert ("tree_expected_length" in r) == (r["kind"] == "eagle3")  # the EAGLE3-style trees' estimate
-        assert 1.0 <= r.get("tree_expected_length", 1.0) <= 4.0 and all(0 <= r.get(f"tree_{d}", 0) <= 1 for d in (1, 2, 3))
+        assert 1.0 <= r.get("tree_expected_length", 1.0) <= 4.0 and all(
+            0 <= r.get(f"tree_{d}", 0) <= 1 for d in (1, 2, 3)
+        )
     assert_drawn(out / "pretrain.png")
     assert (out / "eagle3" / "snapshots" / "step-000003.safetensors").exists()
     lrs = [r["lr"] for r in recs if not r.get("heldout") and r["kind"] == "eagle3"]
@@ -244,8 +267,9 @@ def test_pretrain_continues_from_a_drafter_with_its_vocabulary(tiny_model_dir, t
     assert load_drafter(again["drafters"]["eagle3"]["path"], args).feature_weight == 0
     older = {**read_checkpoint(init), "settings": {"layout": "eagle3"}}  # from before the setting was saved
     assert load_drafter(older, args).feature_weight == 2
-    kept = pretrain(_cfg(tmp_path / "c", tiny_model_dir, data, draft="eagle3",
-                         init=again["drafters"]["eagle3"]["path"]))
+    kept = pretrain(
+        _cfg(tmp_path / "c", tiny_model_dir, data, draft="eagle3", init=again["drafters"]["eagle3"]["path"])
+    )
     assert load_drafter(kept["drafters"]["eagle3"]["path"], args).feature_weight == 0
     recs = [json.loads(l) for l in (tmp_path / "c" / "pre" / "pretrain.jsonl").read_text().splitlines()]
     assert recs and all(r["feat"] > 0 for r in recs if not r.get("heldout"))
@@ -304,7 +328,9 @@ def test_pretrain_init_errors(tiny_model_dir, tmp_path):
         _cfg(tmp_path, tiny_model_dir, data, init="fresh")
     with pytest.raises(UserError, match="--init default: the shipped eagle3 drafter .* serves --model default"):
         pretrain(_cfg(tmp_path, tiny_model_dir, data, init="default"))
-    assert not (tmp_path / "pre" / "corpus").exists() or not any((tmp_path / "pre" / "corpus").iterdir())  # before the corpus
+    assert not (tmp_path / "pre" / "corpus").exists() or not any(
+        (tmp_path / "pre" / "corpus").iterdir()
+    )  # before the corpus
 
 
 def test_safetensors_drafter_round_trip_and_checks(tiny_model_dir, tmp_path):
@@ -329,16 +355,18 @@ def test_safetensors_drafter_round_trip_and_checks(tiny_model_dir, tmp_path):
 
 
 def test_draft_checkpoint_choices(tiny_model_dir, tmp_path):
-    from sparkrl.train.assemble import make_drafter
     from sparkrl.config import DraftConfig
     from sparkrl.drafters import find_checkpoint
     from sparkrl.model.weights import load_model
+    from sparkrl.train.assemble import make_drafter
 
     policy = load_model(str(tiny_model_dir), with_tokenizer=False).model
     assert find_checkpoint("", "eagle3", policy) is None  # no drafter is shipped for this policy: fresh
     assert find_checkpoint("fresh", "eagle3", policy) is None
     assert find_checkpoint("some/file.pt", "eagle3", policy) == "some/file.pt"
-    with pytest.raises(UserError, match="--draft-checkpoint default: the shipped eagle3 drafter .* serves --model default"):
+    with pytest.raises(
+        UserError, match="--draft-checkpoint default: the shipped eagle3 drafter .* serves --model default"
+    ):
         find_checkpoint("default", "eagle3", policy)
     with pytest.raises(UserError, match="--draft-checkpoint default"):
         make_drafter(DraftConfig(draft="eagle3", draft_checkpoint="default"), policy)
@@ -350,10 +378,10 @@ def test_shipped_drafters_serve_the_default_model(kind, tmp_path):
     """Both shipped drafters load for the default model; the EAGLE3-style one is in EAGLE-3's layout, so
     `export-draft default` writes it for vLLM's eagle3 method, and the export reads back as the same drafter."""
     from sparkrl.commands.cli import main
-    from sparkrl.train.assemble import make_drafter
     from sparkrl.config import DraftConfig
     from sparkrl.drafters import find_checkpoint, load_drafter, shipped_path
     from sparkrl.model.weights import load_model
+    from sparkrl.train.assemble import make_drafter
 
     path = shipped_path(kind)
     assert path.is_file() and path.stat().st_size < 40e6, path
@@ -381,9 +409,32 @@ def test_shipped_drafters_serve_the_default_model(kind, tmp_path):
 def test_train_with_draft_eagle3_alone_uses_the_shipped_drafter(tmp_path, capsys):
     from sparkrl.commands.cli import main
 
-    assert main(["train", "--model", "default", "--data", "default", "--out", str(tmp_path / "run"), "--steps", "1",
-                 "--prompts-per-step", "1", "--group-size", "2", "--max-new-tokens", "24", "--draft", "eagle3",
-                 "--budget", "fixed"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                "default",
+                "--data",
+                "default",
+                "--out",
+                str(tmp_path / "run"),
+                "--steps",
+                "1",
+                "--prompts-per-step",
+                "1",
+                "--group-size",
+                "2",
+                "--max-new-tokens",
+                "24",
+                "--draft",
+                "eagle3",
+                "--budget",
+                "fixed",
+            ]
+        )
+        == 0
+    )
     assert "freshly initialised" not in capsys.readouterr().err
     m = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert m["aal"] > 1.0 and m["tree_rounds"] == m["rounds"]
@@ -416,8 +467,14 @@ def test_relayout_reads_what_the_fused_layer_reads(tiny_model_dir):
     for name in ("q_proj", "k_proj", "v_proj"):
         want = getattr(old.self_attn, name)(old.input_layernorm(x))
         torch.testing.assert_close(getattr(new.self_attn, name)(h), want, rtol=1e-10, atol=1e-12)
-    kept = {k: v for k, v in fused.state_dict().items() if "attn.q" not in k and "attn.k" not in k and "attn.v" not in k
-            and k not in ("fuse.weight", "fc.weight", "stack.layers.0.input_layernorm.weight")}
+    kept = {
+        k: v
+        for k, v in fused.state_dict().items()
+        if "attn.q" not in k
+        and "attn.k" not in k
+        and "attn.v" not in k
+        and k not in ("fuse.weight", "fc.weight", "stack.layers.0.input_layernorm.weight")
+    }
     assert all(torch.equal(carried.state_dict()[k], v) for k, v in kept.items())
     # over many positions the two scales are the means of the norms' ratios there
     taps = {i: torch.randn(1, 9, d, dtype=torch.float64) * torch.rand(1, 9, 1, dtype=torch.float64) for i in taps}
@@ -450,14 +507,25 @@ def test_pretrain_carries_a_fused_drafter_into_eagle3s_layout(tiny_model_dir, tm
     auto = _cfg(tmp_path / "k", tiny_model_dir, data, draft="eagle3", init=str(path))
     assert relayout_init(auto, fused, policy, []) is fused
     out = pretrain(_cfg(tmp_path / "b", tiny_model_dir, data, draft="eagle3", init=str(path), draft_layout="eagle3"))
-    start = load_drafter(read_checkpoint(tmp_path / "b" / "pre" / "eagle3" / "snapshots" / "step-000000.safetensors"), args)
+    start = load_drafter(
+        read_checkpoint(tmp_path / "b" / "pre" / "eagle3" / "snapshots" / "step-000000.safetensors"), args
+    )
     end = load_drafter(out["drafters"]["eagle3"]["path"], args)
     assert start.layout == end.layout == "eagle3" and exportable(end) is None
     assert not torch.equal(start.fc.weight, end.fc.weight)  # and it trained
     again = pretrain(_cfg(tmp_path / "b", tiny_model_dir, data, draft="eagle3", init=str(path), resume=True))
     assert read_checkpoint(again["drafters"]["eagle3"]["path"])["state"]["fc.weight"].equal(
-        read_checkpoint(out["drafters"]["eagle3"]["path"])["state"]["fc.weight"])
+        read_checkpoint(out["drafters"]["eagle3"]["path"])["state"]["fc.weight"]
+    )
     with pytest.raises(UserError, match="not back"):
-        pretrain(_cfg(tmp_path / "c", tiny_model_dir, data, draft="eagle3", init=out["drafters"]["eagle3"]["path"],
-                      draft_layout="fused"))
+        pretrain(
+            _cfg(
+                tmp_path / "c",
+                tiny_model_dir,
+                data,
+                draft="eagle3",
+                init=out["drafters"]["eagle3"]["path"],
+                draft_layout="fused",
+            )
+        )
     assert not (tmp_path / "c" / "pre" / "corpus").exists()

@@ -18,26 +18,41 @@ def grader():
     g.close()
 
 
-@pytest.mark.parametrize("text,expected", [
-    (r"so \boxed{72}.", "72"),
-    (r"\boxed{1} then \boxed{\frac{3}{4}}", r"\frac{3}{4}"),
-    (r"\boxed 5", "5"),
-    (r"\fbox{7}", "7"),
-    (r"\boxed{a^{2}+\sqrt{b}}", r"a^{2}+\sqrt{b}"),
-    (r"no box here", None),
-    (r"\boxed{}", None),
-    (r"\boxed{unbalanced", None),
-    (r"\boxed", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (r"so \boxed{72}.", "72"),
+        (r"\boxed{1} then \boxed{\frac{3}{4}}", r"\frac{3}{4}"),
+        (r"\boxed 5", "5"),
+        (r"\fbox{7}", "7"),
+        (r"\boxed{a^{2}+\sqrt{b}}", r"a^{2}+\sqrt{b}"),
+        (r"no box here", None),
+        (r"\boxed{}", None),
+        (r"\boxed{unbalanced", None),
+        (r"\boxed", None),
+    ],
+)
 def test_last_boxed(text, expected):
     assert last_boxed(text) == expected
 
 
-@pytest.mark.parametrize("pred,gold,ok", [
-    ("72", "72", True), ("72.0", "72", True), ("1,234", "1234", True), (r"\$18", "18", True),
-    (r"\frac{3}{4}", "0.75", True), ("3/4", r"\dfrac{3}{4}", True), ("-2", "2", False), ("71", "72", False),
-    (r"\text{18}", "18", True), ("x^2+1", "1+x^2", True), (r"\sqrt{2}", r"2^{1/2}", True), ("(1,2)", "(1, 2)", True),
-])
+@pytest.mark.parametrize(
+    "pred,gold,ok",
+    [
+        ("72", "72", True),
+        ("72.0", "72", True),
+        ("1,234", "1234", True),
+        (r"\$18", "18", True),
+        (r"\frac{3}{4}", "0.75", True),
+        ("3/4", r"\dfrac{3}{4}", True),
+        ("-2", "2", False),
+        ("71", "72", False),
+        (r"\text{18}", "18", True),
+        ("x^2+1", "1+x^2", True),
+        (r"\sqrt{2}", r"2^{1/2}", True),
+        ("(1,2)", "(1, 2)", True),
+    ],
+)
 def test_equivalence(grader, pred, gold, ok):
     assert grader.equivalent(pred, gold) is ok
 
@@ -58,17 +73,20 @@ def test_reward_combines_accuracy_and_format(grader):
     assert grader.score("no answer at all", "12").reward == 0.0
 
 
-@pytest.mark.parametrize("name,text", [
-    ("1e6 chars", "1" * 1_000_000),
-    ("1e6 chars boxed", r"\boxed{" + "9" * 1_000_000 + "}"),
-    ("deep nesting", r"\boxed{" + "{" * 100_000 + "}" * 100_000 + "}"),
-    ("power tower", REASONING + r"\boxed{9^9^9^9}"),
-    ("big power", REASONING + r"\boxed{10^{10^{10^{10}}}}"),
-    ("factorial tower", REASONING + r"\boxed{(10^{100})!!}"),
-    ("unbalanced", REASONING + r"\boxed{\frac{1}{2}" + "{" * 1000),
-    ("invalid utf-8", (REASONING + r"\boxed{3}").encode() + b"\xff\xfe\x80"),
-    ("null bytes", REASONING + "\x00" * 1000 + r"\boxed{\x00}"),
-])
+@pytest.mark.parametrize(
+    "name,text",
+    [
+        ("1e6 chars", "1" * 1_000_000),
+        ("1e6 chars boxed", r"\boxed{" + "9" * 1_000_000 + "}"),
+        ("deep nesting", r"\boxed{" + "{" * 100_000 + "}" * 100_000 + "}"),
+        ("power tower", REASONING + r"\boxed{9^9^9^9}"),
+        ("big power", REASONING + r"\boxed{10^{10^{10^{10}}}}"),
+        ("factorial tower", REASONING + r"\boxed{(10^{100})!!}"),
+        ("unbalanced", REASONING + r"\boxed{\frac{1}{2}" + "{" * 1000),
+        ("invalid utf-8", (REASONING + r"\boxed{3}").encode() + b"\xff\xfe\x80"),
+        ("null bytes", REASONING + "\x00" * 1000 + r"\boxed{\x00}"),
+    ],
+)
 def test_pathological_outputs_score_zero_within_bound(grader, name, text):
     t = time.perf_counter()
     s = grader.score(text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text, "5")

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import ALPHA, SEEDS, chi_square_pvalue
 from scipy.stats import kstest
 
-from helpers import ALPHA, SEEDS, chi_square_pvalue
+from sparkrl.config import SamplingConfig
 from sparkrl.cpu import native
 from sparkrl.cpu.accelerate import COMPILED_SAMPLER
-from sparkrl.config import SamplingConfig
 from sparkrl.engine.rollout import generate, response_generators
-from sparkrl.engine.sampling import logprob_of, nucleus, position_uniforms, sample, sample_from, sample_nucleus, target_probs
+from sparkrl.engine.sampling import (
+    logprob_of,
+    nucleus,
+    position_uniforms,
+    sample,
+    sample_from,
+    sample_nucleus,
+    target_probs,
+)
 
 
 def reference_p(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -71,7 +79,9 @@ def test_a_nucleus_exactly_as_wide_as_the_candidates(width, flat_row):
     logits[1, 0] = 5.0
     p = target_probs(logits, 1.0, 0.9999).double()
     ref = reference_p(logits, 1.0, 0.9999)
-    assert (p[0] > 0).sum() == width and torch.allclose(p[0, :width], torch.full((width,), 1 / width, dtype=torch.double))
+    assert (p[0] > 0).sum() == width and torch.allclose(
+        p[0, :width], torch.full((width,), 1 / width, dtype=torch.double)
+    )
     assert p[1, 0] > 0.999 and torch.allclose(p.sum(-1), torch.ones(len(p), dtype=torch.double))
     assert torch.allclose(p, ref, atol=1e-6)
     assert torch.allclose(target_probs(logits[:1], 1.0, 0.9999).double(), p[:1])  # alone, as a walk's last row
@@ -151,14 +161,15 @@ def test_the_compiled_nucleus_keeps_ties_lower_ids_first_and_skips_impossible_to
     assert got[1, 7] == 1.0 and token[1] == 7 and logp[1] == 0.0
     top = (torch.arange(1000) % 3 == 2).nonzero()[:, 0]  # the most likely group (0.665 of the mass) ...
     kept = got[2].nonzero()[:, 0]
-    assert torch.equal(kept, top[:len(kept)])  # ... its lowest ids, as many as reach top-p
+    assert torch.equal(kept, top[: len(kept)])  # ... its lowest ids, as many as reach top-p
     assert torch.equal(token, id_order_token(got, u))
 
 
 @needs_native
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 0.95), (0.6, 0.8)])
 def test_sample_nucleus_compiled_or_not_gives_the_same_tokens(temperature, top_p):
-    """`sample_nucleus` and the compiled sampler's nucleus give the same p up to float32 rounding and sample the same token at each
+    """`sample_nucleus` and the compiled sampler's nucleus give the same p up to float32 rounding and sample the same
+    token at each
     uniform, but where the uniform falls within that rounding of a token's edge in the CDF (a nucleus of some
     20,000 tokens may end one token apart); where the kernel does not serve (greedy, top-p 1) it takes the
     tensor ops."""
@@ -172,7 +183,7 @@ def test_sample_nucleus_compiled_or_not_gives_the_same_tokens(temperature, top_p
     differ = (a[2] != b[2]).nonzero()[:, 0]
     assert len(differ) <= 2
     for r in differ.tolist():  # the uniform within rounding of the edge between the two tokens
-        edge = pa[r, :max(a[2][r], b[2][r])].sum()
+        edge = pa[r, : max(a[2][r], b[2][r])].sum()
         assert abs(float(edge) - float(u[r] * pa[r].sum())) < 1e-4
     same = a[2] == b[2]
     assert torch.allclose(a[3][same], b[3][same], atol=1e-5)
@@ -198,8 +209,11 @@ def test_samples_follow_p_chi_square(top_p, compiled, seed):
     p = target_probs(logits, 0.8, top_p)[0].double()
     n = 20000  # the uniforms of one response's first n positions
     u = position_uniforms(torch.tensor([7 + seed]), torch.arange(n)[None])[0]
-    draws = COMPILED_SAMPLER.nucleus(logits.expand(n, -1).contiguous(), 0.8, top_p, u)[2] if compiled else \
-        sample(logits.expand(n, -1), 0.8, top_p, u)
+    draws = (
+        COMPILED_SAMPLER.nucleus(logits.expand(n, -1).contiguous(), 0.8, top_p, u)[2]
+        if compiled
+        else sample(logits.expand(n, -1), 0.8, top_p, u)
+    )
     assert chi_square_pvalue(draws.tolist(), dict(enumerate(p.tolist()))) > ALPHA
 
 
@@ -233,7 +247,7 @@ def test_position_uniforms_match_a_python_reference_and_look_uniform():
     for i, k in enumerate(keys):
         for j, t in enumerate(pos.tolist()):
             x = _splitmix_reference(_splitmix_reference((k + golden) & m) ^ (((t + 1) * golden) & m))
-            assert u[i, j].item() == (x >> 11) * 2.0 ** -53
+            assert u[i, j].item() == (x >> 11) * 2.0**-53
     # many responses x many positions: uniform, and neighbouring positions and keys uncorrelated
     big = position_uniforms(torch.arange(200), torch.arange(500).expand(200, -1))
     assert kstest(big.flatten().numpy(), "uniform").pvalue > 1e-3

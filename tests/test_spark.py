@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import ParityGrader, assert_drawn, random_round, reference, run_config
-from sparkrl.train.checkpoint import list_checkpoints, load_latest
-from sparkrl.config import SamplingConfig
+
+from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
-from sparkrl.config import TreeShape
 from sparkrl.drafters.tree import build_chain, build_tree
-from sparkrl.errors import UserError
 from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.engine.spark import Projection, Spark, SparseRows, init_projection, sparse_delta
 from sparkrl.engine.speculative import generate_speculative
-from sparkrl.engine.spark import Projection, SparseRows, Spark, init_projection, sparse_delta
+from sparkrl.errors import UserError
 from sparkrl.model.weights import load_model
+from sparkrl.train.checkpoint import list_checkpoints, load_latest
 
 V, D, R = 40, 12, 3
 
@@ -230,20 +229,39 @@ def test_greedy_with_spark_equals_greedy(tiny_llama):
     sc = SamplingConfig(0.0, 1.0, 12)
     ar = generate(tiny_llama, prompts, sc, (5,), response_generators(0, 2, 3), group_size=3)
     spark = Spark(init_projection(tiny_llama.lm_head.weight, 4), tiny_llama.args.vocab_size, eta=5.0)
-    sp = generate_speculative(tiny_llama, Eagle3Drafter(tiny_llama.args), prompts, sc, (5,),
-                              response_generators(0, 2, 3), TreeShape(4, 3, 8), group_size=3, spark=spark)
+    sp = generate_speculative(
+        tiny_llama,
+        Eagle3Drafter(tiny_llama.args),
+        prompts,
+        sc,
+        (5,),
+        response_generators(0, 2, 3),
+        TreeShape(4, 3, 8),
+        group_size=3,
+        spark=spark,
+    )
     assert sp.tokens == ar.tokens and sp.stats.adapter["spark_contexts"] > 0
 
 
 def _train_cfg(model_dir, out, **kw):
     """A run drafting EAGLE3-style trees with SPARK."""
-    spark = dict(max_new_tokens=8, draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3, budget="fixed",
-                 spark=True, spark_rank=4, spark_lr=1e-2)
+    spark = dict(
+        max_new_tokens=8,
+        draft="eagle3",
+        tree_depth=2,
+        tree_branch=2,
+        tree_nodes=3,
+        budget="fixed",
+        spark=True,
+        spark_rank=4,
+        spark_lr=1e-2,
+    )
     return run_config(model_dir, out, **{**spark, **kw})
 
 
 def test_carried_corrections_survive_a_resume(tiny_model_dir, tmp_path):
     from sparkrl.train.trainer import train
+
     train(_train_cfg(tiny_model_dir, tmp_path / "a", steps=3, spark_carry=True), grader=ParityGrader())
     train(_train_cfg(tiny_model_dir, tmp_path / "b", steps=1, spark_carry=True), grader=ParityGrader())
     train(_train_cfg(tiny_model_dir, tmp_path / "b", steps=3, spark_carry=True, resume=True), grader=ParityGrader())
@@ -260,6 +278,7 @@ def test_train_with_spark_learns_A_resumes_exactly_and_logs_rounds(tiny_model_di
 
     from sparkrl.commands.cli import main
     from sparkrl.train.trainer import train
+
     log = tmp_path / "rounds.jsonl"
     train(_train_cfg(tiny_model_dir, tmp_path / "a", steps=3, round_log=str(log)), grader=ParityGrader())
     logb = tmp_path / "rounds_b.jsonl"
@@ -276,6 +295,7 @@ def test_train_with_spark_learns_A_resumes_exactly_and_logs_rounds(tiny_model_di
     init = Projection.for_policy(load_model(str(tiny_model_dir), with_tokenizer=False).model, 4).A
     assert not torch.allclose(A, init)  # learned at the draft optimizer steps
     from sparkrl.vllm.spark import read_projection  # the learned A travels with the drafter exported to vLLM
+
     assert main(["export-draft", str(tmp_path / "a"), "--out", str(tmp_path / "vd"), "--dtype", "float32"]) == 0
     got, settings = read_projection(tmp_path / "vd")
     assert torch.equal(got, A) and settings["k"] == 16 and settings["scope"] == "group"
@@ -285,12 +305,40 @@ def test_train_with_spark_learns_A_resumes_exactly_and_logs_rounds(tiny_model_di
     assert len(resp["tokens"]) == len(resp["outcome"]) == len(resp["round"])
     # the run's checkpoint serves as a drafter checkpoint, its A included; a different rank is refused
     ck = list_checkpoints(tmp_path / "a")[-1]
-    gen = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--n", "2", "--max-new-tokens", "6",
-           "--draft", "eagle3", "--draft-checkpoint", str(ck), "--budget", "fixed", "--spark"]
+    gen = [
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "hi",
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--draft",
+        "eagle3",
+        "--draft-checkpoint",
+        str(ck),
+        "--budget",
+        "fixed",
+        "--spark",
+    ]
     assert main(gen + ["--spark-rank", "4", "--round-log", str(tmp_path / "gen.jsonl")]) == 0
     assert main(gen + ["--spark-rank", "8"]) == 2
-    assert main(["analyze", "--logs", f"{log},{tmp_path / 'gen.jsonl'}", "--labels", "train,generate",
-                 "--out", str(tmp_path / "an")]) == 0
+    assert (
+        main(
+            [
+                "analyze",
+                "--logs",
+                f"{log},{tmp_path / 'gen.jsonl'}",
+                "--labels",
+                "train,generate",
+                "--out",
+                str(tmp_path / "an"),
+            ]
+        )
+        == 0
+    )
     res = json.loads((tmp_path / "an" / "analysis.json").read_text())["results"]
     assert res["train"]["rollouts"] == 3 and res["train"]["drafted_positions"] > 0
     assert_drawn(tmp_path / "an" / "analysis.png")
@@ -301,14 +349,17 @@ def test_train_with_spark_learns_A_resumes_exactly_and_logs_rounds(tiny_model_di
     assert_drawn(tmp_path / "st" / "analysis_stages.png")
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["--spark"], "--spark corrects a drafter"),
-    (["--draft", "eagle3", "--spark", "--spark-rank", "0"], "--spark-rank must be >= 1"),
-    (["--draft", "eagle3", "--spark", "--spark-k", "0"], "--spark-k must be >= 1"),
-    (["--draft", "eagle3", "--spark", "--spark-eta", "0"], "--spark-eta must be > 0"),
-    (["--draft", "eagle3", "--spark", "--spark-every", "0"], "--spark-every must be >= 1"),
-    (["--draft", "eagle3", "--spark", "--spark-scope", "world"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--spark"], "--spark corrects a drafter"),
+        (["--draft", "eagle3", "--spark", "--spark-rank", "0"], "--spark-rank must be >= 1"),
+        (["--draft", "eagle3", "--spark", "--spark-k", "0"], "--spark-k must be >= 1"),
+        (["--draft", "eagle3", "--spark", "--spark-eta", "0"], "--spark-eta must be > 0"),
+        (["--draft", "eagle3", "--spark", "--spark-every", "0"], "--spark-every must be >= 1"),
+        (["--draft", "eagle3", "--spark", "--spark-scope", "world"], "invalid choice"),
+    ],
+)
 def test_spark_bad_input_is_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):
     from sparkrl.commands.cli import main
 
@@ -321,8 +372,23 @@ def test_spark_bad_input_is_one_clear_line(argv, msg, capsys, tmp_path, monkeypa
 def test_spark_rank_above_hidden_size_and_bad_round_log(tiny_model_dir, tmp_path, capsys):
     from sparkrl.commands.cli import main
 
-    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--draft", "eagle3", "--spark",
-                 "--spark-rank", "100000"]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_model_dir),
+                "--prompt",
+                "hi",
+                "--draft",
+                "eagle3",
+                "--spark",
+                "--spark-rank",
+                "100000",
+            ]
+        )
+        == 2
+    )
     assert "--spark-rank must be in [1," in capsys.readouterr().err
     (tmp_path / "bad.jsonl").write_text("{}\n")
     assert main(["analyze", "--logs", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o")]) == 2

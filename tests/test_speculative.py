@@ -6,22 +6,21 @@ import copy
 
 import pytest
 import torch
-
 from helpers import ALPHA, EOS, SEEDS, V, chi_square_pvalue, sequence_probs, small_policy
-from sparkrl.config import SamplingConfig
+
+from sparkrl.config import SamplingConfig, TreeShape
+from sparkrl.cpu import native
+from sparkrl.cpu.accelerate import COMPILED_SAMPLER, accelerate, use_float32_attention, use_native, use_weight_major
+from sparkrl.cpu.kernels import is_packed, pack, packable
 from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.selfdraft import SelfDrafter
-from sparkrl.cpu import native
 from sparkrl.engine.budget import AR
-from sparkrl.cpu.accelerate import COMPILED_SAMPLER, accelerate, use_float32_attention, use_native, use_weight_major
-from sparkrl.cpu.kernels import is_packed, pack, packable
-from sparkrl.engine.sampling import SAMPLER
-from sparkrl.train.precision import rollout_copy
-from sparkrl.config import TreeShape
 from sparkrl.engine.rollout import generate, response_generators
-from sparkrl.engine.speculative import Backlog, catch_up, generate_speculative
+from sparkrl.engine.sampling import SAMPLER
 from sparkrl.engine.spark import Spark, init_projection
+from sparkrl.engine.speculative import Backlog, catch_up, generate_speculative
+from sparkrl.train.precision import rollout_copy
 
 FAST = {(0.8, 0.7, "tree", True), (0.8, 0.7, "chain", True), (0.8, 0.7, "block", True), (1.0, 1.0, "tree", False)}
 
@@ -40,8 +39,18 @@ def test_point_mass_drafts_commit_the_autoregressive_tokens(temperature, top_p, 
     ar = generate(policy, prompts, sc, (EOS,), response_generators(4, 2, G), group_size=G).tokens
     spark = Spark(init_projection(policy.lm_head.weight, 4), V, k=2, eta=5.0, temperature=temperature)
     for spark, budget in ((None, None), (spark, None), (None, EveryThirdAutoregressive(shape))):
-        r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(4, 2, G), shape,
-                                 group_size=G, spark=spark, budget=budget)
+        r = generate_speculative(
+            policy,
+            drafter,
+            prompts,
+            sc,
+            (EOS,),
+            response_generators(4, 2, G),
+            shape,
+            group_size=G,
+            spark=spark,
+            budget=budget,
+        )
         assert r.stats.aal > 1.0 and r.tokens == ar
     assert 0 < r.stats.tree_rounds < r.stats.rounds  # the budget's rounds were mixed
 
@@ -66,10 +75,22 @@ class EveryThirdAutoregressive:
         pass
 
 
-@pytest.mark.parametrize("temperature,top_p,mode,spark", [
-    pytest.param(t, p, m, s, id=f"{t}-{p}-{m}-{'spark' if s else 'baseline'}",
-                 marks=() if (t, p, m, s) in FAST else pytest.mark.slow)
-    for t, p in [(1.0, 1.0), (0.8, 0.7)] for m in ["tree", "chain", "block"] for s in [False, True]])
+@pytest.mark.parametrize(
+    "temperature,top_p,mode,spark",
+    [
+        pytest.param(
+            t,
+            p,
+            m,
+            s,
+            id=f"{t}-{p}-{m}-{'spark' if s else 'baseline'}",
+            marks=() if (t, p, m, s) in FAST else pytest.mark.slow,
+        )
+        for t, p in [(1.0, 1.0), (0.8, 0.7)]
+        for m in ["tree", "chain", "block"]
+        for s in [False, True]
+    ],
+)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_rollouts_are_exact_in_ragged_batches(temperature, top_p, mode, spark, seed):
     """With SPARK adapting strongly (eta 5, so the proposals change a lot), too."""
@@ -80,17 +101,19 @@ def test_rollouts_are_exact_in_ragged_batches(temperature, top_p, mode, spark, s
     sc = SamplingConfig(temperature, top_p, L)
     shape = {"tree": TreeShape(2, 2, 4), "chain": TreeShape.chain(2), "block": TreeShape.block(2)}[mode]  # block size 3
     corr = Spark(init_projection(policy.lm_head.weight, 4), V, k=2, eta=5.0, temperature=temperature) if spark else None
-    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1 + seed, 2, G), shape,
-                             group_size=G, spark=corr)
+    r = generate_speculative(
+        policy, drafter, prompts, sc, (EOS,), response_generators(1 + seed, 2, G), shape, group_size=G, spark=corr
+    )
     assert r.stats.tree_rounds == r.stats.rounds and r.stats.aal > 1.0  # drafts were accepted, so verified
     if spark:  # the correction changed the proposals: which drafts hit, and for sampled chains the tokens
         assert r.stats.adapter["spark_contexts"] > 0 and len(corr.store) > 0
-        plain = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1 + seed, 2, G), shape,
-                                     group_size=G)
+        plain = generate_speculative(
+            policy, drafter, prompts, sc, (EOS,), response_generators(1 + seed, 2, G), shape, group_size=G
+        )
         assert r.outcome != plain.outcome
         assert (r.tokens != plain.tokens) if mode == "chain" else (r.tokens == plain.tokens)
     for i, prompt in enumerate(prompts):
-        samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]
+        samples = [tuple(t) for t in r.tokens[i * G : (i + 1) * G]]
         assert chi_square_pvalue(samples, sequence_probs(policy, prompt, L, temperature, top_p)) > ALPHA
 
 
@@ -100,8 +123,9 @@ def test_greedy_self_drafting_accepts_every_level_and_equals_greedy():
     sc = SamplingConfig(0.0, 1.0, 9)
     ar = generate(policy, prompts, sc, (), response_generators(0, 2, 2), group_size=2)
     for shape in (TreeShape(depth=3, branch=2, nodes=6), TreeShape(depth=3, branch=1, nodes=3)):
-        sp = generate_speculative(policy, SelfDrafter(policy), prompts, sc, (), response_generators(0, 2, 2), shape,
-                                  group_size=2)
+        sp = generate_speculative(
+            policy, SelfDrafter(policy), prompts, sc, (), response_generators(0, 2, 2), shape, group_size=2
+        )
         assert sp.tokens == ar.tokens
     # with one branch the tree is the drafter's greedy chain, which the greedy policy accepts whole:
     # 1 token from the prefill, then rounds of depth + 1 = 4 tokens: 9 = 1 + 4 + 4
@@ -112,8 +136,16 @@ def test_greedy_with_random_drafter_equals_greedy(tiny_llama):
     prompts = [[1, 2, 3, 4, 5], [6, 7]]
     sc = SamplingConfig(0.0, 1.0, 12)
     ar = generate(tiny_llama, prompts, sc, (5,), response_generators(0, 2, 3), group_size=3)
-    sp = generate_speculative(tiny_llama, Eagle3Drafter(tiny_llama.args), prompts, sc, (5,),
-                              response_generators(0, 2, 3), TreeShape(4, 3, 8), group_size=3)
+    sp = generate_speculative(
+        tiny_llama,
+        Eagle3Drafter(tiny_llama.args),
+        prompts,
+        sc,
+        (5,),
+        response_generators(0, 2, 3),
+        TreeShape(4, 3, 8),
+        group_size=3,
+    )
     assert sp.tokens == ar.tokens and sp.finish_reason == ar.finish_reason
 
 
@@ -121,18 +153,23 @@ def test_response_does_not_depend_on_batch_speculative(tiny_llama):
     drafter = Eagle3Drafter(tiny_llama.args)
     sc = SamplingConfig(1.0, 0.9, 10)
     shape = TreeShape(3, 2, 5)
-    both = generate_speculative(tiny_llama, drafter, [[1, 2, 3], [9, 8, 7, 6]], sc, (5,),
-                                response_generators(0, 2, 2), shape, group_size=2)
-    alone = generate_speculative(tiny_llama, drafter, [[1, 2, 3]], sc, (5,), response_generators(0, 1, 2), shape,
-                                 group_size=2)
+    both = generate_speculative(
+        tiny_llama, drafter, [[1, 2, 3], [9, 8, 7, 6]], sc, (5,), response_generators(0, 2, 2), shape, group_size=2
+    )
+    alone = generate_speculative(
+        tiny_llama, drafter, [[1, 2, 3]], sc, (5,), response_generators(0, 1, 2), shape, group_size=2
+    )
     assert both.tokens[:2] == alone.tokens
 
 
 def test_tree_shape_errors():
     from sparkrl.errors import UserError
 
-    for kw, msg in [(dict(depth=2, branch=2, nodes=0), "--tree-nodes"), (dict(depth=2, branch=0, nodes=4), "--tree-branch"),
-                    (dict(depth=5, branch=2, nodes=4), "larger than the node budget")]:
+    for kw, msg in [
+        (dict(depth=2, branch=2, nodes=0), "--tree-nodes"),
+        (dict(depth=2, branch=0, nodes=4), "--tree-branch"),
+        (dict(depth=5, branch=2, nodes=4), "larger than the node budget"),
+    ]:
         with pytest.raises(UserError, match=msg):
             TreeShape(**kw)
 
@@ -154,7 +191,7 @@ def test_rollouts_record_the_rollout_models_logprob_of_every_token(tiny_llama, m
     for i, toks in enumerate(r.tokens):
         seq = torch.tensor([r.prompt_of(i) + toks])
         with torch.no_grad():
-            logits = tiny_llama.logits(tiny_llama(seq).hidden)[:, len(r.prompt_of(i)) - 1:-1]
+            logits = tiny_llama.logits(tiny_llama(seq).hidden)[:, len(r.prompt_of(i)) - 1 : -1]
         want = token_logprobs(logits, torch.tensor([toks]), temperature)[0]
         assert torch.allclose(torch.tensor(r.logp[i]), want, atol=1e-4), (i, r.logp[i], want.tolist())
 
@@ -167,11 +204,18 @@ def on_kernels(module, packed=False, weight_major=False, native=False, attn32=Fa
     return module
 
 
-@pytest.mark.parametrize("dtype,packed,head32,attn32,fast", [
-    (torch.bfloat16, False, False, False, False), (torch.bfloat16, False, False, True, False),
-    (torch.bfloat16, True, False, True, False), (torch.bfloat16, True, True, False, False),
-    (torch.bfloat16, False, False, True, True),
-    (torch.float32, True, False, False, False), (torch.float32, True, False, False, True)])
+@pytest.mark.parametrize(
+    "dtype,packed,head32,attn32,fast",
+    [
+        (torch.bfloat16, False, False, False, False),
+        (torch.bfloat16, False, False, True, False),
+        (torch.bfloat16, True, False, True, False),
+        (torch.bfloat16, True, True, False, False),
+        (torch.bfloat16, False, False, True, True),
+        (torch.float32, True, False, False, False),
+        (torch.float32, True, False, False, True),
+    ],
+)
 @pytest.mark.parametrize("mode", ["tree", "chain", "block"])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32, attn32, fast, seed):
@@ -187,20 +231,30 @@ def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32, a
     if fast and not native.available():
         pytest.skip("the compiled kernels are not available here")
     master = small_policy(seed)
-    policy = on_kernels(rollout_copy(master, dtype, "plain", head_float32=head32).model, packed,
-                        dtype == torch.float32, fast, attn32)
+    policy = on_kernels(
+        rollout_copy(master, dtype, "plain", head_float32=head32).model, packed, dtype == torch.float32, fast, attn32
+    )
     assert policy.lm_head.native == policy.model.norm.native == fast
-    drafter = (DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args))
+    drafter = DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args)
     drafter = on_kernels(drafter.to(dtype), packed, dtype == torch.float32, fast, attn32).bind(policy)
     assert is_packed(policy) == packed == is_packed(drafter)
     prompts, G, L = [[1, 2, 3, 4], [2, 0]], 3000, 3
     sc = SamplingConfig(0.8, 0.7, L)
     shape = {"tree": TreeShape(2, 2, 4), "chain": TreeShape.chain(2), "block": TreeShape.block(2)}[mode]
-    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1 + seed, 2, G), shape,
-                             group_size=G, sampler=COMPILED_SAMPLER if fast else SAMPLER)
+    r = generate_speculative(
+        policy,
+        drafter,
+        prompts,
+        sc,
+        (EOS,),
+        response_generators(1 + seed, 2, G),
+        shape,
+        group_size=G,
+        sampler=COMPILED_SAMPLER if fast else SAMPLER,
+    )
     assert r.stats.aal > 1.0
     for i, prompt in enumerate(prompts):
-        samples = [tuple(t) for t in r.tokens[i * G:(i + 1) * G]]
+        samples = [tuple(t) for t in r.tokens[i * G : (i + 1) * G]]
         assert chi_square_pvalue(samples, sequence_probs(policy, prompt, L, 0.8, 0.7)) > ALPHA
 
 
@@ -253,8 +307,9 @@ def test_a_weight_major_head_samples_what_the_plain_head_does(seed):
     policy, drafter = weight_major_pair(plain, "chain")
     prompts, G, L = [[1, 2, 3, 4]], 3000, 3
     sc = SamplingConfig(0.8, 0.7, L)
-    r = generate_speculative(policy, drafter, prompts, sc, (EOS,), response_generators(1 + seed, 1, G), TreeShape.chain(2),
-                             group_size=G)
+    r = generate_speculative(
+        policy, drafter, prompts, sc, (EOS,), response_generators(1 + seed, 1, G), TreeShape.chain(2), group_size=G
+    )
     assert r.stats.aal > 1.0
     assert chi_square_pvalue([tuple(t) for t in r.tokens], sequence_probs(plain, prompts[0], L, 0.8, 0.7)) > ALPHA
 
@@ -269,8 +324,9 @@ def test_bfloat16_greedy_speculative_equals_bfloat16_greedy(tiny_llama, attn32):
     ar = generate(policy, prompts, sc, (5,), response_generators(0, 2, 3), group_size=3, sampler=COMPILED_SAMPLER)
     for shape in (TreeShape(4, 3, 8), TreeShape.chain(3)):
         d = on_kernels(Eagle3Drafter(policy.args).to(torch.bfloat16), native=True, attn32=attn32)
-        sp = generate_speculative(policy, d, prompts, sc, (5,), response_generators(0, 2, 3), shape, group_size=3,
-                                  sampler=COMPILED_SAMPLER)
+        sp = generate_speculative(
+            policy, d, prompts, sc, (5,), response_generators(0, 2, 3), shape, group_size=3, sampler=COMPILED_SAMPLER
+        )
         assert sp.tokens == ar.tokens
 
 
@@ -284,9 +340,21 @@ def test_round_stats_merge_sums_counts_and_sums_or_maxes_times():
     a.adapter, b.adapter = {"spark_s": 1.0, "spark_contexts": 3}, {"spark_s": 2.0, "spark_contexts": 4}
     for concurrent, t in ((False, sum), (True, max)):
         m = RoundStats.merge([a, b], concurrent)
-        assert (m.rounds, m.row_rounds, m.committed, m.policy_forwards, m.tree_rounds, m.tree_row_rounds) == (3, 4, 7, 5, 2, 3)
+        assert (m.rounds, m.row_rounds, m.committed, m.policy_forwards, m.tree_rounds, m.tree_row_rounds) == (
+            3,
+            4,
+            7,
+            5,
+            2,
+            3,
+        )
         assert m.aal == 7 / 4 and m.accepted_at_depth == [2, 1] and m.active_aal == [(2, 2.0), (1, 2.0)]
-        assert (m.draft_s, m.verify_s, m.accept_s, m.ar_s) == (t([1.0, 0.5]), t([2.0, 5.0]), t([0.5, 0.25]), t([0.0, 4.0]))
+        assert (m.draft_s, m.verify_s, m.accept_s, m.ar_s) == (
+            t([1.0, 0.5]),
+            t([2.0, 5.0]),
+            t([0.5, 0.25]),
+            t([0.0, 4.0]),
+        )
         assert m.adapter == {"spark_s": t([1.0, 2.0]), "spark_contexts": 7}
 
 

@@ -12,13 +12,24 @@ ROOT = Path(__file__).resolve().parents[1] / "sparkrl"
 # FSDP2 (torch.distributed.fsdp / .tensor): about a second of start-up, needed only by --shard-policy fsdp.
 # torch.utils.cpp_extension: the compiled kernels' build (setuptools and the compiler tooling), loaded when first wanted
 # vllm: an optional extra (sparkrl[vllm]), 10 s to import, only for --engine vllm and its plugin
-LAZY_OK = {"matplotlib", "transformers", "datasets", "pyarrow", "math_verify", "huggingface_hub",
-           "torch.distributed.fsdp", "torch.distributed.tensor", "torch.utils.cpp_extension", "vllm"}
+LAZY_OK = {
+    "matplotlib",
+    "transformers",
+    "datasets",
+    "pyarrow",
+    "math_verify",
+    "huggingface_hub",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.utils.cpp_extension",
+    "vllm",
+}
 
 
 def lazy_ok(module: str) -> bool:
     """A listed package or one of its submodules."""
     return any(module == m or module.startswith(m + ".") for m in LAZY_OK)
+
 
 # Layers, bottom to top, by package: a module may import from its own package and from the layers below. Two
 # packages in one layer do not import each other: the CPU layer is an add-on beside the drafters, and nothing
@@ -54,15 +65,19 @@ def internal_imports(tree: ast.Module, top_level_only: bool) -> set[str]:
     out = set()
     for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sparkrl"):
-            mod = node.module[len("sparkrl."):] if node.module != "sparkrl" else ""
+            mod = node.module[len("sparkrl.") :] if node.module != "sparkrl" else ""
             folder = ROOT.joinpath(*mod.split(".")) if mod else ROOT
             if folder.is_dir():  # `from sparkrl.cpu import native`: a module of the package, or its __init__'s names
-                out |= {f"{mod}.{a.name}".lstrip(".") if (folder / f"{a.name}.py").exists()
-                        else f"{mod}.__init__".lstrip(".") for a in node.names}
+                out |= {
+                    f"{mod}.{a.name}".lstrip(".")
+                    if (folder / f"{a.name}.py").exists()
+                    else f"{mod}.__init__".lstrip(".")
+                    for a in node.names
+                }
             else:
                 out.add(mod)
         elif isinstance(node, ast.Import):
-            out |= {a.name[len("sparkrl."):] for a in node.names if a.name.startswith("sparkrl.")}
+            out |= {a.name[len("sparkrl.") :] for a in node.names if a.name.startswith("sparkrl.")}
     return out
 
 
@@ -70,8 +85,9 @@ def layer_of(name: str) -> int:
     for i, layer in enumerate(LAYERS):
         if package_of(name) in layer:
             return i
-    raise AssertionError(f"sparkrl/{name.replace('.', '/')}.py is in no layer of tests/test_structure.py: place its "
-                         "package in LAYERS")
+    raise AssertionError(
+        f"sparkrl/{name.replace('.', '/')}.py is in no layer of tests/test_structure.py: place its package in LAYERS"
+    )
 
 
 def test_no_function_level_imports_but_optional_heavy_ones():
@@ -89,8 +105,10 @@ def test_no_function_level_imports_but_optional_heavy_ones():
                     continue
                 if not all(lazy_ok(r) for r in roots):
                     bad.append(f"sparkrl/{name}.py:{node.lineno} imports {', '.join(sorted(roots))} inside {fn.name}")
-    assert not bad, "function-level imports (move them to the top, or list an optional dependency in LAZY_OK):\n" + \
-        "\n".join(sorted(set(bad)))
+    assert not bad, (
+        "function-level imports (move them to the top, or list an optional dependency in LAZY_OK):\n"
+        + "\n".join(sorted(set(bad)))
+    )
 
 
 def test_imports_run_one_way_down_the_layers():
@@ -99,8 +117,9 @@ def test_imports_run_one_way_down_the_layers():
         for dep in internal_imports(tree, top_level_only=False):
             assert dep in mods, f"sparkrl/{name}.py imports unknown module sparkrl.{dep}"
             same = package_of(dep) == package_of(name) or layer_of(dep) == layer_of(name) == 0  # base modules
-            assert same or layer_of(dep) < layer_of(name), \
+            assert same or layer_of(dep) < layer_of(name), (
                 f"sparkrl.{name} (layer {layer_of(name)}) imports sparkrl.{dep} (layer {layer_of(dep)}): not below it"
+            )
 
 
 def test_the_model_and_the_engine_never_import_the_cpu_layer():
@@ -117,7 +136,7 @@ def test_import_graph_has_no_cycle():
 
     def visit(n, path):
         if state.get(n) == 1:
-            raise AssertionError("import cycle: " + " -> ".join(path[path.index(n):] + [n]))
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(n) :] + [n]))
         if state.get(n) == 2:
             return
         state[n] = 1
@@ -143,6 +162,8 @@ def test_modules_and_functions_stay_readable():
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = fn.end_lineno - fn.lineno + 1
                 if n > MAX_FUNCTION_LINES and "One piece:" not in (ast.get_docstring(fn) or ""):
-                    bad.append(f"sparkrl/{name.replace('.', '/')}.py: {fn.name} has {n} lines (at most "
-                               f"{MAX_FUNCTION_LINES}, or say why in its docstring: 'One piece: ...')")
+                    bad.append(
+                        f"sparkrl/{name.replace('.', '/')}.py: {fn.name} has {n} lines (at most "
+                        f"{MAX_FUNCTION_LINES}, or say why in its docstring: 'One piece: ...')"
+                    )
     assert not bad, "\n".join(bad)

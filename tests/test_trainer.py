@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import ParityGrader, run_config
-from sparkrl.train.checkpoint import list_checkpoints, load_checkpoint, load_latest
-from sparkrl.cpu.kernels import is_packed, packable
+
 from sparkrl.commands.cli import main
+from sparkrl.cpu.kernels import is_packed, packable
 from sparkrl.errors import UserError
+from sparkrl.train.checkpoint import list_checkpoints, load_checkpoint, load_latest
 from sparkrl.train.trainer import DataOrder, train
 
 TIMING = {"gen_s", "train_s", "draft_train_s", "gen_tok_per_s"}
@@ -43,11 +43,15 @@ def test_train_writes_contract_files(tiny_model_dir, tmp_path):
     assert 0 < m[0]["gen_tokens"] <= 2 * 3 * 6
     assert m[0]["grad_norm"] > 0  # the parity reward gives non-zero advantages
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-000002"]
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step-000002").iterdir()) == \
-        ["policy.safetensors", "state.pt"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step-000002").iterdir()) == [
+        "policy.safetensors",
+        "state.pt",
+    ]
     # the exported model is the last checkpoint's weights file, linked: stored once
     weights = tmp_path / "run" / "model" / "model.safetensors"
-    assert weights.stat().st_ino == (tmp_path / "run" / "checkpoints" / "step-000002" / "policy.safetensors").stat().st_ino
+    assert (
+        weights.stat().st_ino == (tmp_path / "run" / "checkpoints" / "step-000002" / "policy.safetensors").stat().st_ino
+    )
 
 
 def test_resume_continues_exactly(tiny_model_dir, tmp_path):
@@ -91,22 +95,28 @@ def test_data_order_covers_each_epoch():
     assert [i for s in range(4) for i in DataOrder(10, 3, 6).batch(s)] != seen[:12]  # and the order is seeded
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["train", "--out", "X", "--group-size", "1"], "--group-size must be >= 2"),
-    (["train", "--out", "X", "--temperature", "-1"], "--temperature must be >= 0"),
-    (["train", "--out", "X", "--top-p", "0"], "--top-p must be in (0, 1]"),
-    (["train", "--out", "X", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
-    (["train", "--out", "X", "--steps", "0"], "--steps must be >= 1"),
-    (["train", "--steps", "2"], "--out is required"),
-    (["train", "--out", "X", "--model", "/no/such/model"], "does not exist"),
-    (["train", "--out", "X", "--data", "/no/such.jsonl"], "is not a file"),
-    (["train", "--out", "X", "--bogus"], "unrecognized arguments"),
-    (["generate", "--prompt", "a", "--prompts-file", "b"], "exactly one of"),
-    (["train", "--out", "X", "--draft", "eagle3", "--draft-checkpoint", "/no/such.pt"], "does not exist"),
-    (["train", "--out", "X", "--draft", "eagle3", "--tree-nodes", "0"], "--tree-nodes must be >= 1"),
-    (["train", "--out", "X", "--draft", "eagle3", "--tree-depth", "9", "--tree-nodes", "4"], "larger than the node budget"),
-    (["train", "--out", "X", "--draft", "eagle3", "--tree-branch", "0"], "--tree-branch must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["train", "--out", "X", "--group-size", "1"], "--group-size must be >= 2"),
+        (["train", "--out", "X", "--temperature", "-1"], "--temperature must be >= 0"),
+        (["train", "--out", "X", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["train", "--out", "X", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["train", "--out", "X", "--steps", "0"], "--steps must be >= 1"),
+        (["train", "--steps", "2"], "--out is required"),
+        (["train", "--out", "X", "--model", "/no/such/model"], "does not exist"),
+        (["train", "--out", "X", "--data", "/no/such.jsonl"], "is not a file"),
+        (["train", "--out", "X", "--bogus"], "unrecognized arguments"),
+        (["generate", "--prompt", "a", "--prompts-file", "b"], "exactly one of"),
+        (["train", "--out", "X", "--draft", "eagle3", "--draft-checkpoint", "/no/such.pt"], "does not exist"),
+        (["train", "--out", "X", "--draft", "eagle3", "--tree-nodes", "0"], "--tree-nodes must be >= 1"),
+        (
+            ["train", "--out", "X", "--draft", "eagle3", "--tree-depth", "9", "--tree-nodes", "4"],
+            "larger than the node budget",
+        ),
+        (["train", "--out", "X", "--draft", "eagle3", "--tree-branch", "0"], "--tree-branch must be >= 1"),
+    ],
+)
 def test_bad_input_is_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
@@ -116,13 +126,37 @@ def test_bad_input_is_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):
 
 def test_ctrl_c_writes_checkpoint_and_resumes(tiny_model_dir, tmp_path):
     out = tmp_path / "int"
-    cmd = [sys.executable, "-m", "sparkrl.commands.cli", "train", "--model", str(tiny_model_dir), "--out", str(out),
-           "--steps", "500", "--group-size", "2", "--prompts-per-step", "1", "--max-new-tokens", "4",
-           "--default-size", "20", "--checkpoint-every", "1000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sparkrl.commands.cli",
+        "train",
+        "--model",
+        str(tiny_model_dir),
+        "--out",
+        str(out),
+        "--steps",
+        "500",
+        "--group-size",
+        "2",
+        "--prompts-per-step",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--default-size",
+        "20",
+        "--checkpoint-every",
+        "1000",
+    ]
     # a shell's background job inherits SIGINT ignored, and Python then installs no Ctrl-C handler:
     # give the run the default disposition, as an interactive terminal would
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
@@ -141,25 +175,95 @@ def test_ctrl_c_writes_checkpoint_and_resumes(tiny_model_dir, tmp_path):
 def test_cli_train_and_generate_on_default_model(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    r = subprocess.run([sys.executable, "-m", "sparkrl.commands.cli", "train", "--model", "default", "--data", "default",
-                        "--out", str(out), "--steps", "1", "--group-size", "2", "--prompts-per-step", "1",
-                        "--max-new-tokens", "24"], capture_output=True, text=True, env=env, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sparkrl.commands.cli",
+            "train",
+            "--model",
+            "default",
+            "--data",
+            "default",
+            "--out",
+            str(out),
+            "--steps",
+            "1",
+            "--group-size",
+            "2",
+            "--prompts-per-step",
+            "1",
+            "--max-new-tokens",
+            "24",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr
     assert "trained 1 step ->" in r.stderr and (out / "model" / "model.safetensors").exists()
     assert len(_metrics(out)) == 1 and (out / "checkpoints" / "step-000001" / "policy.safetensors").exists()
-    r = subprocess.run([sys.executable, "-m", "sparkrl.commands.cli", "generate", "--model", "default", "--prompt",
-                        "What is 2+3?", "--temperature", "0", "--json", "--max-new-tokens", "20", "--n", "2"],
-                       capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sparkrl.commands.cli",
+            "generate",
+            "--model",
+            "default",
+            "--prompt",
+            "What is 2+3?",
+            "--temperature",
+            "0",
+            "--json",
+            "--max-new-tokens",
+            "20",
+            "--n",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     rows = [json.loads(l) for l in r.stdout.splitlines()]
     assert len(rows) == 2 and rows[0]["token_ids"] == rows[1]["token_ids"]  # greedy
     for key in ("prompt_index", "prompt_token_ids", "text", "token_ids", "finish_reason"):
         assert key in rows[0]
     # any drafter, even an untrained one, gives exactly the greedy tokens
-    r = subprocess.run([sys.executable, "-m", "sparkrl.commands.cli", "generate", "--model", "default", "--prompt",
-                        "What is 2+3?", "--temperature", "0", "--json", "--max-new-tokens", "20", "--draft", "eagle3",
-                        "--draft-checkpoint", "fresh", "--budget", "fixed", "--tree-nodes", "6", "--tree-depth", "3"],
-                       capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sparkrl.commands.cli",
+            "generate",
+            "--model",
+            "default",
+            "--prompt",
+            "What is 2+3?",
+            "--temperature",
+            "0",
+            "--json",
+            "--max-new-tokens",
+            "20",
+            "--draft",
+            "eagle3",
+            "--draft-checkpoint",
+            "fresh",
+            "--budget",
+            "fixed",
+            "--tree-nodes",
+            "6",
+            "--tree-depth",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[0])["token_ids"] == rows[0]["token_ids"]
     assert "drafting: aal" in r.stderr
@@ -171,9 +275,31 @@ def test_cli_train_shows_drafting_resumes_aloud_and_exports(tiny_model_dir, tmp_
     from sparkrl.model.weights import load_model
 
     out = tmp_path / "run"
-    argv = ["train", "--model", str(tiny_model_dir), "--out", str(out), "--group-size", "2", "--prompts-per-step", "1",
-            "--max-new-tokens", "6", "--default-size", "20", "--draft", "eagle3", "--tree-depth", "2",
-            "--tree-branch", "2", "--tree-nodes", "3", "--budget", "fixed"]
+    argv = [
+        "train",
+        "--model",
+        str(tiny_model_dir),
+        "--out",
+        str(out),
+        "--group-size",
+        "2",
+        "--prompts-per-step",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--default-size",
+        "20",
+        "--draft",
+        "eagle3",
+        "--tree-depth",
+        "2",
+        "--tree-branch",
+        "2",
+        "--tree-nodes",
+        "3",
+        "--budget",
+        "fixed",
+    ]
     assert main(argv + ["--steps", "1"]) == 0
     err = capsys.readouterr().err
     assert "trained 1 step ->" in err and "tokens per verification round (AAL), 100% of" in err
@@ -188,15 +314,52 @@ def test_cli_train_shows_drafting_resumes_aloud_and_exports(tiny_model_dir, tmp_
     assert "exported the drafter of" in capsys.readouterr().err
     cfg = json.loads((tmp_path / "vd" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_aux_hidden_states"] == 2
-    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--max-new-tokens", "4", "--draft", "eagle3",
-                 "--draft-checkpoint", str(tmp_path / "vd"), "--budget", "fixed", "--tree-depth", "2", "--tree-nodes", "3",
-                 "--tree-branch", "2"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_model_dir),
+                "--prompt",
+                "hi",
+                "--max-new-tokens",
+                "4",
+                "--draft",
+                "eagle3",
+                "--draft-checkpoint",
+                str(tmp_path / "vd"),
+                "--budget",
+                "fixed",
+                "--tree-depth",
+                "2",
+                "--tree-nodes",
+                "3",
+                "--tree-branch",
+                "2",
+            ]
+        )
+        == 0
+    )
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({**cfg, "vocab_size": 1000}))
     (other / "model.safetensors").symlink_to(tmp_path / "vd" / "model.safetensors")
-    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--draft", "eagle3",
-                 "--draft-checkpoint", str(other)]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_model_dir),
+                "--prompt",
+                "hi",
+                "--draft",
+                "eagle3",
+                "--draft-checkpoint",
+                str(other),
+            ]
+        )
+        == 2
+    )
     assert "was made for a policy with vocab_size=1000" in capsys.readouterr().err
     ours = load_model(str(tiny_model_dir), with_tokenizer=False).model
     assert not ours.load_weights(load_latest(out)["policy"])[0]
@@ -206,27 +369,53 @@ def test_cli_train_shows_drafting_resumes_aloud_and_exports(tiny_model_dir, tmp_
         want = ours.logits(ours(toks).hidden)
         got = hf(toks).logits
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
-    for bad, msg in ((["export", str(tmp_path), "--out", str(tmp_path / "x")], "holds no checkpoint"),
-                     (["export", "--out", str(tmp_path / "x")], "give the run folder")):
+    for bad, msg in (
+        (["export", str(tmp_path), "--out", str(tmp_path / "x")], "holds no checkpoint"),
+        (["export", "--out", str(tmp_path / "x")], "give the run folder"),
+    ):
         assert main(bad) == 2 and msg in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["generate", "--prompt", "x", "--device", "gpu"], "--device 'gpu' is not a torch device"),
-    (["generate", "--prompt", "x", "--device", "cuda"], "--device cuda: "),
-    (["train", "--out", "X", "--device", "cuda:1"], "use --device cpu"),
-    (["train", "--out", "X", "--dtype", "float16"], "--dtype float16 on a CPU"),
-    (["generate", "--prompts-file", "p.jsonl"], "p.jsonl:2: no 'prompt' string"),
-    (["generate", "--prompts-file", "q.jsonl"], "q.jsonl:1: not JSON"),
-    (["generate", "--prompts-file", "none.txt"], "does not exist"),
-    (["generate", "--prompt", "x", "--engine", "vllm", "--draft", "eagle3"], "--engine vllm drafts chains, not trees"),
-    (["generate", "--prompt", "x", "--engine", "vllm", "--draft", "eagle3", "--draft-mode", "chain"],
-     "pass --budget fixed"),
-    (["generate", "--prompt", "x", "--engine", "vllm", "--draft", "dflash"], "EAGLE3-style drafters only"),
-    (["train", "--out", "X", "--engine", "vllm", "--draft", "eagle3", "--draft-mode", "chain", "--budget", "fixed",
-      "--spark", "--spark-carry"], "--spark-carry keeps B across rollouts"),
-    (["export-draft", "runs/none.safetensors", "--out", "d"], "runs/none.safetensors"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["generate", "--prompt", "x", "--device", "gpu"], "--device 'gpu' is not a torch device"),
+        (["generate", "--prompt", "x", "--device", "cuda"], "--device cuda: "),
+        (["train", "--out", "X", "--device", "cuda:1"], "use --device cpu"),
+        (["train", "--out", "X", "--dtype", "float16"], "--dtype float16 on a CPU"),
+        (["generate", "--prompts-file", "p.jsonl"], "p.jsonl:2: no 'prompt' string"),
+        (["generate", "--prompts-file", "q.jsonl"], "q.jsonl:1: not JSON"),
+        (["generate", "--prompts-file", "none.txt"], "does not exist"),
+        (
+            ["generate", "--prompt", "x", "--engine", "vllm", "--draft", "eagle3"],
+            "--engine vllm drafts chains, not trees",
+        ),
+        (
+            ["generate", "--prompt", "x", "--engine", "vllm", "--draft", "eagle3", "--draft-mode", "chain"],
+            "pass --budget fixed",
+        ),
+        (["generate", "--prompt", "x", "--engine", "vllm", "--draft", "dflash"], "EAGLE3-style drafters only"),
+        (
+            [
+                "train",
+                "--out",
+                "X",
+                "--engine",
+                "vllm",
+                "--draft",
+                "eagle3",
+                "--draft-mode",
+                "chain",
+                "--budget",
+                "fixed",
+                "--spark",
+                "--spark-carry",
+            ],
+            "--spark-carry keeps B across rollouts",
+        ),
+        (["export-draft", "runs/none.safetensors", "--out", "d"], "runs/none.safetensors"),
+    ],
+)
 def test_new_user_mistakes_are_one_clear_line(argv, msg, capsys, tmp_path, monkeypatch):
     if "cuda" in " ".join(argv) and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -268,7 +457,10 @@ def test_bfloat16_rollouts_of_float32_weights(tiny_model_dir, tmp_path):
     run = GRPORun(run_config(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
     assert run.rollout.copied and run.rollout.model.lm_head.weight.dtype == torch.bfloat16
     assert run.policy.lm_head.weight.dtype == torch.float32
-    assert run.drafting.rollout.model.fc.weight.dtype == torch.bfloat16 and run.drafting.drafter.fc.weight.dtype == torch.float32
+    assert (
+        run.drafting.rollout.model.fc.weight.dtype == torch.bfloat16
+        and run.drafting.drafter.fc.weight.dtype == torch.float32
+    )
     m = run.step(0)
     run.grader.close()
     for a, b in zip(run.rollout.model.parameters(), run.policy.parameters()):  # refreshed after the update
@@ -287,8 +479,10 @@ def test_weight_major_cpu_kernels_are_used_unpacked_and_unmeasured(tiny_model_di
     import sparkrl.train.trainer as trainer_mod
     from sparkrl.cpu.kernels import CpuLinear as Linear
 
-    run = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "x", steps=1, rollout_dtype="float32",
-                                   cpu_kernels="weight-major"), grader=ParityGrader())
+    run = trainer_mod.GRPORun(
+        run_config(tiny_model_dir, tmp_path / "x", steps=1, rollout_dtype="float32", cpu_kernels="weight-major"),
+        grader=ParityGrader(),
+    )
     run.grader.close()
     layers = [m for m in run.rollout.model.modules() if isinstance(m, Linear)]
     assert layers and all(m.weight_major and not m.packed for m in layers)
@@ -297,8 +491,9 @@ def test_weight_major_cpu_kernels_are_used_unpacked_and_unmeasured(tiny_model_di
 
 
 @pytest.mark.skipif(not packable(torch.float32, "cpu"), reason="no oneDNN in this torch")
-def test_packed_float32_rollouts_sample_from_the_updated_policy_and_the_reference_stays_packed(tiny_model_dir,
-                                                                                              tmp_path):
+def test_packed_float32_rollouts_sample_from_the_updated_policy_and_the_reference_stays_packed(
+    tiny_model_dir, tmp_path
+):
     """float32 rollouts on prepacked weights: the rollout model is the policy itself, its packed copies are
     remade after the update (logits as plain F.linear's of the new weights), the reference's are made once."""
     import copy
@@ -306,8 +501,15 @@ def test_packed_float32_rollouts_sample_from_the_updated_policy_and_the_referenc
     import sparkrl.train.trainer as trainer_mod
     from sparkrl.cpu.kernels import pack
 
-    kw = dict(rollout_dtype="float32", cpu_kernels="packed", draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3,
-              budget="fixed")
+    kw = dict(
+        rollout_dtype="float32",
+        cpu_kernels="packed",
+        draft="eagle3",
+        tree_depth=2,
+        tree_branch=2,
+        tree_nodes=3,
+        budget="fixed",
+    )
     run = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
     assert run.rollout.model is run.policy and run.policy.lm_head.packed and run.ref.lm_head.packed
     assert run.drafting.rollout.model._head[0].packed
@@ -329,15 +531,26 @@ def test_packed_float32_rollouts_sample_from_the_updated_policy_and_the_referenc
 
 
 @pytest.mark.skipif(not packable(torch.bfloat16, "cpu"), reason="this torch/CPU cannot prepack bfloat16 weights")
-def test_packed_bfloat16_rollouts_with_a_float32_head_follow_the_updates_and_resume_exactly(tiny_model_dir, tmp_path,
-                                                                                         monkeypatch):
+def test_packed_bfloat16_rollouts_with_a_float32_head_follow_the_updates_and_resume_exactly(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     import sparkrl.train.trainer as trainer_mod
 
-    kw = dict(rollout_dtype="bfloat16", cpu_kernels="packed", rollout_head="float32", draft="eagle3", tree_depth=2,
-              tree_branch=2, tree_nodes=3, budget="fixed")
+    kw = dict(
+        rollout_dtype="bfloat16",
+        cpu_kernels="packed",
+        rollout_head="float32",
+        draft="eagle3",
+        tree_depth=2,
+        tree_branch=2,
+        tree_nodes=3,
+        budget="fixed",
+    )
     run = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
     assert run.rollout.model.lm_head.packed and run.drafting.rollout.model.fc.packed and run.rollout.model.head32
-    assert run.drafting.rollout.model._head[0].packed and not is_packed(run.policy) and not is_packed(run.drafting.drafter)
+    assert (
+        run.drafting.rollout.model._head[0].packed and not is_packed(run.policy) and not is_packed(run.drafting.drafter)
+    )
     run.step(0)
     run.grader.close()
     for a, b in zip(run.rollout.model.parameters(), run.policy.parameters()):  # refreshed: repacked at next use
@@ -346,19 +559,31 @@ def test_packed_bfloat16_rollouts_with_a_float32_head_follow_the_updates_and_res
     train(run_config(tiny_model_dir, tmp_path / "a", steps=3, **kw), grader=ParityGrader())
     assert json.loads((tmp_path / "a" / "config.json").read_text())["resolved"]["packed_kernels"] is True
     train(run_config(tiny_model_dir, tmp_path / "b", steps=1, **kw), grader=ParityGrader())
-    train(run_config(tiny_model_dir, tmp_path / "b", steps=3, resume=True, **kw),
-          grader=ParityGrader())
+    train(run_config(tiny_model_dir, tmp_path / "b", steps=3, resume=True, **kw), grader=ParityGrader())
     strip = lambda ms: [{k: v for k, v in x.items() if k not in TIMING and not k.endswith("_s")} for x in ms]
     assert strip(_metrics(tmp_path / "a")) == strip(_metrics(tmp_path / "b"))  # resumed exactly
-    again = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "b", steps=4, resume=True, **kw),
-                                grader=ParityGrader())
+    again = trainer_mod.GRPORun(
+        run_config(tiny_model_dir, tmp_path / "b", steps=4, resume=True, **kw), grader=ParityGrader()
+    )
     again.grader.close()
     assert again.rollout.model.lm_head.packed  # the start's choice, not this (patched) measurement
 
 
 def test_bfloat16_autocast_update_trains(tiny_model_dir, tmp_path):
-    s = train(run_config(tiny_model_dir, tmp_path / "r", steps=2, train_dtype="bfloat16", draft="eagle3", tree_depth=2,
-                   tree_branch=2, tree_nodes=3, budget="fixed"), grader=ParityGrader())
+    s = train(
+        run_config(
+            tiny_model_dir,
+            tmp_path / "r",
+            steps=2,
+            train_dtype="bfloat16",
+            draft="eagle3",
+            tree_depth=2,
+            tree_branch=2,
+            tree_nodes=3,
+            budget="fixed",
+        ),
+        grader=ParityGrader(),
+    )
     assert s.steps_run == 2
     m = _metrics(tmp_path / "r")
     assert all(x["grad_norm"] > 0 and x["draft_train_s"] > 0 for x in m)
@@ -375,8 +600,9 @@ def test_resume_keeps_the_rollout_dtype_its_start_resolved(tiny_model_dir, tmp_p
     assert str(run.rollout.model.lm_head.weight.dtype) == f"torch.{first}"
 
 
-def test_bfloat16_rollouts_attend_in_float32_where_measured_and_resume_keeps_the_choice(tiny_model_dir, tmp_path,
-                                                                                         monkeypatch):
+def test_bfloat16_rollouts_attend_in_float32_where_measured_and_resume_keeps_the_choice(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     """Where torch's attention serves (here --cpu-kernels weight-major), the rollout copy and its drafter attend in
     float32 where this machine's measurement says so (the master weights and the trained drafter do not); the
     run records the choice and a resumed run keeps it."""
@@ -385,13 +611,21 @@ def test_bfloat16_rollouts_attend_in_float32_where_measured_and_resume_keeps_the
 
     attn = lambda module: {getattr(m, "attn_dtype", None) for m in module.modules() if isinstance(m, Attention)}
     monkeypatch.setattr(trainer_mod, "float32_attention", lambda *a: True)  # this machine's measurement
-    kw = dict(rollout_dtype="bfloat16", draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3, budget="fixed",
-              cpu_kernels="weight-major")
+    kw = dict(
+        rollout_dtype="bfloat16",
+        draft="eagle3",
+        tree_depth=2,
+        tree_branch=2,
+        tree_nodes=3,
+        budget="fixed",
+        cpu_kernels="weight-major",
+    )
     train(run_config(tiny_model_dir, tmp_path / "r", steps=1, **kw), grader=ParityGrader())
     assert json.loads((tmp_path / "r" / "config.json").read_text())["resolved"]["float32_attention"] is True
     monkeypatch.setattr(trainer_mod, "float32_attention", lambda *a: False)  # another machine's
-    run = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "r", steps=2, resume=True, **kw),
-                              grader=ParityGrader())
+    run = trainer_mod.GRPORun(
+        run_config(tiny_model_dir, tmp_path / "r", steps=2, resume=True, **kw), grader=ParityGrader()
+    )
     run.grader.close()
     assert attn(run.rollout.model) == attn(run.drafting.rollout.model) == {torch.float32}
     assert attn(run.policy) == attn(run.drafting.drafter) == {None}
@@ -405,8 +639,9 @@ def test_auto_cpu_kernels_run_the_compiled_kernels_and_record_it(tiny_model_dir,
 
     if not native.available():
         pytest.skip("the compiled kernels are not available here")
-    run = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "r", steps=1, rollout_dtype="float32"),
-                              grader=ParityGrader())
+    run = trainer_mod.GRPORun(
+        run_config(tiny_model_dir, tmp_path / "r", steps=1, rollout_dtype="float32"), grader=ParityGrader()
+    )
     run.grader.close()
     model = run.rollout.model
     assert model.lm_head.native and model.model.layers[0].mlp.up_proj.native and not model.lm_head.packed

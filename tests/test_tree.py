@@ -77,11 +77,13 @@ class Reference:
         n = int(inputs["lens"][row])
         self.cache = self.drafter.new_cache(1, CAPACITY)
         with torch.no_grad():
-            self.drafter(inputs["prefix"][row:row + 1, :n], inputs["prefix_feat"][row:row + 1, :n].double(),
-                         self.cache)
+            self.drafter(
+                inputs["prefix"][row : row + 1, :n], inputs["prefix_feat"][row : row + 1, :n].double(), self.cache
+            )
             self.cache.commit(n_keep=torch.tensor([n]))
-            root = self.drafter(inputs["root"][row:row + 1, None], inputs["root_feat"][row:row + 1].double(),
-                                self.cache)
+            root = self.drafter(
+                inputs["root"][row : row + 1, None], inputs["root_feat"][row : row + 1].double(), self.cache
+            )
             self.cache.commit(n_keep=torch.tensor([1]))
         self.root_a = root.a[0, 0]
         self.memo = {(): self._logp(root.h[0, 0])}
@@ -96,9 +98,13 @@ class Reference:
             feat = self.root_a
             with torch.no_grad():
                 for depth, tok in enumerate(path):  # node at depth+1: its token and its parent's `a`
-                    step = self.drafter(torch.tensor([[tok]]), feat[None, None], cache,
-                                        tree_mask=torch.ones(1, 1, depth + 1, dtype=torch.bool),
-                                        depth=torch.tensor([[depth]]))
+                    step = self.drafter(
+                        torch.tensor([[tok]]),
+                        feat[None, None],
+                        cache,
+                        tree_mask=torch.ones(1, 1, depth + 1, dtype=torch.bool),
+                        depth=torch.tensor([[depth]]),
+                    )
                     feat = step.a[0, 0]
             self.memo[path] = self._logp(step.h[0, 0])
         return self.memo[path]
@@ -110,7 +116,7 @@ class Reference:
 
         def top(scores, paths, m):  # the m best; the score gaps among the m + 1 best are decisions
             order = sorted(range(len(scores)), key=lambda i: -scores[i])
-            s = [scores[i] for i in order[:m + 1]]
+            s = [scores[i] for i in order[: m + 1]]
             margins.extend(s[j] - s[j + 1] for j in range(len(s) - 1))
             return [paths[i] for i in order[:m]]
 
@@ -272,7 +278,7 @@ def test_a_tree_with_a_stop_is_each_rows_own_whatever_the_batch(tiny_llama):
         for r in range(B):
             alone = copy.deepcopy(cache)
             alone.keep_rows(torch.tensor([r]))
-            tree, _ = draft_tree(drafter, alone, root[r:r + 1], z[r:r + 1], a[r:r + 1], h[r:r + 1], stopping, 8)
+            tree, _ = draft_tree(drafter, alone, root[r : r + 1], z[r : r + 1], a[r : r + 1], h[r : r + 1], stopping, 8)
             assert valid_paths(batch, r) == valid_paths(tree, 0)
             if stopped[r]:
                 assert max(map(len, valid_paths(batch, r))) <= 2

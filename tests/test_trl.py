@@ -11,14 +11,14 @@ trl = pytest.importorskip("trl")  # the optional extra sparkrl[trl]; CI installs
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from datasets import Dataset  # noqa: E402
+from helpers import default_tokenizer_dir, hf_model  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from sparkrl.commands.trl_rollout import SparkRollout, consecutive_groups, math_reward, problem_dataset, tokenize  # noqa: E402
 from sparkrl.config import DraftConfig, SparkConfig, TRLConfig  # noqa: E402
 from sparkrl.errors import UserError  # noqa: E402
 from sparkrl.train.data import build_prompts, load_problems  # noqa: E402
 from sparkrl.train.rewards import Grader  # noqa: E402
-from sparkrl.commands.trl_rollout import SparkRollout, consecutive_groups, math_reward, problem_dataset, tokenize  # noqa: E402
-from helpers import default_tokenizer_dir, hf_model  # noqa: E402
 
 PROMPTS = ["What is 2+2?", "Name a colour.", "Count to three.", "Say hi.", "Add 5 and 7.", "Spell cat."]
 
@@ -29,21 +29,43 @@ def tok():
 
 
 def tiny_hf():
-    return hf_model("llama", vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    tie_word_embeddings=True)
+    return hf_model(
+        "llama", vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, tie_word_embeddings=True
+    )
 
 
 def grpo_args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, num_generations=3,
-                max_completion_length=8, max_steps=2, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
-                save_strategy="no", learning_rate=1e-2, beta=0.0, seed=0, disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=6,
+        num_generations=3,
+        max_completion_length=8,
+        max_steps=2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        learning_rate=1e-2,
+        beta=0.0,
+        seed=0,
+        disable_tqdm=True,
+    )
     return trl.GRPOConfig(**{**base, **kw})
 
 
 def draft_cfg(draft="eagle3", spark=True) -> TRLConfig:
-    return TRLConfig(draft=DraftConfig(draft=draft, draft_checkpoint="fresh", budget="fixed", block_size=4,
-                                       spark_config=SparkConfig(spark=spark and draft != "none")),
-                     rollout_dtype="float32", micro_batch=2)
+    return TRLConfig(
+        draft=DraftConfig(
+            draft=draft,
+            draft_checkpoint="fresh",
+            budget="fixed",
+            block_size=4,
+            spark_config=SparkConfig(spark=spark and draft != "none"),
+        ),
+        rollout_dtype="float32",
+        micro_batch=2,
+    )
 
 
 def odd_share(completion_ids, **kw):
@@ -53,16 +75,21 @@ def odd_share(completion_ids, **kw):
 
 def make_trainer(tmp_path, tok, rollout, model=None, trainer_cls=None, **kw):
     args = grpo_args(tmp_path, **kw)
-    return (trainer_cls or trl.GRPOTrainer)(model=model or tiny_hf(), args=args, reward_funcs=odd_share,
-                                            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                                            processing_class=tok, rollout_func=rollout)
+    return (trainer_cls or trl.GRPOTrainer)(
+        model=model or tiny_hf(),
+        args=args,
+        reward_funcs=odd_share,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tok,
+        rollout_func=rollout,
+    )
 
 
 def rollout_logprobs(model, prompt_ids, completion_ids, temperature=1.0) -> list[float]:
     """log softmax(logits / T) of each completion token under a full forward of the transformers model."""
     ids = torch.tensor([prompt_ids + completion_ids])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float() / temperature
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float() / temperature
     return logits.log_softmax(-1).gather(1, torch.tensor(completion_ids)[:, None])[:, 0].tolist()
 
 
@@ -86,8 +113,9 @@ def test_grpo_trains_on_sparkrl_rollouts(tmp_path, tok):
             assert torch.equal(p, theirs[name]), name
         for p_ids, c_ids, lp in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):  # (b)
             assert len(lp) == len(c_ids) > 0
-            torch.testing.assert_close(torch.tensor(lp), torch.tensor(rollout_logprobs(hf, p_ids, c_ids, 0.7)),
-                                       atol=2e-4, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(lp), torch.tensor(rollout_logprobs(hf, p_ids, c_ids, 0.7)), atol=2e-4, rtol=0
+            )
         calls.append((out, {n: p.detach().clone() for n, p in theirs.items()}))
         return out
 
@@ -131,8 +159,9 @@ def test_greedy_rollouts_equal_trl_generation(tmp_path, tok, draft):
     theirs, _ = trainer._generate_single_turn(prompt_ids, None, {}, 1)
     assert out["completion_ids"] == theirs
     for p_ids, c_ids, lp in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
-        torch.testing.assert_close(torch.tensor(lp), torch.tensor(rollout_logprobs(trainer.model, p_ids, c_ids)),
-                                   atol=2e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(lp), torch.tensor(rollout_logprobs(trainer.model, p_ids, c_ids)), atol=2e-4, rtol=0
+        )
 
 
 def test_conversational_prompts_use_the_trainers_chat_template(tmp_path, tok):
@@ -142,15 +171,18 @@ def test_conversational_prompts_use_the_trainers_chat_template(tmp_path, tok):
     assert tokenize(trainer, PROMPTS[:2]) == [list(x) for x in trainer._tokenize_prompts(PROMPTS[:2])[0]]
 
 
-@pytest.mark.parametrize("setting, words", [
-    (dict(use_vllm=True), "use_vllm"),
-    (dict(top_k=5), "top_k"),
-    (dict(min_p=0.1), "min_p"),
-    (dict(repetition_penalty=1.1), "repetition_penalty"),
-    (dict(generation_kwargs={"num_beams": 2}), "num_beams"),
-    (dict(generation_kwargs={"do_sample": False}, temperature=0.7), "temperature=1.0"),
-    (dict(max_completion_length=None), "max_completion_length"),
-])
+@pytest.mark.parametrize(
+    "setting, words",
+    [
+        (dict(use_vllm=True), "use_vllm"),
+        (dict(top_k=5), "top_k"),
+        (dict(min_p=0.1), "min_p"),
+        (dict(repetition_penalty=1.1), "repetition_penalty"),
+        (dict(generation_kwargs={"num_beams": 2}), "num_beams"),
+        (dict(generation_kwargs={"do_sample": False}, temperature=0.7), "temperature=1.0"),
+        (dict(max_completion_length=None), "max_completion_length"),
+    ],
+)
 def test_unsupported_grpo_settings_are_refused_at_construction(tmp_path, setting, words):
     with pytest.raises(UserError, match=words) as e:
         SparkRollout(draft_cfg(), grpo_args(tmp_path, **setting))
@@ -177,10 +209,18 @@ def _renamed_norm():
     return m
 
 
-@pytest.mark.parametrize("case, words", [
-    ("tools", "tools"), ("vlm", "vision"), ("fsdp", "FSDP"), ("gpt2", "cannot run this model"),
-    ("names", "do not match"), ("prompt type", "strings or lists of chat messages"), ("image", "text-only"),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("tools", "tools"),
+        ("vlm", "vision"),
+        ("fsdp", "FSDP"),
+        ("gpt2", "cannot run this model"),
+        ("names", "do not match"),
+        ("prompt type", "strings or lists of chat messages"),
+        ("image", "text-only"),
+    ],
+)
 def test_unsupported_trainers_and_prompts_are_refused_before_generating(tmp_path, tok, case, words):
     rollout = SparkRollout(draft_cfg())
     model = {"gpt2": _gpt2, "names": _renamed_norm}.get(case, tiny_hf)()
@@ -209,8 +249,11 @@ def test_sparkrl_problems_and_reward_for_trl(tmp_path, tok):
     trainer = make_trainer(tmp_path, tok, SparkRollout(draft_cfg("none")))
     assert tokenize(trainer, data["prompt"]) == build_prompts(tok, problems, 512, "skip").prompt_ids
     with Grader() as grader:
-        got = math_reward(grader)([[{"role": "assistant", "content": f"So \\boxed{{{a}}}"}] for a in data["answer"]]
-                                  + [[{"role": "assistant", "content": "no answer"}]], data["answer"] + ["1"])
+        got = math_reward(grader)(
+            [[{"role": "assistant", "content": f"So \\boxed{{{a}}}"}] for a in data["answer"]]
+            + [[{"role": "assistant", "content": "no answer"}]],
+            data["answer"] + ["1"],
+        )
     assert all(r >= 1.0 for r in got[:4]) and got[4] == 0.0  # correct answers (format aside), and none
 
 

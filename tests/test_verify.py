@@ -12,11 +12,11 @@ import itertools
 
 import pytest
 import torch
-
 from helpers import ALPHA, SEEDS, chi_square_pvalue
+
+from sparkrl.engine.records import Tree
 from sparkrl.engine.sampling import target_probs
 from sparkrl.engine.verify import PathLogits, accept_chain, accept_tree
-from sparkrl.engine.records import Tree
 
 V, L = 4, 3  # vocabulary, committed tokens per sequence
 
@@ -86,12 +86,17 @@ def run_tree(target, draft, rows, temperature, top_p, depth=2, branch=2, keep_pr
 
         tok, par, dep = (torch.tensor([pad(t[k], fill) for t in trees]) for k, fill in ((0, 0), (1, -1), (2, 0)))
         val = torch.tensor([pad([True] * len(t[0]), False) for t in trees])
-        logits = torch.stack([torch.stack(pad([target.logits(seqs[i] + path) for path in t[3]], torch.zeros(V)))
-                              for i, t in zip(live, trees)])  # (B, N, V)
+        logits = torch.stack(
+            [
+                torch.stack(pad([target.logits(seqs[i] + path) for path in t[3]], torch.zeros(V)))
+                for i, t in zip(live, trees)
+            ]
+        )  # (B, N, V)
         u = torch.rand(len(live), depth + 1, generator=g, dtype=torch.float64)
         acc = accept_tree(Tree(tok, par, val, dep), logits, temperature, top_p, u, depth)
-        for i, toks, path, n, bonus in zip(live, tok.tolist(), acc.path.tolist(), acc.n_accepted.tolist(),
-                                           acc.bonus.tolist()):
+        for i, toks, path, n, bonus in zip(
+            live, tok.tolist(), acc.path.tolist(), acc.n_accepted.tolist(), acc.bonus.tolist()
+        ):
             seqs[i] = (seqs[i] + tuple(toks[node] for node in path[:n]) + (bonus,))[:L]
     return seqs
 
@@ -158,8 +163,12 @@ def test_greedy_tree_commits_target_argmax():
 
 
 def test_tree_masks():
-    t = Tree(torch.tensor([[5, 1, 2, 3]]), torch.tensor([[-1, 0, 0, 1]]), torch.ones(1, 4, dtype=torch.bool),
-             torch.tensor([[0, 1, 1, 2]]))
+    t = Tree(
+        torch.tensor([[5, 1, 2, 3]]),
+        torch.tensor([[-1, 0, 0, 1]]),
+        torch.ones(1, 4, dtype=torch.bool),
+        torch.tensor([[0, 1, 1, 2]]),
+    )
     m = t.ancestor_mask()[0].int().tolist()
     assert m == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
 
@@ -239,9 +248,13 @@ def test_path_logits_cover_the_best_ranked_nodes_below(rows, calls_first, calls_
     the first child needs one more call, for the nodes below it (2), one down the second child one for its
     child (1); with 8 rows the whole tree is one call."""
     # root 0; children 1 (token 1) and 2 (token 2); 1 -> 3 (token 1) -> 4 (token 1); 2 -> 5 (token 3)
-    tree = Tree(torch.tensor([[0, 1, 2, 1, 1, 3]]), torch.tensor([[-1, 0, 0, 1, 3, 2]]),
-                torch.ones(1, 6, dtype=torch.bool), torch.tensor([[0, 1, 1, 2, 3, 2]]),
-                rank=torch.tensor([[0, 1, 2, 3, 5, 4]]))
+    tree = Tree(
+        torch.tensor([[0, 1, 2, 1, 1, 3]]),
+        torch.tensor([[-1, 0, 0, 1, 3, 2]]),
+        torch.ones(1, 6, dtype=torch.bool),
+        torch.tensor([[0, 1, 1, 2, 3, 2]]),
+        rank=torch.tensor([[0, 1, 2, 3, 5, 4]]),
+    )
     u = torch.full((1, 4), 0.5, dtype=torch.float64)
     for favoured, calls, path in ((1, calls_first, [1, 3, 4]), (2, calls_second, [2, 5, -1])):
         logits = torch.full((1, 6, V), -30.0)
@@ -284,4 +297,6 @@ def test_tree_walk_asks_for_logits_only_where_rows_still_walk():
     for d, rows in enumerate(asked):
         assert rows == (walked > d).nonzero()[:, 0].tolist()
         lv = torch.tensor(rows)
-        assert torch.allclose(lazy.targets[lv, d], full.targets[lv, d]) and torch.equal(lazy.logp[lv, d], full.logp[lv, d])
+        assert torch.allclose(lazy.targets[lv, d], full.targets[lv, d]) and torch.equal(
+            lazy.logp[lv, d], full.logp[lv, d]
+        )

@@ -14,14 +14,15 @@ import os
 
 import pytest
 import torch
+from helpers import PROMPT, chi_square_pvalue, hf_model, response_probs, tiny_vllm_pair
+from helpers import VLLM_ENV as ENV
 
-from helpers import PROMPT, VLLM_ENV as ENV, chi_square_pvalue, hf_model, response_probs, tiny_vllm_pair
 from sparkrl.config import SamplingConfig
 from sparkrl.drafters.eagle3 import Eagle3Drafter
+from sparkrl.drafters.eagle3_format import eagle3_weights
 from sparkrl.engine.rollout import generate
 from sparkrl.vllm import plugin
 from sparkrl.vllm.engine import VllmEngine
-from sparkrl.drafters.eagle3_format import eagle3_weights
 
 vllm = pytest.importorskip("vllm", reason="vLLM is the sparkrl[vllm] extra (scripts/setup.sh installs it)")
 
@@ -41,8 +42,14 @@ def engine(pair, draft: bool = True) -> VllmEngine:
 
 def responses(eng: VllmEngine, temperature: float, n: int, max_tokens: int) -> list[tuple[int, ...]]:
     """n responses of exactly max_tokens tokens to PROMPT (EOS is a token like any other here)."""
-    params = vllm.SamplingParams(n=n, temperature=temperature, top_p=0.95 if temperature else 1.0,
-                                 max_tokens=max_tokens, ignore_eos=True, seed=None)
+    params = vllm.SamplingParams(
+        n=n,
+        temperature=temperature,
+        top_p=0.95 if temperature else 1.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        seed=None,
+    )
     out = eng.llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
     return [tuple(o.token_ids) for o in out.outputs]
 
@@ -144,8 +151,16 @@ def vllm_model_dir(tmp_path_factory):
     from helpers import default_tokenizer_dir
 
     out = tmp_path_factory.mktemp("vllm-model")
-    hf_model("llama", vocab_size=49152, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
-             num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True).save_pretrained(out)
+    hf_model(
+        "llama",
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    ).save_pretrained(out)
     src = default_tokenizer_dir()
     for f in os.listdir(src):
         if f.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
@@ -161,14 +176,30 @@ def test_train_with_vllm_follows_the_policy_it_trains(vllm_model_dir, tmp_path, 
     being trained (the training-inference gap), because every update reaches vLLM; drafting figures are vLLM's.
     With --spark, SPARK runs inside vLLM (its figures each step) and A learns from its feedback there."""
     from helpers import ParityGrader, run_config
+
     from sparkrl.engine.spark import Projection
     from sparkrl.model.weights import load_model
     from sparkrl.train.checkpoint import load_latest
     from sparkrl.train.trainer import train
 
-    cfg = run_config(vllm_model_dir, tmp_path / "run", steps=3, lr=3e-3, group_size=4, prompts_per_step=2,
-                     max_new_tokens=12, draft="eagle3", draft_mode="chain", budget="fixed", tree_depth=2,
-                     engine="vllm", rollout_dtype="float32", draft_checkpoint="fresh", spark=spark, spark_rank=4)
+    cfg = run_config(
+        vllm_model_dir,
+        tmp_path / "run",
+        steps=3,
+        lr=3e-3,
+        group_size=4,
+        prompts_per_step=2,
+        max_new_tokens=12,
+        draft="eagle3",
+        draft_mode="chain",
+        budget="fixed",
+        tree_depth=2,
+        engine="vllm",
+        rollout_dtype="float32",
+        draft_checkpoint="fresh",
+        spark=spark,
+        spark_rank=4,
+    )
     os.environ.update(ENV)
     train(cfg, grader=ParityGrader())
     m = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -14,8 +14,8 @@ import os
 
 import pytest
 import torch
-
 from helpers import PROMPT, VLLM_ENV, chi_square_pvalue, response_probs, tiny_vllm_pair
+
 from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.engine.spark import Spark, SparseRows, init_projection
 from sparkrl.engine.speculative import generate_speculative
@@ -48,15 +48,30 @@ def vllm_rollout(eng, prompts, temperature: float, n: int, max_tokens, seed=None
 
     lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     before = eng.counters()
-    outs = eng.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            [vllm.SamplingParams(n=n, temperature=temperature, top_p=0.95 if temperature else 1.0,
-                                                 max_tokens=L, ignore_eos=True, seed=seed) for L in lengths],
-                            use_tqdm=False)
+    outs = eng.llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [
+            vllm.SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=0.95 if temperature else 1.0,
+                max_tokens=L,
+                ignore_eos=True,
+                seed=seed,
+            )
+            for L in lengths
+        ],
+        use_tqdm=False,
+    )
     after, spark = eng.counters(), eng.spark()
     figures = spark.metrics()
     spark.clear()
-    return ([[tuple(o.token_ids) for o in out.outputs] for out in outs], after["drafts"] - before["drafts"],
-            [a - b for a, b in zip(after["per_position"], before["per_position"])], figures)
+    return (
+        [[tuple(o.token_ids) for o in out.outputs] for out in outs],
+        after["drafts"] - before["drafts"],
+        [a - b for a, b in zip(after["per_position"], before["per_position"])],
+        figures,
+    )
 
 
 def test_greedy_vllm_with_spark_is_sparkrls_chain_with_spark_round_for_round(served):
@@ -64,8 +79,16 @@ def test_greedy_vllm_with_spark_is_sparkrls_chain_with_spark_round_for_round(ser
     sampling = SamplingConfig(0.0, 1.0, 24)
 
     def ours(spark):
-        r = generate_speculative(policy, drafter, PROMPTS, sampling, (), [torch.Generator() for _ in PROMPTS],
-                                 TreeShape.chain(3), spark=spark)
+        r = generate_speculative(
+            policy,
+            drafter,
+            PROMPTS,
+            sampling,
+            (),
+            [torch.Generator() for _ in PROMPTS],
+            TreeShape.chain(3),
+            spark=spark,
+        )
         return [[tuple(t)] for t in r.tokens], r.stats.tree_row_rounds, r.stats.accepted_at_depth
 
     plain = ours(None)
@@ -95,9 +118,11 @@ def test_a_requests_samples_share_one_B_which_goes_with_the_last(served, monkeyp
     monkeypatch.setattr(SparseRows, "drop", lambda self, owners: (dropped.extend(owners.tolist()), drop(self, owners)))
     import vllm
 
-    outs = eng.llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]],
-                            [vllm.SamplingParams(n=4, temperature=1.0, max_tokens=L, ignore_eos=True) for L in (4, 20)],
-                            use_tqdm=False)
+    outs = eng.llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS[:2]],
+        [vllm.SamplingParams(n=4, temperature=1.0, max_tokens=L, ignore_eos=True) for L in (4, 20)],
+        use_tqdm=False,
+    )
     try:
         assert [len(o.outputs) for o in outs] == [4, 4]
         by_parent: dict[str, set[int]] = {}

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from sparkrl.errors import UserError
 from sparkrl.engine.records import HIT, MISS
+from sparkrl.errors import UserError
 
 DISTANCE_BINS = [(1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 10**9)]
 
@@ -69,7 +69,9 @@ class _Ratio:
     """
 
     def __init__(self):
-        self.counts = defaultdict(lambda: [0, 0, 0, 0])  # (unit, stratum) -> [n without, misses without, n with, misses with]
+        self.counts = defaultdict(
+            lambda: [0, 0, 0, 0]
+        )  # (unit, stratum) -> [n without, misses without, n with, misses with]
 
     def add(self, unit: int, evidence: bool, miss: bool, stratum) -> None:
         c = self.counts[unit, stratum]
@@ -92,8 +94,15 @@ def _ratios(t: torch.Tensor) -> dict:
     both = (n0 > 0) & (n1 > 0)
     expected = torch.where(both, n1 * m0 / n0.clamp(min=1), 0.0).sum(-1)
     observed = torch.where(both, m1, 0.0).sum(-1)
-    return {"p_miss_with": p1, "p_miss_without": p0, "ratio": p1 / p0, "matched_ratio": observed / expected,
-            "matched_tokens": both.sum(-1), "events_with": n1.sum(-1), "events_without": n0.sum(-1)}
+    return {
+        "p_miss_with": p1,
+        "p_miss_without": p0,
+        "ratio": p1 / p0,
+        "matched_ratio": observed / expected,
+        "matched_tokens": both.sum(-1),
+        "events_with": n1.sum(-1),
+        "events_without": n0.sum(-1),
+    }
 
 
 def resample_weights(n: int, draws: int, generator: torch.Generator) -> torch.Tensor:
@@ -142,8 +151,11 @@ def analyze(records: list[dict], previous: dict | None = None, bootstrap: int = 
         return out
 
     point = stats(torch.ones(1, U, dtype=torch.float64))
-    res = {k: {n: _value(x[0]) if n.startswith(("p_", "ratio", "matched_r")) else int(x[0]) for n, x in v.items()}
-           for k, v in point.items() if k in RATIOS}
+    res = {
+        k: {n: _value(x[0]) if n.startswith(("p_", "ratio", "matched_r")) else int(x[0]) for n, x in v.items()}
+        for k, v in point.items()
+        if k in RATIOS
+    }
     res.update({k: _value(point[k][0]) for k in ("misses_seen_earlier_in_response", "misses_seen_earlier_in_prompt")})
     if bootstrap and U > 1:
         g = torch.Generator().manual_seed(seed)
@@ -157,10 +169,16 @@ def analyze(records: list[dict], previous: dict | None = None, bootstrap: int = 
         for k in ("misses_seen_earlier_in_response", "misses_seen_earlier_in_prompt"):
             res[k + "_ci"] = ci(torch.cat([d[k] for d in draws]))
     dist = _by_distance(ratio["within_response"], by_dist, res["within_response"]["p_miss_without"])
-    return {"rollouts": len(records), "prompt_groups": U, "drafted_positions": n_events, "misses": n_miss,
-            "miss_rate": n_miss / n_events if n_events else None, **{k: res[k] for k in RATIOS},
-            "within_response_by_distance": dist,
-            **{k: v for k, v in res.items() if k not in RATIOS}}
+    return {
+        "rollouts": len(records),
+        "prompt_groups": U,
+        "drafted_positions": n_events,
+        "misses": n_miss,
+        "miss_rate": n_miss / n_events if n_events else None,
+        **{k: res[k] for k in RATIOS},
+        "within_response_by_distance": dist,
+        **{k: v for k, v in res.items() if k not in RATIOS},
+    }
 
 
 def _count(records: list[dict], previous: dict | None):
@@ -232,9 +250,16 @@ def _by_distance(within: _Ratio, by_dist: list[_Ratio], base: float | None) -> l
         p = m / n if n else None
         expected = sum(c[0] * w0[v][1] / w0[v][0] for v, c in tot.items() if w0.get(v, [0])[0])
         observed = sum(c[1] for v, c in tot.items() if w0.get(v, [0])[0])
-        dist.append({"from": lo, "to": hi if hi < 10**9 else None, "p_miss": p, "events": n,
-                     "ratio": p / base if p is not None and base else None,
-                     "matched_ratio": observed / expected if expected else None})
+        dist.append(
+            {
+                "from": lo,
+                "to": hi if hi < 10**9 else None,
+                "p_miss": p,
+                "events": n,
+                "ratio": p / base if p is not None and base else None,
+                "matched_ratio": observed / expected if expected else None,
+            }
+        )
     return dist
 
 
@@ -248,7 +273,7 @@ def stages(records: list[dict], k: int, **kw) -> list[dict]:
         raise UserError(f"--stages {k}: the log has only {len(steps)} steps; use at most {len(steps)} stages")
     out = []
     for i in range(k):
-        part = set(steps[len(steps) * i // k:len(steps) * (i + 1) // k])
+        part = set(steps[len(steps) * i // k : len(steps) * (i + 1) // k])
         idx = [j for j, s in enumerate(key) if s in part]
         r = analyze([records[j] for j in idx], records[idx[0] - 1] if idx[0] else None, **kw)
         out.append({"steps": [min(part), max(part)], **r})
@@ -287,10 +312,17 @@ def plot(res: dict, out: str) -> None:
         if pts:
             ax[0].plot([i for i, _ in pts], [p for _, p in pts], "o-", label=f"{lab}: after a miss")
         if r["within_response"]["p_miss_without"] is not None:
-            ax[0].axhline(r["within_response"]["p_miss_without"], ls="--", lw=1,
-                          color=ax[0].lines[-1].get_color() if pts else None, label=f"{lab}: no earlier miss")
+            ax[0].axhline(
+                r["within_response"]["p_miss_without"],
+                ls="--",
+                lw=1,
+                color=ax[0].lines[-1].get_color() if pts else None,
+                label=f"{lab}: no earlier miss",
+            )
     ax[0].set_xticks(range(len(DISTANCE_BINS)))
-    ax[0].set_xticklabels([f"{lo}" if lo == hi else (f"{lo}-{hi}" if hi < 10**9 else f"{lo}+") for lo, hi in DISTANCE_BINS])
+    ax[0].set_xticklabels(
+        [f"{lo}" if lo == hi else (f"{lo}-{hi}" if hi < 10**9 else f"{lo}+") for lo, hi in DISTANCE_BINS]
+    )
     ax[0].set_xlabel("rounds since the token's last miss in the response")
     ax[0].set_ylabel("P(miss)")
     ax[0].set_title("Recurrence within a response (Fig. 2a top / Fig. 4)")
@@ -301,8 +333,12 @@ def plot(res: dict, out: str) -> None:
     w = 0.8 / max(len(res), 1)
     for i, (lab, r) in enumerate(res.items()):
         ax[1].bar([j + i * w for j in range(3)], [r[k]["matched_ratio"] or 0 for k in keys], w, label=lab)
-        ax[2].bar([j + i * w for j in range(2)], [r["misses_seen_earlier_in_response"] or 0,
-                                                  r["misses_seen_earlier_in_prompt"] or 0], w, label=lab)
+        ax[2].bar(
+            [j + i * w for j in range(2)],
+            [r["misses_seen_earlier_in_response"] or 0, r["misses_seen_earlier_in_prompt"] or 0],
+            w,
+            label=lab,
+        )
     ax[1].axhline(1.0, color="k", lw=0.8)
     ax[1].set_xticks([j + w * (len(res) - 1) / 2 for j in range(3)])
     ax[1].set_xticklabels(names)
@@ -327,20 +363,33 @@ def plot_stages(res: dict, out: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
-    names = {"within_response": "within a response", "previous_rollout": "previous rollout (control)",
-             "within_prompt": "within a prompt group"}
+    names = {
+        "within_response": "within a response",
+        "previous_rollout": "previous rollout (control)",
+        "within_prompt": "within a prompt group",
+    }
     for a, (k, name) in zip(ax, names.items()):
         for i, (lab, r) in enumerate(res.items()):
             for form, ls in (("ratio", "--"), ("matched_ratio", "-")):
-                pts = [(j, s[k][form], s[k].get(form + "_ci")) for j, s in enumerate(r["stages"]) if s[k][form] is not None]
+                pts = [
+                    (j, s[k][form], s[k].get(form + "_ci")) for j, s in enumerate(r["stages"]) if s[k][form] is not None
+                ]
                 if not pts:
                     continue
                 x = [j + 0.08 * i for j, _, _ in pts]
                 y = [v for _, v, _ in pts]
-                err = [[v - (c[0] if c and c[0] is not None else v) for _, v, c in pts],
-                       [(c[1] if c and c[1] is not None else v) - v for _, v, c in pts]]
-                a.errorbar(x, y, yerr=err, fmt="o" + ls, capsize=3,
-                           label=f"{lab}, {'token-matched' if form == 'matched_ratio' else 'raw'}")
+                err = [
+                    [v - (c[0] if c and c[0] is not None else v) for _, v, c in pts],
+                    [(c[1] if c and c[1] is not None else v) - v for _, v, c in pts],
+                ]
+                a.errorbar(
+                    x,
+                    y,
+                    yerr=err,
+                    fmt="o" + ls,
+                    capsize=3,
+                    label=f"{lab}, {'token-matched' if form == 'matched_ratio' else 'raw'}",
+                )
         a.axhline(1.0, color="k", lw=0.8)
         a.set_xticks(range(len(next(iter(res.values()))["stages"])))
         a.set_xticklabels([f"steps {s['steps'][0]}-{s['steps'][1]}" for s in next(iter(res.values()))["stages"]])

@@ -33,13 +33,28 @@ import torch
 
 from sparkrl import __version__
 from sparkrl.commands.analysis import interval95, resample_weights
-from sparkrl.config import (BudgetKind, Checked, DataConfig, DraftConfig, GRPOConfig, ModelConfig, RunConfig,
-                            SamplingConfig, SparkConfig, above, at_least, block_size, existing_checkpoint, option,
-                            require, to_dict)
-from sparkrl.train.data import load_problems
+from sparkrl.config import (
+    BudgetKind,
+    Checked,
+    DataConfig,
+    DraftConfig,
+    GRPOConfig,
+    ModelConfig,
+    RunConfig,
+    SamplingConfig,
+    SparkConfig,
+    above,
+    at_least,
+    block_size,
+    existing_checkpoint,
+    option,
+    require,
+    to_dict,
+)
 from sparkrl.errors import UserError
-from sparkrl.train.trainer import GRPORun
 from sparkrl.model.weights import resolve_model_path
+from sparkrl.train.data import load_problems
+from sparkrl.train.trainer import GRPORun
 
 BENCH_METHODS = ("ar", "eagle3", "eagle3+spark", "dflash", "dflash+spark")
 
@@ -121,15 +136,27 @@ ABLATIONS = {  # paper Table 2 rows and the appendix C sweeps: changes to full S
     "k 32": {"spark_k": 32},
     "k 64": {"spark_k": 64},
 }
-PAPER_TABLE2 = {"full SPARK": (3.28, 2.02), "update every 5 rounds": (3.11, 1.95), "update every 10 rounds": (3.01, 1.92),
-                "update every 15 rounds": (2.85, 1.84), "per-response correction": (3.24, 1.96),
-                "batch-wide correction": (3.12, 1.92), "carry correction across rollouts": (3.05, 1.85),
-                "accepted feedback only": (3.02, 1.94), "frozen projection A": (2.88, 1.91), "rank 4": (3.20, None),
-                "rank 32": (3.31, None), "k 8": (3.24, 1.99), "k 32": (3.29, 1.97)}
-PAPER_TABLE1_MEAN = {"eagle3": {"gen": 1.84, "e2e": 1.75, "aal": 2.52},
-                     "eagle3+spark": {"gen": 2.43, "e2e": 2.31, "aal": 3.47},
-                     "dflash": {"gen": 2.06, "e2e": 1.94, "aal": 2.46},
-                     "dflash+spark": {"gen": 2.30, "e2e": 2.11, "aal": 2.82}}
+PAPER_TABLE2 = {
+    "full SPARK": (3.28, 2.02),
+    "update every 5 rounds": (3.11, 1.95),
+    "update every 10 rounds": (3.01, 1.92),
+    "update every 15 rounds": (2.85, 1.84),
+    "per-response correction": (3.24, 1.96),
+    "batch-wide correction": (3.12, 1.92),
+    "carry correction across rollouts": (3.05, 1.85),
+    "accepted feedback only": (3.02, 1.94),
+    "frozen projection A": (2.88, 1.91),
+    "rank 4": (3.20, None),
+    "rank 32": (3.31, None),
+    "k 8": (3.24, 1.99),
+    "k 32": (3.29, 1.97),
+}
+PAPER_TABLE1_MEAN = {
+    "eagle3": {"gen": 1.84, "e2e": 1.75, "aal": 2.52},
+    "eagle3+spark": {"gen": 2.43, "e2e": 2.31, "aal": 3.47},
+    "dflash": {"gen": 2.06, "e2e": 1.94, "aal": 2.46},
+    "dflash+spark": {"gen": 2.30, "e2e": 2.11, "aal": 2.82},
+}
 
 
 def sizes(cfg: BenchConfig) -> dict:
@@ -153,17 +180,29 @@ def run_config(cfg: BenchConfig, data: str, method: str, folder: str, spark: dic
     draft = DraftConfig()
     if method != "ar":
         kind = method.split("+")[0]
-        draft = DraftConfig(draft=kind, draft_checkpoint=cfg.dflash_checkpoint if kind == "dflash" else cfg.draft_checkpoint,
-                            block_size=cfg.block_size, budget=cfg.budget,
-                            spark_config=SparkConfig(spark=True, **{"spark_lr": cfg.spark_lr, **(spark or {})})
-                            if "spark" in method else SparkConfig(),
-                            round_log=str(Path(folder) / "round_log.jsonl"))  # for `sparkrl analyze` at any stage
-    return RunConfig(out=folder, steps=sz["steps"], seed=cfg.seed, resume=cfg.resume,
-                     checkpoint_every=1, keep_checkpoints=1,
-                     model=cfg.model, sampling=SamplingConfig(cfg.temperature, max_new_tokens=sz["max_new_tokens"]),
-                     data=DataConfig(data=data), grpo=GRPOConfig(group_size=sz["group_size"],
-                                                                 prompts_per_step=sz["prompts_per_step"], lr=cfg.lr),
-                     draft=draft)
+        draft = DraftConfig(
+            draft=kind,
+            draft_checkpoint=cfg.dflash_checkpoint if kind == "dflash" else cfg.draft_checkpoint,
+            block_size=cfg.block_size,
+            budget=cfg.budget,
+            spark_config=SparkConfig(spark=True, **{"spark_lr": cfg.spark_lr, **(spark or {})})
+            if "spark" in method
+            else SparkConfig(),
+            round_log=str(Path(folder) / "round_log.jsonl"),
+        )  # for `sparkrl analyze` at any stage
+    return RunConfig(
+        out=folder,
+        steps=sz["steps"],
+        seed=cfg.seed,
+        resume=cfg.resume,
+        checkpoint_every=1,
+        keep_checkpoints=1,
+        model=cfg.model,
+        sampling=SamplingConfig(cfg.temperature, max_new_tokens=sz["max_new_tokens"]),
+        data=DataConfig(data=data),
+        grpo=GRPOConfig(group_size=sz["group_size"], prompts_per_step=sz["prompts_per_step"], lr=cfg.lr),
+        draft=draft,
+    )
 
 
 def interleave(configs: dict[str, RunConfig], grader=None, log=print) -> None:
@@ -183,8 +222,10 @@ def interleave(configs: dict[str, RunConfig], grader=None, log=print) -> None:
                 trace = run.last_rollout.stats.active_aal
                 with open(Path(c.out) / "rounds.jsonl", "a") as f:
                     f.write(json.dumps({"step": step + 1, "active_aal": trace}) + "\n")
-                log(f"sparkrl bench: step {step + 1}/{steps} {name}: gen {m['gen_s']:.1f}s, train "
-                    f"{m['train_s'] + m['draft_train_s']:.1f}s" + (f", AAL {m['aal']:.2f}" if "aal" in m else ""))
+                log(
+                    f"sparkrl bench: step {step + 1}/{steps} {name}: gen {m['gen_s']:.1f}s, train "
+                    f"{m['train_s'] + m['draft_train_s']:.1f}s" + (f", AAL {m['aal']:.2f}" if "aal" in m else "")
+                )
     finally:
         for r in runs.values():
             r.grader.close()
@@ -196,8 +237,11 @@ def _read(folder: str, steps: int | None = None) -> tuple[list[dict], list[dict]
     metrics = [json.loads(l) for l in (f / "metrics.jsonl").read_text().splitlines() if l.strip()]
     metrics = [m for m in metrics if steps is None or m["step"] <= steps]
     done = {m["step"] for m in metrics}
-    rounds = [json.loads(l) for l in (f / "rounds.jsonl").read_text().splitlines() if l.strip()] \
-        if (f / "rounds.jsonl").exists() else []
+    rounds = (
+        [json.loads(l) for l in (f / "rounds.jsonl").read_text().splitlines() if l.strip()]
+        if (f / "rounds.jsonl").exists()
+        else []
+    )
     rounds = list({r["step"]: r for r in rounds if r["step"] in done}.values())  # last write of each step
     return metrics, rounds
 
@@ -206,12 +250,19 @@ def summarize(folder: str, ar_folder: str | None, steps: int | None = None) -> d
     """Totals of one run and its speedups over the AR run."""
     m, rounds = _read(folder, steps)
     step_s = [x["gen_s"] + x["train_s"] + x["draft_train_s"] for x in m]
-    out = {"steps": len(m), "gen_s": sum(x["gen_s"] for x in m), "gen_tokens": sum(x["gen_tokens"] for x in m),
-           "train_s": sum(x["train_s"] for x in m), "draft_train_s": sum(x["draft_train_s"] for x in m),
-           "step_s": step_s, "aal_per_step": [x.get("aal") for x in m],
-           "gen_s_per_token": [x["gen_s"] / max(x["gen_tokens"], 1) for x in m],
-           "spark_s": sum(x.get("spark_s", 0.0) for x in m), "reward_per_step": [x["reward_mean"] for x in m],
-           "kl_per_step": [x.get("kl") for x in m]}
+    out = {
+        "steps": len(m),
+        "gen_s": sum(x["gen_s"] for x in m),
+        "gen_tokens": sum(x["gen_tokens"] for x in m),
+        "train_s": sum(x["train_s"] for x in m),
+        "draft_train_s": sum(x["draft_train_s"] for x in m),
+        "step_s": step_s,
+        "aal_per_step": [x.get("aal") for x in m],
+        "gen_s_per_token": [x["gen_s"] / max(x["gen_tokens"], 1) for x in m],
+        "spark_s": sum(x.get("spark_s", 0.0) for x in m),
+        "reward_per_step": [x["reward_mean"] for x in m],
+        "kl_per_step": [x.get("kl") for x in m],
+    }
     if "row_rounds" in m[0]:
         out["aal"] = sum(x["committed"] for x in m) / max(sum(x["row_rounds"] for x in m), 1)
     out["rounds"] = rounds
@@ -235,25 +286,49 @@ def gains(base: str, other: str, steps: int | None = None, bootstrap: int = 2000
         return {}
     col = lambda ms, k: torch.tensor([float(x.get(k, 0.0)) for x in ms[:n]], dtype=torch.float64)
     tot = lambda ms: col(ms, "gen_s") + col(ms, "train_s") + col(ms, "draft_train_s")
-    w = torch.cat([torch.ones(1, n, dtype=torch.float64),  # row 0: the runs themselves
-                   resample_weights(n, bootstrap, torch.Generator().manual_seed(seed))])
-    ratios = {"gen": (w @ col(a, "gen_s")) / (w @ col(a, "gen_tokens")) / ((w @ col(b, "gen_s")) / (w @ col(b, "gen_tokens"))),
-              "e2e": (w @ tot(a)) / (w @ tot(b))}
+    w = torch.cat(
+        [
+            torch.ones(1, n, dtype=torch.float64),  # row 0: the runs themselves
+            resample_weights(n, bootstrap, torch.Generator().manual_seed(seed)),
+        ]
+    )
+    ratios = {
+        "gen": (w @ col(a, "gen_s"))
+        / (w @ col(a, "gen_tokens"))
+        / ((w @ col(b, "gen_s")) / (w @ col(b, "gen_tokens"))),
+        "e2e": (w @ tot(a)) / (w @ tot(b)),
+    }
     if "row_rounds" in a[0] and "row_rounds" in b[0]:
-        ratios["aal"] = (w @ col(b, "committed")) / (w @ col(b, "row_rounds")) / ((w @ col(a, "committed")) / (w @ col(a, "row_rounds")))
-    return {"steps": n, **{k: float(r[0]) for k, r in ratios.items()},
-            **{k + "_ci": [float(x) for x in interval95(r[1:])] for k, r in ratios.items()}}
+        ratios["aal"] = (
+            (w @ col(b, "committed"))
+            / (w @ col(b, "row_rounds"))
+            / ((w @ col(a, "committed")) / (w @ col(a, "row_rounds")))
+        )
+    return {
+        "steps": n,
+        **{k: float(r[0]) for k, r in ratios.items()},
+        **{k + "_ci": [float(x) for x in interval95(r[1:])] for k, r in ratios.items()},
+    }
 
 
 def machine() -> dict:
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
     except OSError:
         commit = ""
-    return {"sparkrl": __version__, "commit": commit, "torch": torch.__version__, "python": sys.version.split()[0],
-            "platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    return {
+        "sparkrl": __version__,
+        "commit": commit,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
 
 
 def bench(cfg: BenchConfig, grader=None, log=print) -> dict:
@@ -279,17 +354,26 @@ def bench(cfg: BenchConfig, grader=None, log=print) -> dict:
             interleave({m: run_config(cfg, data, m, folder(m)) for m in methods}, grader, log)
             steps = sizes(cfg)["steps"]
             res = {m: summarize(folder(m), folder("ar") if m != "ar" else None, steps) for m in methods}
-            results["datasets"][name] = {"spark_gain": {f: gains(folder(f), folder(f + "+spark"), steps) for f in ("eagle3", "dflash")
-                                                        if f in methods and f + "+spark" in methods}}
+            results["datasets"][name] = {
+                "spark_gain": {
+                    f: gains(folder(f), folder(f + "+spark"), steps)
+                    for f in ("eagle3", "dflash")
+                    if f in methods and f + "+spark" in methods
+                }
+            }
         else:
             names = variant_names(cfg)
             res = {}
             for i in range(0, len(names), 3):
-                chunk = names[i:i + 3]
+                chunk = names[i : i + 3]
                 tag = f"chunk{i // 3}"
-                cfgs = {"ar": run_config(cfg, data, "ar", folder(f"{tag}/ar")),
-                        "full SPARK": run_config(cfg, data, "eagle3+spark", folder(f"{tag}/full"))}
-                cfgs.update({v: run_config(cfg, data, "eagle3+spark", folder(f"{tag}/{v}"), ABLATIONS[v]) for v in chunk})
+                cfgs = {
+                    "ar": run_config(cfg, data, "ar", folder(f"{tag}/ar")),
+                    "full SPARK": run_config(cfg, data, "eagle3+spark", folder(f"{tag}/full")),
+                }
+                cfgs.update(
+                    {v: run_config(cfg, data, "eagle3+spark", folder(f"{tag}/{v}"), ABLATIONS[v]) for v in chunk}
+                )
                 interleave(cfgs, grader, log)
                 for v, c in cfgs.items():
                     if v == "ar":
@@ -322,8 +406,11 @@ def variant_names(cfg: BenchConfig) -> list[str]:
 def _merge(ss: list[dict]) -> dict:
     """An ablation variant measured in several chunks (full SPARK is in every chunk): means."""
     keys = ("aal", "gen_speedup", "e2e_speedup")
-    out = {**ss[0], **{k: statistics.mean(s[k] for s in ss if k in s) for k in keys if any(k in s for s in ss)},
-           "chunks": len(ss)}
+    out = {
+        **ss[0],
+        **{k: statistics.mean(s[k] for s in ss if k in s) for k in keys if any(k in s for s in ss)},
+        "chunks": len(ss),
+    }
     if "vs_full" in ss[0]:
         out["vs_full"] = [s["vs_full"] for s in ss]  # one comparison per chunk
     return out
@@ -340,27 +427,42 @@ def _gain_ci(g: dict, k: str) -> str:
 
 def markdown(results: dict, cfg: BenchConfig) -> str:
     f = lambda x: "-" if x is None else f"{x:.2f}"
-    lines = [f"sizes: {results['sizes']}, budget {cfg.budget}, drafters: {cfg.draft_checkpoint or '(shipped or fresh)'} (EAGLE3-style), "
-             f"{cfg.dflash_checkpoint or '(shipped or fresh)'} (DFlash-style, block {cfg.block_size})", ""]
+    lines = [
+        f"sizes: {results['sizes']}, budget {cfg.budget}, drafters: {cfg.draft_checkpoint or '(shipped or fresh)'} "
+        f"(EAGLE3-style), "
+        f"{cfg.dflash_checkpoint or '(shipped or fresh)'} (DFlash-style, block {cfg.block_size})",
+        "",
+    ]
     if cfg.ablations:
-        lines += ["| dataset | configuration | AAL | E2E (x) | vs full SPARK: AAL | E2E | paper AAL | paper E2E |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "| dataset | configuration | AAL | E2E (x) | vs full SPARK: AAL | E2E | paper AAL | paper E2E |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for name, d in results["datasets"].items():
             for v, s in d["methods"].items():
                 pa, pe = PAPER_TABLE2.get(v, (None, None))
                 vs = [_gain_ci(g, k) for k in ("aal", "e2e") for g in s.get("vs_full", [])[:1]] or ["", ""]
-                lines.append(f"| {name} | {v} | {f(s.get('aal'))} | {f(s.get('e2e_speedup'))} | {vs[0]} | {vs[1]} "
-                             f"| {f(pa)} | {f(pe)} |")
-        lines += ["", "vs full SPARK: the variant's ratio to the full SPARK run of the same chunk (same prompts, seeds and "
-                  "updates), 95% interval over steps resampled in pairs; a variant run in several chunks shows its first."]
+                lines.append(
+                    f"| {name} | {v} | {f(s.get('aal'))} | {f(s.get('e2e_speedup'))} | {vs[0]} | {vs[1]} "
+                    f"| {f(pa)} | {f(pe)} |"
+                )
+        lines += [
+            "",
+            "vs full SPARK: the variant's ratio to the full SPARK run of the same chunk (same prompts, seeds and "
+            "updates), 95% interval over steps resampled in pairs; a variant run in several chunks shows its first.",
+        ]
         return "\n".join(lines) + "\n"
     cols = {"Gen.": "gen_speedup", "E2E": "e2e_speedup", "AAL": "aal"}
     for fam, name_ in (("eagle3", "EAGLE3-style"), ("dflash", "DFlash-style")):
         pair = (fam, f"{fam}+spark")
         if not any(m in d["methods"] for d in results["datasets"].values() for m in pair):
             continue
-        lines += [f"{name_}:", "", "| dataset | " + " | ".join(f"{c} {s}" for c in cols for s in ("Orig.", "+SPARK")) + " |",
-                  "| --- |" + " --- |" * 6]
+        lines += [
+            f"{name_}:",
+            "",
+            "| dataset | " + " | ".join(f"{c} {s}" for c in cols for s in ("Orig.", "+SPARK")) + " |",
+            "| --- |" + " --- |" * 6,
+        ]
         means = {k: {m: [] for m in pair} for k in cols}
         for name, d in results["datasets"].items():
             row = [name]
@@ -378,14 +480,20 @@ def markdown(results: dict, cfg: BenchConfig) -> str:
         lines.append("| " + " | ".join(row) + " |")
         p, q = PAPER_TABLE1_MEAN[pair[0]], PAPER_TABLE1_MEAN[pair[1]]
         gain = lambda k: f" ({_change(q[k] / p[k] - 1)})"
-        lines += [f"| paper mean (21 settings) | {p['gen']} | {q['gen']}{gain('gen')} | {p['e2e']} | {q['e2e']}{gain('e2e')} "
-                  f"| {p['aal']} | {q['aal']}{gain('aal')} |", ""]
+        lines += [
+            f"| paper mean (21 settings) | {p['gen']} | {q['gen']}{gain('gen')} | {p['e2e']} | {q['e2e']}{gain('e2e')} "
+            f"| {p['aal']} | {q['aal']}{gain('aal')} |",
+            "",
+        ]
         for name, d in results["datasets"].items():
             sg = d.get("spark_gain", {}).get(fam)
             if sg:
                 ci = lambda k: _gain_ci(sg, k)
-                lines += [f"{name}: +SPARK over {name_} (95% interval, steps resampled in pairs, {sg['steps']} steps): "
-                          f"Gen. {ci('gen')}, E2E {ci('e2e')}, AAL {ci('aal')}", ""]
+                lines += [
+                    f"{name}: +SPARK over {name_} (95% interval, steps resampled in pairs, {sg['steps']} steps): "
+                    f"Gen. {ci('gen')}, E2E {ci('e2e')}, AAL {ci('aal')}",
+                    "",
+                ]
     return "\n".join(lines) + "\n"
 
 
@@ -443,7 +551,7 @@ def _rounds_panel(ax, name: str, ms: dict) -> None:
             continue
         w = 8
         aal = [a for _, a in tr]
-        ax.plot([statistics.mean(aal[max(0, i - w + 1):i + 1]) for i in range(len(aal))], label=m)
+        ax.plot([statistics.mean(aal[max(0, i - w + 1) : i + 1]) for i in range(len(aal))], label=m)
         if not bars:  # the number of active responses of the first drafting method
             ax2.bar(range(len(tr)), [n for n, _ in tr], color="0.85", width=1.0)
             bars = True

@@ -16,25 +16,37 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from functools import cache
-from typing import Literal
 from pathlib import Path
+from typing import Literal
 
 from sparkrl.commands.analysis import run as run_analysis
 from sparkrl.commands.bench import BenchConfig, bench
-from sparkrl.train.assemble import make_drafter, make_drafting, make_spark
-from sparkrl.vllm.engine import VllmEngine, model_len
-from sparkrl.vllm.spark import exported
-from sparkrl.config import (Checked, DraftConfig, ModelConfig, PretrainConfig, RunConfig, SamplingConfig, at_least,
-                            build, choices, existing_checkpoint, option, require)
-from sparkrl.train.data import chat_prompt_ids, read_prompts_file
+from sparkrl.config import (
+    Checked,
+    DraftConfig,
+    ModelConfig,
+    PretrainConfig,
+    RunConfig,
+    SamplingConfig,
+    at_least,
+    build,
+    choices,
+    existing_checkpoint,
+    option,
+    require,
+)
+from sparkrl.engine.rollout import response_generators
 from sparkrl.errors import UserError, output_error
 from sparkrl.machine import set_threads
+from sparkrl.model.weights import load_model
+from sparkrl.train.assemble import make_drafter, make_drafting, make_spark
+from sparkrl.train.data import chat_prompt_ids, read_prompts_file
 from sparkrl.train.precision import rollout_copy, rollout_dtype
 from sparkrl.train.pretrain import pretrain
-from sparkrl.engine.rollout import response_generators
 from sparkrl.train.rundir import export_drafter, export_run
 from sparkrl.train.trainer import train
-from sparkrl.model.weights import load_model
+from sparkrl.vllm.engine import VllmEngine, model_len
+from sparkrl.vllm.spark import exported
 
 
 @dataclass(frozen=True)
@@ -56,7 +68,9 @@ class GenerateConfig(Checked):
     draft: DraftConfig = DraftConfig()
 
     def validate(self):
-        require(bool(self.prompt) != bool(self.prompts_file), "give exactly one of --prompt TEXT or --prompts-file FILE")
+        require(
+            bool(self.prompt) != bool(self.prompts_file), "give exactly one of --prompt TEXT or --prompts-file FILE"
+        )
 
 
 @dataclass(frozen=True)
@@ -154,11 +168,16 @@ def _add_flags(parser: argparse.ArgumentParser, cls) -> None:
         if f.metadata.get("train_only") and cls is GenerateConfig:
             continue
         title = owner.__name__.removesuffix("Config").lower() if owner is not cls else None
-        group = parser if title is None else groups.get(title) or groups.setdefault(
-            title, parser.add_argument_group(f"{title} options"))
+        group = (
+            parser
+            if title is None
+            else groups.get(title) or groups.setdefault(title, parser.add_argument_group(f"{title} options"))
+        )
         flag = "--" + f.name.replace("_", "-")
         kw = {"dest": f.name, "default": argparse.SUPPRESS, "help": field_docs(owner).get(f.name, "")}
-        kw["help"] += " (required)" if f.metadata.get("required") else f" (default: {f.default!r})" if f.default != "" else ""
+        kw["help"] += (
+            " (required)" if f.metadata.get("required") else f" (default: {f.default!r})" if f.default != "" else ""
+        )
         if f.metadata.get("positional"):
             group.add_argument(f.name, nargs="?", metavar=f.name.upper(), default=argparse.SUPPRESS, help=kw["help"])
         elif f.type in ("bool", bool):
@@ -210,16 +229,22 @@ def run_generate(cfg: GenerateConfig) -> None:
         r.append_round_log(cfg.draft.round_log, spark=d.adapts, seed=cfg.seed)
     print_responses(cfg, tok, prompts, r.tokens, r.finish_reason)
     s = r.stats
-    print(f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({r.num_tokens / max(r.gen_s, 1e-9):.1f} tok/s), "
-          f"{s.policy_forwards} policy forwards", file=sys.stderr)
+    print(
+        f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({r.num_tokens / max(r.gen_s, 1e-9):.1f} tok/s), "
+        f"{s.policy_forwards} policy forwards",
+        file=sys.stderr,
+    )
     if s.depth:
         depth = " ".join(f"{a:.2f}" for a in s.accept_at_depth)
         sizes = ", ".join(f"{k}: {v}" for k, v in s.sizes.items())
         spark = f", {SparkFigures.of(s.adapter).line()}" if d.adapts else ""
-        print(f"sparkrl: drafting: aal {s.aal:.2f}, {s.rounds} rounds ({s.tree_rounds} with a tree, by nodes,depth "
-              f"{{{sizes}}}), "
-              f"acceptance per depth [{depth}], "
-              f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s accept+commit {s.accept_s:.2f}s{spark}", file=sys.stderr)
+        print(
+            f"sparkrl: drafting: aal {s.aal:.2f}, {s.rounds} rounds ({s.tree_rounds} with a tree, by nodes,depth "
+            f"{{{sizes}}}), "
+            f"acceptance per depth [{depth}], "
+            f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s accept+commit {s.accept_s:.2f}s{spark}",
+            file=sys.stderr,
+        )
 
 
 def print_responses(cfg: GenerateConfig, tok, prompts, tokens, finish_reason) -> None:
@@ -227,9 +252,19 @@ def print_responses(cfg: GenerateConfig, tok, prompts, tokens, finish_reason) ->
     for i, toks in enumerate(tokens):
         text = tok.decode(toks, skip_special_tokens=True)
         if cfg.json:
-            print(json.dumps({"prompt_index": i // cfg.n, "response_index": i % cfg.n,
-                              "prompt_token_ids": prompts[i // cfg.n], "text": text, "token_ids": toks,
-                              "finish_reason": finish_reason[i]}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "prompt_index": i // cfg.n,
+                        "response_index": i % cfg.n,
+                        "prompt_token_ids": prompts[i // cfg.n],
+                        "text": text,
+                        "token_ids": toks,
+                        "finish_reason": finish_reason[i],
+                    }
+                ),
+                flush=True,
+            )
         else:
             print(f"--- prompt {i // cfg.n} response {i % cfg.n} ({finish_reason[i]}) ---\n{text}", flush=True)
 
@@ -239,19 +274,30 @@ def generate_with_vllm(cfg: GenerateConfig, lm, dtype, prompts) -> None:
     projection under --spark)."""
     drafter = make_drafter(cfg.draft, lm.model, cfg.seed) if cfg.draft.draft == "eagle3" else None
     projection, _ = make_spark(cfg.draft, lm.model, drafter, cfg.sampling.temperature)
-    eng = VllmEngine.serving(lm, drafter, dtype, cfg.draft.tree_depth,
-                             model_len(prompts, cfg.sampling.max_new_tokens, cfg.draft.tree_depth), cfg.seed,
-                             cfg.sampling.temperature,
-                             spark=exported(projection, cfg.draft.spark_config))
+    eng = VllmEngine.serving(
+        lm,
+        drafter,
+        dtype,
+        cfg.draft.tree_depth,
+        model_len(prompts, cfg.sampling.max_new_tokens, cfg.draft.tree_depth),
+        cfg.seed,
+        cfg.sampling.temperature,
+        spark=exported(projection, cfg.draft.spark_config),
+    )
     r = eng.generate(prompts, cfg.sampling, lm.eos_ids, cfg.n, cfg.seed)
     print_responses(cfg, lm.tokenizer, prompts, r.tokens, r.finish_reason)
-    print(f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({r.num_tokens / max(r.gen_s, 1e-9):.1f} tok/s), vLLM",
-          file=sys.stderr)
+    print(
+        f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({r.num_tokens / max(r.gen_s, 1e-9):.1f} tok/s), vLLM",
+        file=sys.stderr,
+    )
     if drafter is not None:
         depth = " ".join(f"{a:.2f}" for a in r.acceptance())
         spark = f", {SparkFigures.of(r.adapter).line()}" if projection is not None else ""
-        print(f"sparkrl: drafting (vLLM, chains of {cfg.draft.tree_depth}): aal {r.aal:.2f}, "
-              f"{int(r.drafted['drafts'])} rounds, acceptance per position [{depth}]{spark}", file=sys.stderr)
+        print(
+            f"sparkrl: drafting (vLLM, chains of {cfg.draft.tree_depth}): aal {r.aal:.2f}, "
+            f"{int(r.drafted['drafts'])} rounds, acceptance per position [{depth}]{spark}",
+            file=sys.stderr,
+        )
 
 
 @dataclass
@@ -291,35 +337,53 @@ def run_train(cfg: RunConfig) -> None:
     s = train(cfg)
     if not s.main:  # under torchrun: the summary once, from rank 0
         return
-    lines = [f"sparkrl: trained {plural(s.steps_run, 'step')} -> {s.out}",
-             f"  generation {s.gen_s:.1f}s ({plural(s.gen_tokens, 'token')}), policy updates {s.train_s:.1f}s"
-             + (f", drafter training {s.draft_train_s:.1f}s" if s.rounds else "")]
+    lines = [
+        f"sparkrl: trained {plural(s.steps_run, 'step')} -> {s.out}",
+        f"  generation {s.gen_s:.1f}s ({plural(s.gen_tokens, 'token')}), policy updates {s.train_s:.1f}s"
+        + (f", drafter training {s.draft_train_s:.1f}s" if s.rounds else ""),
+    ]
     if s.rounds:  # speculative rollouts
         est = s.gen_ar_estimate_s
-        lines.append(f"  drafting: {s.committed / max(s.row_rounds, 1):.2f} tokens per verification round "
-                     f"(AAL), {s.tree_rounds / s.rounds:.0%} of {plural(s.rounds, 'round')} drafted"
-                     + (f"; generation {s.gen_s:.1f}s against an estimated {est:.1f}s autoregressive "
-                        f"({est / max(s.gen_s, 1e-9):.2f}x)" if est else ""))
+        lines.append(
+            f"  drafting: {s.committed / max(s.row_rounds, 1):.2f} tokens per verification round "
+            f"(AAL), {s.tree_rounds / s.rounds:.0%} of {plural(s.rounds, 'round')} drafted"
+            + (
+                f"; generation {s.gen_s:.1f}s against an estimated {est:.1f}s autoregressive "
+                f"({est / max(s.gen_s, 1e-9):.2f}x)"
+                if est
+                else ""
+            )
+        )
     if s.steps_run:
         a, b = s.first, s.last
-        lines.append(f"  first step -> last: reward {a['reward_mean']:.3f} -> {b['reward_mean']:.3f}, accuracy "
-                     f"{a['accuracy']:.2f} -> {b['accuracy']:.2f}, format {a['format']:.2f} -> {b['format']:.2f}; "
-                     f"{s.gen_tok_per_s:.1f} generated tok/s")
+        lines.append(
+            f"  first step -> last: reward {a['reward_mean']:.3f} -> {b['reward_mean']:.3f}, accuracy "
+            f"{a['accuracy']:.2f} -> {b['accuracy']:.2f}, format {a['format']:.2f} -> {b['format']:.2f}; "
+            f"{s.gen_tok_per_s:.1f} generated tok/s"
+        )
     out = Path(s.out)
-    lines.append(f"  metrics: {out / 'metrics.jsonl'}  checkpoints: {out / 'checkpoints'}/ "
-                 f"({disk_use(out / 'checkpoints')})  model (Hugging Face): {out / 'model'}/ ({disk_use(out / 'model')}); "
-                 f"{disk_use(out)} in all")
+    lines.append(
+        f"  metrics: {out / 'metrics.jsonl'}  checkpoints: {out / 'checkpoints'}/ "
+        f"({disk_use(out / 'checkpoints')})  model (Hugging Face): {out / 'model'}/ ({disk_use(out / 'model')}); "
+        f"{disk_use(out)} in all"
+    )
     print("\n".join(lines), file=sys.stderr)
 
 
 def run_pretrain(cfg: PretrainConfig) -> None:
     s = pretrain(cfg)
-    print(f"sparkrl: trained on {s['sequences']} sequences ({s['tokens']} tokens, {s['steps']} steps), draft vocabulary "
-          f"{s['draft_vocab']}", file=sys.stderr)
+    print(
+        f"sparkrl: trained on {s['sequences']} sequences ({s['tokens']} tokens, {s['steps']} steps), draft vocabulary "
+        f"{s['draft_vocab']}",
+        file=sys.stderr,
+    )
     for kind, d in s["drafters"].items():
         tree = "" if d["heldout_tree_expected_length"] is None else f" (trees {d['heldout_tree_expected_length']:.2f})"
-        score = "" if d["heldout_expected_length"] is None else \
-            f"held-out expected length {d['heldout_expected_length']:.2f}{tree}, top-1 {d['heldout_top1']:.2f}; "
+        score = (
+            ""
+            if d["heldout_expected_length"] is None
+            else f"held-out expected length {d['heldout_expected_length']:.2f}{tree}, top-1 {d['heldout_top1']:.2f}; "
+        )
         print(f"sparkrl: {kind}: {score}use it with --draft {kind} --draft-checkpoint {d['path']}", file=sys.stderr)
 
 
@@ -327,41 +391,60 @@ def run_analyze(cfg: AnalyzeConfig) -> None:
     res = run_analysis(cfg.logs.split(","), [l for l in cfg.labels.split(",") if l], cfg.out, cfg.stages, cfg.bootstrap)
     for lab, r in res.items():
         f = lambda x: "n/a" if x is None else f"{x:.2f}"
-        ratios = ", ".join(f"{name} {f(r[k]['ratio'])} (token-matched {f(r[k]['matched_ratio'])})" for name, k in
-                           (("in the response", "within_response"), ("in the previous rollout", "previous_rollout"),
-                            ("in another response of the prompt", "within_prompt")))
-        print(f"sparkrl: {lab}: {r['drafted_positions']} drafted positions, miss rate {f(r['miss_rate'])}; "
-              f"miss-probability ratio after an earlier miss {ratios}; misses seen earlier in the response "
-              f"{f(r['misses_seen_earlier_in_response'])}, in the prompt {f(r['misses_seen_earlier_in_prompt'])}",
-              file=sys.stderr)
+        ratios = ", ".join(
+            f"{name} {f(r[k]['ratio'])} (token-matched {f(r[k]['matched_ratio'])})"
+            for name, k in (
+                ("in the response", "within_response"),
+                ("in the previous rollout", "previous_rollout"),
+                ("in another response of the prompt", "within_prompt"),
+            )
+        )
+        print(
+            f"sparkrl: {lab}: {r['drafted_positions']} drafted positions, miss rate {f(r['miss_rate'])}; "
+            f"miss-probability ratio after an earlier miss {ratios}; misses seen earlier in the response "
+            f"{f(r['misses_seen_earlier_in_response'])}, in the prompt {f(r['misses_seen_earlier_in_prompt'])}",
+            file=sys.stderr,
+        )
     print(f"sparkrl: {cfg.out}/analysis.json, {cfg.out}/analysis.png", file=sys.stderr)
 
 
 def run_export(cfg: ExportConfig) -> None:
     step, out = export_run(cfg.run, cfg.out)
-    print(f"sparkrl: exported step {step} of {cfg.run} -> {out} (transformers: AutoModelForCausalLM.from_pretrained)",
-          file=sys.stderr)
+    print(
+        f"sparkrl: exported step {step} of {cfg.run} -> {out} (transformers: AutoModelForCausalLM.from_pretrained)",
+        file=sys.stderr,
+    )
 
 
 def run_export_draft(cfg: ExportDraftConfig) -> None:
     what, out = export_drafter(cfg.drafter, cfg.model, cfg.out, cfg.dtype)
-    print(f"sparkrl: exported {what} -> {out} (vLLM: speculative_config={{\"method\": \"eagle3\", \"model\": "
-          f"\"{out}\", \"num_speculative_tokens\": 3}})", file=sys.stderr)
+    print(
+        f'sparkrl: exported {what} -> {out} (vLLM: speculative_config={{"method": "eagle3", "model": '
+        f'"{out}", "num_speculative_tokens": 3}})',
+        file=sys.stderr,
+    )
 
 
 def run_bench(cfg: BenchConfig) -> None:
     res = bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     print((Path(cfg.out) / "bench.md").read_text(), end="")
-    print(f"sparkrl: bench finished in {res['wall_s']:.0f}s -> {cfg.out}/bench.json, bench.md, bench.png",
-          file=sys.stderr)
+    print(
+        f"sparkrl: bench finished in {res['wall_s']:.0f}s -> {cfg.out}/bench.json, bench.md, bench.png", file=sys.stderr
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         cmd, cfg = parse(sys.argv[1:] if argv is None else argv)
-        {"train": run_train, "generate": run_generate, "pretrain-draft": run_pretrain, "analyze": run_analyze,
-         "bench": run_bench, "export": run_export,
-         "export-draft": run_export_draft}[cmd](cfg)
+        {
+            "train": run_train,
+            "generate": run_generate,
+            "pretrain-draft": run_pretrain,
+            "analyze": run_analyze,
+            "bench": run_bench,
+            "export": run_export,
+            "export-draft": run_export_draft,
+        }[cmd](cfg)
     except UserError as e:
         print(f"sparkrl: error: {e}", file=sys.stderr)
         return 2

@@ -44,20 +44,19 @@ import time
 
 import torch
 
-from sparkrl.train.assemble import Drafting, NoDrafting, make_drafting
 from sparkrl.config import SamplingConfig, TRLConfig
+from sparkrl.engine.records import Rollout, RoundStats
+from sparkrl.engine.rollout import response_generators
+from sparkrl.errors import UserError
+from sparkrl.model.transformer import ModelArgs, Transformer
+from sparkrl.train.assemble import Drafting, NoDrafting, make_drafting
 from sparkrl.train.data import Problem
 from sparkrl.train.distributed import SINGLE, World
 from sparkrl.train.draft_train import row_generators
-from sparkrl.errors import UserError
-from sparkrl.model.transformer import ModelArgs, Transformer
 from sparkrl.train.precision import RolloutCopy, rollout_copy, rollout_dtype
 from sparkrl.train.pretrain import prompt_text
 from sparkrl.train.rewards import Grader
-from sparkrl.engine.rollout import response_generators
-from sparkrl.engine.records import Rollout, RoundStats
 from sparkrl.train.trainer import at_positions, response_batch
-
 
 # --- refusals: one line each, before any model work ------------------------------------------------
 
@@ -67,43 +66,59 @@ def sampling_config(args) -> SamplingConfig:
     if getattr(args, "use_vllm", False):
         raise UserError("use_vllm=True: sparkrl's rollout function generates in-process; set use_vllm=False")
     if args.top_k not in (None, 0):
-        raise UserError(f"top_k={args.top_k} is not supported by sparkrl's sampler (temperature and top-p only); "
-                        "set top_k=0")
+        raise UserError(
+            f"top_k={args.top_k} is not supported by sparkrl's sampler (temperature and top-p only); set top_k=0"
+        )
     if args.min_p is not None:
-        raise UserError(f"min_p={args.min_p} is not supported by sparkrl's sampler (temperature and top-p only); "
-                        "set min_p=None")
+        raise UserError(
+            f"min_p={args.min_p} is not supported by sparkrl's sampler (temperature and top-p only); set min_p=None"
+        )
     if args.repetition_penalty != 1.0:
-        raise UserError(f"repetition_penalty={args.repetition_penalty} would make the sampled distribution differ from "
-                        "the policy's; set repetition_penalty=1.0")
+        raise UserError(
+            f"repetition_penalty={args.repetition_penalty} would make the sampled distribution differ from "
+            "the policy's; set repetition_penalty=1.0"
+        )
     extra = dict(args.generation_kwargs or {})
     greedy = extra.pop("do_sample", True) is False
     if extra:
-        raise UserError(f"generation_kwargs {sorted(extra)} are not supported by sparkrl's rollout function (only "
-                        "do_sample); use temperature, top_p and max_completion_length")
+        raise UserError(
+            f"generation_kwargs {sorted(extra)} are not supported by sparkrl's rollout function (only "
+            "do_sample); use temperature, top_p and max_completion_length"
+        )
     if greedy and args.temperature != 1.0:
-        raise UserError("greedy rollouts (do_sample=False) return the unscaled model's log-probabilities: set "
-                        "temperature=1.0")
+        raise UserError(
+            "greedy rollouts (do_sample=False) return the unscaled model's log-probabilities: set temperature=1.0"
+        )
     if not args.max_completion_length:
         raise UserError("max_completion_length must be set: sparkrl's engine sizes its caches from it")
-    return SamplingConfig(temperature=0.0 if greedy else args.temperature, top_p=args.top_p,
-                          max_new_tokens=args.max_completion_length)
+    return SamplingConfig(
+        temperature=0.0 if greedy else args.temperature, top_p=args.top_p, max_new_tokens=args.max_completion_length
+    )
 
 
 def check_trainer(trainer) -> None:
     """What the rollout function cannot serve in this trainer (besides `sampling_config`'s settings)."""
     sampling_config(trainer.args)
     if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
-        raise UserError("tools / environment_factory are not supported by sparkrl's rollout function (single-turn "
-                        "text completions only)")
+        raise UserError(
+            "tools / environment_factory are not supported by sparkrl's rollout function (single-turn "
+            "text completions only)"
+        )
     if getattr(trainer, "_is_vlm", False):
-        raise UserError("vision-language processors are not supported by sparkrl's rollout function (text-only "
-                        "Llama / Qwen2 / Qwen3 policies)")
+        raise UserError(
+            "vision-language processors are not supported by sparkrl's rollout function (text-only "
+            "Llama / Qwen2 / Qwen3 policies)"
+        )
     if getattr(trainer, "is_fsdp_enabled", False) or _zero3(trainer):
-        raise UserError("FSDP / DeepSpeed ZeRO-3 shard the parameters, which sparkrl's in-process weight sync "
-                        "copies whole; use DDP (or one process)")
+        raise UserError(
+            "FSDP / DeepSpeed ZeRO-3 shard the parameters, which sparkrl's in-process weight sync "
+            "copies whole; use DDP (or one process)"
+        )
     if not hasattr(trainer, "_log_metric"):
-        raise UserError("this TRL has no GRPOTrainer._log_metric; install the tested version: pip install "
-                        "'sparkrl[trl]' (trl==1.16.0)")
+        raise UserError(
+            "this TRL has no GRPOTrainer._log_metric; install the tested version: pip install "
+            "'sparkrl[trl]' (trl==1.16.0)"
+        )
 
 
 def _zero3(trainer) -> bool:
@@ -148,16 +163,25 @@ def tokenize(trainer, prompts: list) -> list[list[int]]:
     if all(isinstance(p, str) for p in prompts):
         return [list(ids) for ids in tok(text=prompts)["input_ids"]]
     if not all(_conversational(p) for p in prompts):
-        raise UserError("sparkrl's rollout function takes prompts as strings or lists of chat messages "
-                        f"({{'role', 'content'}}), got {type(prompts[0]).__name__}")
+        raise UserError(
+            "sparkrl's rollout function takes prompts as strings or lists of chat messages "
+            f"({{'role', 'content'}}), got {type(prompts[0]).__name__}"
+        )
     for p in prompts:
         for m in p:
             if isinstance(m.get("content"), list) and any(part.get("type") != "text" for part in m["content"]):
-                raise UserError("sparkrl's rollout function takes text-only messages (an image or other non-text "
-                                "content part was given)")
-    out = tok.apply_chat_template(conversation=prompts, chat_template=getattr(trainer, "chat_template", None),
-                                  add_generation_prompt=True, tokenize=True, return_dict=True,
-                                  **getattr(trainer, "chat_template_kwargs", {}))
+                raise UserError(
+                    "sparkrl's rollout function takes text-only messages (an image or other non-text "
+                    "content part was given)"
+                )
+    out = tok.apply_chat_template(
+        conversation=prompts,
+        chat_template=getattr(trainer, "chat_template", None),
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        **getattr(trainer, "chat_template_kwargs", {}),
+    )
     return [list(ids) for ids in out["input_ids"]]
 
 
@@ -189,8 +213,10 @@ class SparkRollout:
         theirs = {n for n, _ in hf.named_parameters()}
         if not names <= theirs:
             missing = sorted(names - theirs)
-            raise UserError(f"the trained model's parameters do not match sparkrl's {args.arch} model (no {missing[0]} "
-                            f"among {len(theirs)}; PEFT adapters: merge them first)")
+            raise UserError(
+                f"the trained model's parameters do not match sparkrl's {args.arch} model (no {missing[0]} "
+                f"among {len(theirs)}; PEFT adapters: merge them first)"
+            )
         self.policy = policy
         self.sync(trainer)
         dt = w.dtype if self.cfg.rollout_dtype == "model" else rollout_dtype(self.cfg.rollout_dtype, policy)
@@ -245,17 +271,22 @@ class SparkRollout:
         draft = self.train_drafter(parts) if trainer.model.training else self.discard_adaptation()
         self.log(trainer, parts, {"sync_s": sync_s, **draft})
         self.calls += 1
-        return {"prompt_ids": [r[0] for r in rows], "completion_ids": [r[1] for r in rows],
-                "logprobs": [r[2] for r in rows]}
+        return {
+            "prompt_ids": [r[0] for r in rows],
+            "completion_ids": [r[1] for r in rows],
+            "logprobs": [r[2] for r in rows],
+        }
 
-    def generate(self, prompt_ids: list[list[int]], groups: list[int], group_size: int, sampling: SamplingConfig,
-                 eos) -> Rollout:
+    def generate(
+        self, prompt_ids: list[list[int]], groups: list[int], group_size: int, sampling: SamplingConfig, eos
+    ) -> Rollout:
         """One engine call: `group_size` responses to each prompt; response j of the call's group g
         samples with its own generator, from (seed, process, call, g, j)."""
         seed = hash((self.cfg.seed, self.world.rank, self.calls)) & 0x7FFF_FFFF_FFFF_FFFF
         gens = [x for g in groups for x in response_generators(seed, 1, group_size, offset=self.prompts_seen + g)]
-        return self.drafting.engine.generate(self.rollout.model, prompt_ids, sampling, eos, gens, group_size,
-                                             sampler=self.rollout.sampler)
+        return self.drafting.engine.generate(
+            self.rollout.model, prompt_ids, sampling, eos, gens, group_size, sampler=self.rollout.sampler
+        )
 
     def train_drafter(self, parts: list[Rollout]) -> dict:
         """The drafter's online step on this call's responses (see the module doc, step 5; nothing without a
@@ -275,13 +306,20 @@ class SparkRollout:
             gens = row_generators(self.cfg.seed, self.calls, range(seen, seen + len(r.tokens)))
             seen += len(r.tokens)
             for i in range(0, len(rows), mb):
-                chunk = rows[i:i + mb]
+                chunk = rows[i : i + mb]
                 toks, pos, mask, _ = response_batch(r, chunk, policy.lm_head.weight.device)
                 with torch.no_grad():
                     out = policy(toks, taps=taps)
                 h = at_positions(out.hidden, pos)  # (b, R+1, d)
-                yield (toks.gather(1, pos), {k: at_positions(v, pos) for k, v in out.taps.items()}, h,
-                       policy.logits(h), mask, float(mask.sum()) / max(total, 1), [gens[j] for j in chunk])
+                yield (
+                    toks.gather(1, pos),
+                    {k: at_positions(v, pos) for k, v in out.taps.items()},
+                    h,
+                    policy.logits(h),
+                    mask,
+                    float(mask.sum()) / max(total, 1),
+                    [gens[j] for j in chunk],
+                )
 
     def discard_adaptation(self) -> dict:
         """Evaluation rollouts train nothing: SPARK's A gradient of the rollout is dropped."""
@@ -295,8 +333,15 @@ class SparkRollout:
         tokens = sum(r.num_tokens for r in parts)
         m = {"gen_s": gen_s, "gen_tok_per_s": tokens / max(gen_s, 1e-9), **extra}
         if st.depth:  # speculative rollouts
-            m.update(aal=st.aal, rounds=st.rounds, drafted_frac=st.tree_rounds / max(st.rounds, 1), draft_s=st.draft_s,
-                     verify_s=st.verify_s, accept_s=st.accept_s, spark_s=st.adapter.get("spark_s", 0.0))
+            m.update(
+                aal=st.aal,
+                rounds=st.rounds,
+                drafted_frac=st.tree_rounds / max(st.rounds, 1),
+                draft_s=st.draft_s,
+                verify_s=st.verify_s,
+                accept_s=st.accept_s,
+                spark_s=st.adapter.get("spark_s", 0.0),
+            )
         for k, v in m.items():
             trainer._log_metric(f"sparkrl/{k}", float(v))
 
@@ -309,8 +354,12 @@ def problem_dataset(problems: list[Problem]):
     `answer` (what the reward checks)."""
     from datasets import Dataset
 
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": prompt_text(p)}] for p in problems],
-                              "answer": [p.answer for p in problems]})
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": prompt_text(p)}] for p in problems],
+            "answer": [p.answer for p in problems],
+        }
+    )
 
 
 def math_reward(grader: Grader):

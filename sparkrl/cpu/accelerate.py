@@ -130,8 +130,12 @@ def accelerate(module: nn.Module, choice: str = "auto", float32_attention: bool 
     use_weight_major(module, weight_major)
     use_native(module, compiled)
     use_float32_attention(module, float32_attention)
-    kernels = {"packed": packed, "weight_major": weight_major, "attention": str(torch.float32 if float32_attention else None),
-               **({"native": native.digest(), "ops": native.digest()} if compiled else {})}
+    kernels = {
+        "packed": packed,
+        "weight_major": weight_major,
+        "attention": str(torch.float32 if float32_attention else None),
+        **({"native": native.digest(), "ops": native.digest()} if compiled else {}),
+    }
     return Acceleration(module, COMPILED_SAMPLER if compiled else SAMPLER, kernels)
 
 

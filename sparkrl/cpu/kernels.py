@@ -129,8 +129,9 @@ def linears(x: torch.Tensor, *layers: CpuLinear) -> tuple[torch.Tensor, ...]:
     return product(x, f[2], f[3]).split([l.out_features for l in layers], dim=-1)
 
 
-def weight_major_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                        parts: int | None = None) -> torch.Tensor:
+def weight_major_linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, parts: int | None = None
+) -> torch.Tensor:
     """`F.linear(x, w, bias)` as `(w @ x^T)^T` (see the module doc): x (..., in) -> (..., out), row-major.
     The weight's output rows are split into `parts` blocks (default: `WEIGHT_MAJOR_PARTS`, else torch's
     thread count; one block where they do not divide evenly), one batched product. One row in one block
@@ -153,10 +154,13 @@ def weight_major_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
 
 def packable(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether this torch can prepack weights of `dtype` on `device` at all."""
-    return (torch.device(device).type == "cpu" and dtype in (*HALF, torch.float32)
-            and torch.backends.mkldnn.is_available()
-            and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
-            and (dtype != torch.float16 or torch.ops.mkldnn._is_mkldnn_fp16_supported()))
+    return (
+        torch.device(device).type == "cpu"
+        and dtype in (*HALF, torch.float32)
+        and torch.backends.mkldnn.is_available()
+        and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        and (dtype != torch.float16 or torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    )
 
 
 def pack(module: nn.Module, on: bool = True) -> nn.Module:

@@ -44,23 +44,38 @@ def cpu_supported() -> bool:
 def available() -> bool:
     """Whether the compiled kernels can run here: built (or loaded from torch's cache) on first call."""
     if not cpu_supported():
-        print(f"sparkrl: the compiled kernels need AVX2 and FMA (this CPU: "
-              f"{torch.backends.cpu.get_cpu_capability()}); using torch's kernels", file=sys.stderr, flush=True)
+        print(
+            f"sparkrl: the compiled kernels need AVX2 and FMA (this CPU: "
+            f"{torch.backends.cpu.get_cpu_capability()}); using torch's kernels",
+            file=sys.stderr,
+            flush=True,
+        )
         return False
     try:
         from torch.utils.cpp_extension import load
 
         if shutil.which("ninja") is None:  # the `ninja` package's binary, beside this interpreter in a venv
             os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        print("sparkrl: loading the compiled kernels (built on first use: about 20 s once per machine)",
-              file=sys.stderr, flush=True)
-        load("sparkrl_native", [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-             is_python_module=False)
+        print(
+            "sparkrl: loading the compiled kernels (built on first use: about 20 s once per machine)",
+            file=sys.stderr,
+            flush=True,
+        )
+        load(
+            "sparkrl_native",
+            [str(p) for p in SOURCES],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
         return True
     except Exception as e:  # no compiler, no ninja, a failed build: the other kernels serve
-        print(f"sparkrl: the compiled kernels are not available ({type(e).__name__}: "
-              f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using torch's kernels",
-              file=sys.stderr, flush=True)
+        print(
+            f"sparkrl: the compiled kernels are not available ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using torch's kernels",
+            file=sys.stderr,
+            flush=True,
+        )
         return False
 
 
@@ -95,8 +110,9 @@ def pack_pairs(w: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.sparkrl_native.pack_pairs(w.detach().contiguous())
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-           pairs: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, pairs: torch.Tensor | None = None
+) -> torch.Tensor:
     """`F.linear(x, w, bias)` for a product `serves` takes: x (..., in), w (out, in) (`available()` must
     be True); pairs: w as `pack_pairs` made it (bfloat16 on the CPU's dot products)."""
     out, inp = w.shape
@@ -117,12 +133,18 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def serves_attention(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether `attention` takes q (B, H, T, D) over the cache buffer k: float32 or bfloat16 CPU tensors of one
     dtype, no gradient recorded, D a multiple of 8 (any number of new tokens)."""
-    return (q.dtype in DTYPES and k.dtype == q.dtype and q.device.type == "cpu" and not torch.is_grad_enabled()
-            and q.shape[3] % 8 == 0)
+    return (
+        q.dtype in DTYPES
+        and k.dtype == q.dtype
+        and q.device.type == "cpu"
+        and not torch.is_grad_enabled()
+        and q.shape[3] % 8 == 0
+    )
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, span: int,
-              out_dtype: torch.dtype) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, span: int, out_dtype: torch.dtype
+) -> torch.Tensor:
     """`F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask, enable_gqa=True)` in one
     call (`csrc/decode_ops.cpp`), as (B, T, H, D) in out_dtype (bfloat16 for bfloat16 inputs): q (B, H, T, D) with
     unit stride along D, k and v a `KVCache`'s buffers (B, H_kv, capacity, D), mask (B, 1, T, span) bool (True:
@@ -143,5 +165,6 @@ def nucleus(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Ten
     0 < top_p < 1, float64 uniforms u (N,) -> (probs (N, K), ids (N, K), token (N,), logp (N,)); each row's
     nucleus in id order, then ids of probability 0 it does not hold. A histogram of the softmax's mass replaces
     a sort of the vocabulary: only the tokens near the nucleus's edge are sorted."""
-    return tuple(torch.ops.sparkrl_native.nucleus(logits.contiguous(), temperature, top_p,
-                                                  u.to(torch.float64).contiguous()))
+    return tuple(
+        torch.ops.sparkrl_native.nucleus(logits.contiguous(), temperature, top_p, u.to(torch.float64).contiguous())
+    )

@@ -29,8 +29,9 @@ def accelerated_copy(policy: Transformer, dtype: torch.dtype) -> Transformer:
     return accelerate(model, "auto", float32_attention("auto", dtype, model.lm_head.weight.device, model.args)).model
 
 
-def _step_seconds(model: Transformer, rows: int = 8, context: int = 128, reps: int = 5, tokens: int = 1,
-                  head: bool = True) -> list[float]:
+def _step_seconds(
+    model: Transformer, rows: int = 8, context: int = 128, reps: int = 5, tokens: int = 1, head: bool = True
+) -> list[float]:
     """Seconds of `reps` cached forwards of `tokens` new tokens on `rows` rows beside a `context`-token
     prefix (rolled back after each), with the LM head on each row's last position (head); after one
     untimed warm-up."""
@@ -59,20 +60,26 @@ def bf16_speedup(policy: Transformer) -> float:
     """float32 / bfloat16 seconds of this policy's decode step on this machine, each dtype as its rollout
     copy runs it under --cpu-kernels auto: the geometric mean over 1, 8 and 64 rows. Measured once and cached."""
     dev = policy.lm_head.weight.device
-    path = measurement_path("dtype", str(dev), policy.args.__dict__, {"rows": DTYPE_ROWS, "kernels": "exact",
-                                                                       "native": native.digest()})
+    path = measurement_path(
+        "dtype", str(dev), policy.args.__dict__, {"rows": DTYPE_ROWS, "kernels": "exact", "native": native.digest()}
+    )
     if path.exists():
         return json.loads(path.read_text())["speedup"]
     models = {dt: accelerated_copy(policy, DTYPES[dt]) for dt in DTYPES}
-    print("sparkrl: timing float32 against bfloat16 decode steps on this machine (once; cached)", file=sys.stderr,
-          flush=True)
+    print(
+        "sparkrl: timing float32 against bfloat16 decode steps on this machine (once; cached)",
+        file=sys.stderr,
+        flush=True,
+    )
     times = {dt: {rows: [] for rows in DTYPE_ROWS} for dt in DTYPES}
     for _ in range(2):  # interleaved: drift hits both alike
         for rows in DTYPE_ROWS:
             for dt, m in models.items():
                 times[dt][rows] += _step_seconds(m, rows=rows)
-    by_rows = {rows: statistics.median(times["float32"][rows]) / statistics.median(times["bfloat16"][rows])
-               for rows in DTYPE_ROWS}
+    by_rows = {
+        rows: statistics.median(times["float32"][rows]) / statistics.median(times["bfloat16"][rows])
+        for rows in DTYPE_ROWS
+    }
     speedup = statistics.geometric_mean(by_rows.values())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"speedup": speedup, "by_rows": by_rows, "seconds": times}))
@@ -107,8 +114,9 @@ ATTENTION_CONTEXT = 192  # cached positions beside them
 def _attention_seconds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, reps: int = 10) -> float:
     """Mean seconds of a cached attention over keys and values k, v in their dtype (the queries cast to it,
     the output back), as `Attention` runs it."""
-    return _call_seconds(lambda: F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
-                                                                enable_gqa=True).to(q.dtype), reps)
+    return _call_seconds(
+        lambda: F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, enable_gqa=True).to(q.dtype), reps
+    )
 
 
 def float32_attention_pays(dtype: torch.dtype, args) -> bool:
@@ -122,8 +130,11 @@ def float32_attention_pays(dtype: torch.dtype, args) -> bool:
     path = measurement_path("attention", str(dtype), shape, {"sizes": ATTENTION_SIZES, "context": ATTENTION_CONTEXT})
     if path.exists():
         return json.loads(path.read_text())["pays"]
-    print(f"sparkrl: timing {str(dtype).removeprefix('torch.')} against float32 attention on this machine "
-          "(once; cached)", file=sys.stderr, flush=True)
+    print(
+        f"sparkrl: timing {str(dtype).removeprefix('torch.')} against float32 attention on this machine (once; cached)",
+        file=sys.stderr,
+        flush=True,
+    )
     g = torch.Generator().manual_seed(0)
     times = {name: {str(size): [] for size in ATTENTION_SIZES} for name in ("half", "float32")}
     for _ in range(3):  # interleaved: drift hits both alike

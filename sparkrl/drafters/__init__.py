@@ -39,8 +39,10 @@ def find_checkpoint(choice: str, kind: str, policy, flag: str = "--draft-checkpo
     serves = path.is_file() and same_policy(read_description(path).get("fingerprint", []), policy_fingerprint(policy))
     if choice == "default" and not serves:
         why = "is not installed" if not path.is_file() else "was made for another policy"
-        raise UserError(f"{flag} default: the shipped {kind} drafter {why}; it serves --model default "
-                        f"({DEFAULT_MODEL}); make one for this model with `sparkrl pretrain-draft --draft {kind}`")
+        raise UserError(
+            f"{flag} default: the shipped {kind} drafter {why}; it serves --model default "
+            f"({DEFAULT_MODEL}); make one for this model with `sparkrl pretrain-draft --draft {kind}`"
+        )
     return str(path) if serves else None
 
 
@@ -50,8 +52,10 @@ def load_drafter(path: str | Path | dict, policy_args: ModelArgs, kind: str | No
     ck = read_checkpoint(path)
     path = where or ("the checkpoint" if isinstance(path, dict) else path)
     if kind is not None and ck["kind"] != kind:
-        raise UserError(f"{path} holds a drafter of kind {ck['kind']!r}, not {kind!r}; pass --draft {ck['kind']} or "
-                        "another checkpoint")
+        raise UserError(
+            f"{path} holds a drafter of kind {ck['kind']!r}, not {kind!r}; pass --draft {ck['kind']} or "
+            "another checkpoint"
+        )
     if ck["kind"] not in KINDS:
         raise UserError(f"{path} holds a drafter of kind {ck['kind']!r}; this sparkrl knows {', '.join(KINDS)}")
     cls = KINDS[ck["kind"]]
@@ -60,8 +64,10 @@ def load_drafter(path: str | Path | dict, policy_args: ModelArgs, kind: str | No
     want = d.signature()
     for k, v in ck["policy"].items():
         if want.get(k) != v:
-            raise UserError(f"drafter checkpoint {path} was made for a policy with {k}={v}, this policy has "
-                            f"{k}={want.get(k)}; pretrain a drafter for this model")
+            raise UserError(
+                f"drafter checkpoint {path} was made for a policy with {k}={v}, this policy has "
+                f"{k}={want.get(k)}; pretrain a drafter for this model"
+            )
     try:
         d.load_state_dict(ck["state"])
     except RuntimeError as e:

@@ -18,9 +18,9 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
-import torch.nn.functional as F
 from torch import nn
 
 from sparkrl.drafters.eagle3_format import is_eagle3_folder, read_eagle3
@@ -42,8 +42,12 @@ class SharedHeadDrafter(nn.Module):
     kind = ""
     root_logits = True  # a round's first draft level comes from the logits at the root (trees, chains)
 
-    def __init__(self, policy_args: ModelArgs, feature_layers: tuple[int, ...] | None = None,
-                 vocab_ids: torch.Tensor | None = None):
+    def __init__(
+        self,
+        policy_args: ModelArgs,
+        feature_layers: tuple[int, ...] | None = None,
+        vocab_ids: torch.Tensor | None = None,
+    ):
         super().__init__()
         d = policy_args.hidden_size
         self.policy_args = policy_args
@@ -90,8 +94,13 @@ class SharedHeadDrafter(nn.Module):
         return {}
 
     def checkpoint(self) -> dict:
-        return {"kind": self.kind, "policy": self.signature(), "feature_layers": list(self.feature_layers),
-                "settings": self.settings(), "state": {k: v for k, v in self.state_dict().items()}}
+        return {
+            "kind": self.kind,
+            "policy": self.signature(),
+            "feature_layers": list(self.feature_layers),
+            "settings": self.settings(),
+            "state": {k: v for k, v in self.state_dict().items()},
+        }
 
 
 def target_probs(target_logits: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
@@ -123,7 +132,9 @@ def same_policy(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= 1e-2 * max(abs(x), abs(y)) + 1e-6 for x, y in zip(a, b))
 
 
-def save_safetensors(ck: dict, path: Path, dtype: torch.dtype = torch.bfloat16, fingerprint: list[float] | None = None) -> None:
+def save_safetensors(
+    ck: dict, path: Path, dtype: torch.dtype = torch.bfloat16, fingerprint: list[float] | None = None
+) -> None:
     """A drafter checkpoint as a weights-only safetensors file (floating tensors in `dtype`; what the
     policy shares, its embedding and head, is not stored), its description and the policy's
     `policy_fingerprint` in the metadata. Atomic."""
@@ -142,13 +153,17 @@ def _read_safetensors(p: Path, tensors: bool = True) -> dict:
     try:
         f = safe_open(str(p), framework="pt")
     except Exception as e:
-        raise UserError(f"--draft-checkpoint {p} is not a readable safetensors file ({str(e).splitlines()[0]}); "
-                        "make one with `sparkrl pretrain-draft`") from None
+        raise UserError(
+            f"--draft-checkpoint {p} is not a readable safetensors file ({str(e).splitlines()[0]}); "
+            "make one with `sparkrl pretrain-draft`"
+        ) from None
     with f:
         meta = (f.metadata() or {}).get("sparkrl_drafter")
         if meta is None:
-            raise UserError(f"--draft-checkpoint {p} is a safetensors file without sparkrl's drafter metadata; "
-                            "make one with `sparkrl pretrain-draft`")
+            raise UserError(
+                f"--draft-checkpoint {p} is a safetensors file without sparkrl's drafter metadata; "
+                "make one with `sparkrl pretrain-draft`"
+            )
         return {**json.loads(meta), "state": {k: f.get_tensor(k) for k in f.keys()} if tensors else {}}
 
 
@@ -173,13 +188,17 @@ def read_checkpoint(path: str | Path | dict) -> dict:
         if p.is_dir() and (p / "drafter.pt").is_file():  # a `pretrain-draft` drafter folder (OUT/KIND)
             p = p / "drafter.pt"
         if p.is_dir():
-            raise UserError(f"--draft-checkpoint {p} is a folder with no drafter; pass a drafter.pt, a run's "
-                            "checkpoints/step-N folder, or a run folder")
+            raise UserError(
+                f"--draft-checkpoint {p} is a folder with no drafter; pass a drafter.pt, a run's "
+                "checkpoints/step-N folder, or a run folder"
+            )
         try:  # mmap: of a GRPO checkpoint only the drafter's tensors are read
             ck = torch.load(p, map_location="cpu", weights_only=False, mmap=True)
         except Exception as e:
-            raise UserError(f"--draft-checkpoint {p} is not a readable checkpoint ({type(e).__name__}); "
-                            "make one with `sparkrl pretrain-draft`") from None
+            raise UserError(
+                f"--draft-checkpoint {p} is not a readable checkpoint ({type(e).__name__}); "
+                "make one with `sparkrl pretrain-draft`"
+            ) from None
     if isinstance(ck, dict) and "kind" not in ck and isinstance(ck.get("draft"), dict):
         ck = ck["draft"].get("drafter")  # a training checkpoint: its drafter
     if not isinstance(ck, dict) or not {"kind", "state", "policy", "feature_layers"} <= set(ck):

@@ -29,10 +29,8 @@ import torch
 from torch import nn
 
 from sparkrl.drafters.base import SharedHeadDrafter, target_probs
-
-from sparkrl.engine.records import DraftStep
 from sparkrl.drafters.tree import identity, path_contexts, path_tree
-from sparkrl.engine.records import Proposal
+from sparkrl.engine.records import DraftStep, Proposal
 from sparkrl.errors import UserError
 from sparkrl.model.kvcache import KVCache
 from sparkrl.model.transformer import ModelArgs, Stack
@@ -47,9 +45,15 @@ class DFlashDrafter(SharedHeadDrafter):
     kind = KIND
     root_logits = False  # a block drafts from its own forward after the root
 
-    def __init__(self, policy_args: ModelArgs, feature_layers: tuple[int, ...] | None = None,
-                 vocab_ids: torch.Tensor | None = None, block_size: int = 16, num_layers: int = 3,
-                 anchors: int = ANCHORS):
+    def __init__(
+        self,
+        policy_args: ModelArgs,
+        feature_layers: tuple[int, ...] | None = None,
+        vocab_ids: torch.Tensor | None = None,
+        block_size: int = 16,
+        num_layers: int = 3,
+        anchors: int = ANCHORS,
+    ):
         super().__init__(policy_args, feature_layers, vocab_ids)
         self.block_size, self.num_layers = block_size, num_layers
         self.anchors = anchors  # training blocks per sequence (`block_loss`)
@@ -62,11 +66,22 @@ class DFlashDrafter(SharedHeadDrafter):
     def check_block(self, n: int) -> None:
         """Generation may use blocks up to the size the drafter was trained for."""
         if n > self.block_size:
-            raise UserError(f"--block-size {n} is larger than the drafter was trained for ({self.block_size}); "
-                            f"pass --block-size {self.block_size} or less")
+            raise UserError(
+                f"--block-size {n} is larger than the drafter was trained for ({self.block_size}); "
+                f"pass --block-size {self.block_size} or less"
+            )
 
-    def forward(self, tokens, feats: torch.Tensor, cache: KVCache | None = None, *, tree_mask=None, depth=None,
-                mask=None, head: bool = False) -> DraftStep:
+    def forward(
+        self,
+        tokens,
+        feats: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        tree_mask=None,
+        depth=None,
+        mask=None,
+        head: bool = False,
+    ) -> DraftStep:
         """Context positions: feats (B, T, d) fused policy features (tokens unused). No logits (a block
         drafts from its own forward, `block`)."""
         out = self.stack(feats, cache, tree_mask=tree_mask, depth=depth, mask=mask)
@@ -96,8 +111,9 @@ class DFlashDrafter(SharedHeadDrafter):
         """Greedy blocks of `nodes` tokens after the roots (`records.DraftState`); u is unused (point masses)."""
         return build_block(self, cache, state.root, nodes, correct)
 
-    def loss(self, tokens, taps, hidden, target_logits, mask, generator=None, held_out: bool = False
-             ) -> tuple[torch.Tensor, dict]:
+    def loss(
+        self, tokens, taps, hidden, target_logits, mask, generator=None, held_out: bool = False
+    ) -> tuple[torch.Tensor, dict]:
         """`block_loss` over `anchors` blocks per sequence; for held-out scores over EVAL_ANCHORS, whatever
         the drafter trains with."""
         k = EVAL_ANCHORS if held_out else self.anchors
@@ -135,10 +151,12 @@ def block_logits(drafter: DFlashDrafter, tokens: torch.Tensor, feats: torch.Tens
     B, T = tokens.shape
     K, bs = a.shape[1], drafter.block_size
     dev = tokens.device
-    blocks = torch.cat([drafter.block_inputs(tokens.gather(1, a[:, k:k + 1])[:, 0], bs - 1) for k in range(K)],
-                       1).to(feats.dtype)  # (B, K bs, d)
-    pos = torch.cat([torch.arange(T, device=dev).expand(B, -1),
-                     (a[:, :, None] + torch.arange(bs, device=dev)).flatten(1)], 1)  # (B, N) RoPE positions
+    blocks = torch.cat([drafter.block_inputs(tokens.gather(1, a[:, k : k + 1])[:, 0], bs - 1) for k in range(K)], 1).to(
+        feats.dtype
+    )  # (B, K bs, d)
+    pos = torch.cat(
+        [torch.arange(T, device=dev).expand(B, -1), (a[:, :, None] + torch.arange(bs, device=dev)).flatten(1)], 1
+    )  # (B, N) RoPE positions
     out = drafter.stack(torch.cat([feats, blocks], 1), mask=block_mask(T, a, bs), depth=pos)
     return drafter.logits(out.hidden[:, T:].view(B, K, bs, -1)[:, :, 1:])
 
@@ -160,8 +178,16 @@ def sample_anchors(w: torch.Tensor, k: int, generator=None) -> tuple[torch.Tenso
     return a, t.isfinite()
 
 
-def block_loss(drafter: DFlashDrafter, tokens: torch.Tensor, taps: dict, target_logits: torch.Tensor,
-               mask: torch.Tensor, anchors: int = ANCHORS, gamma: float = GAMMA, generator=None):
+def block_loss(
+    drafter: DFlashDrafter,
+    tokens: torch.Tensor,
+    taps: dict,
+    target_logits: torch.Tensor,
+    mask: torch.Tensor,
+    anchors: int = ANCHORS,
+    gamma: float = GAMMA,
+    generator=None,
+):
     """Position-weighted soft cross-entropy of `anchors` random blocks per sequence (distinct anchors).
 
     tokens (B, T); taps: policy layer outputs (B, T, d) at the same positions; target_logits (B, T, V)
@@ -177,8 +203,11 @@ def block_loss(drafter: DFlashDrafter, tokens: torch.Tensor, taps: dict, target_
     K = a.shape[1]
     z = block_logits(drafter, tokens, drafter.features({i: t.detach() for i, t in taps.items()}), a)
     tgt = (a[:, :, None] + torch.arange(n, device=dev)).clamp(max=T - 1)  # (B, K, n) target positions
-    ok = (mask.gather(1, tgt.flatten(1)).view(B, K, n) & (a[:, :, None] + torch.arange(n, device=dev) < T)
-          & real[:, :, None])
+    ok = (
+        mask.gather(1, tgt.flatten(1)).view(B, K, n)
+        & (a[:, :, None] + torch.arange(n, device=dev) < T)
+        & real[:, :, None]
+    )
     p = target_probs(target_logits, drafter.vocab_ids)  # (B, T, Vd)
     p = p.gather(1, tgt.flatten(1)[..., None].expand(-1, -1, p.shape[-1])).view(B, K, n, -1)
     ce = -(p * torch.log_softmax(z, -1)).sum(-1)  # (B, K, n)
@@ -190,7 +219,12 @@ def block_loss(drafter: DFlashDrafter, tokens: torch.Tensor, taps: dict, target_
         acc = p.gather(-1, best)[..., 0]  # (B, K, n) the policy's probability of the greedy draft token
         cnt = ok.sum().clamp(min=1)
         per = lambda x, j: float((x[..., j] * ok[..., j]).sum() / ok[..., j].sum().clamp(min=1))
-        stats = {"feat": 0.0, "ce": float((ce * ok).sum() / cnt), "top1": float(hit.sum() / cnt),
-                 "positions": float(cnt), **{f"top1_{j + 1}": per(hit.float(), j) for j in range(n)},
-                 **{f"acc_{j + 1}": per(acc, j) for j in range(n)}}
+        stats = {
+            "feat": 0.0,
+            "ce": float((ce * ok).sum() / cnt),
+            "top1": float(hit.sum() / cnt),
+            "positions": float(cnt),
+            **{f"top1_{j + 1}": per(hit.float(), j) for j in range(n)},
+            **{f"acc_{j + 1}": per(acc, j) for j in range(n)},
+        }
     return loss, stats

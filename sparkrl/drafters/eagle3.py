@@ -12,7 +12,8 @@ recurrence). Two layouts join them (the `layout` setting):
     between them and sparkrl (`export_draft`);
   * `fused` (sparkrl's earlier one, which the drafters made before it keep): a linear 2d -> d of the
     concatenated embedding and feature in front of a standard decoder layer; `relayout` carries such a drafter
-    into EAGLE-3's layout as the start of a continued run. It shares the policy's embedding and output head (not trained here); the head can be restricted
+    into EAGLE-3's layout as the start of a continued run. It shares the policy's embedding and output head (not
+    trained here); the head can be restricted
 to a draft vocabulary of the most frequent tokens (`vocab_ids` maps back). At every drafted context it exposes
 `h` (the normed feature entering the head) and `z` (the logits): what SPARK corrects.
 
@@ -33,9 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from sparkrl.drafters.base import SharedHeadDrafter, target_probs
-
-from sparkrl.engine.records import DraftStep
 from sparkrl.drafters.tree import propose
+from sparkrl.engine.records import DraftStep
 from sparkrl.model.kvcache import KVCache
 from sparkrl.model.transformer import DecoderLayer, Linear, ModelArgs, RMSNorm, Stack
 
@@ -69,10 +69,18 @@ class Eagle3Drafter(SharedHeadDrafter):
     kind = KIND
     LEGACY = {"layout": "fused"}  # the settings a checkpoint that does not record them was made with
 
-    def __init__(self, policy_args: ModelArgs, feature_layers: tuple[int, ...] | None = None,
-                 vocab_ids: torch.Tensor | None = None, feature_weight: float = 2.0, num_layers: int = 1,
-                 layout: str = "eagle3", layer: dict | None = None, own_head: bool = False,
-                 norm_before_residual: bool = False):
+    def __init__(
+        self,
+        policy_args: ModelArgs,
+        feature_layers: tuple[int, ...] | None = None,
+        vocab_ids: torch.Tensor | None = None,
+        feature_weight: float = 2.0,
+        num_layers: int = 1,
+        layout: str = "eagle3",
+        layer: dict | None = None,
+        own_head: bool = False,
+        norm_before_residual: bool = False,
+    ):
         """layer: the decoder layers' sizes where they are not the policy's (`ModelArgs` fields: heads, head_dim,
         intermediate_size, biases, q/k norms, RoPE theta), as an imported EAGLE-3 checkpoint has them; own_head: a
         trained output head over the draft vocabulary instead of the policy's rows (imported checkpoints)."""
@@ -100,8 +108,18 @@ class Eagle3Drafter(SharedHeadDrafter):
             self._head = (self.head,)
         return self
 
-    def forward(self, tokens: torch.Tensor, feats: torch.Tensor, cache: KVCache | None = None, *,
-                tree_mask=None, depth=None, mask=None, past=None, head: bool = True) -> DraftStep:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        feats: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        tree_mask=None,
+        depth=None,
+        mask=None,
+        past=None,
+        head: bool = True,
+    ) -> DraftStep:
         """tokens (B, T) (next tokens, policy ids), feats (B, T, d) -> DraftStep at these positions
         (head=False: without the logits; mask, past: training forwards, see `model.Stack.forward`)."""
         x = torch.cat([self.embed(tokens).to(feats.dtype), feats], dim=-1)
@@ -122,13 +140,20 @@ class Eagle3Drafter(SharedHeadDrafter):
         cache.commit(n_keep=lens - 1)
 
     def settings(self) -> dict:
-        return {"feature_weight": self.feature_weight, "num_layers": self.num_layers, "layout": self.layout,
-                "layer": self.layer, "own_head": self.own_head, "norm_before_residual": self.norm_before_residual}
+        return {
+            "feature_weight": self.feature_weight,
+            "num_layers": self.num_layers,
+            "layout": self.layout,
+            "layer": self.layer,
+            "own_head": self.own_head,
+            "norm_before_residual": self.norm_before_residual,
+        }
 
     propose = propose  # trees or sampled chains (drafters/tree.py)
 
-    def loss(self, tokens, taps, hidden, target_logits, mask, generator=None, held_out: bool = False
-             ) -> tuple[torch.Tensor, dict]:
+    def loss(
+        self, tokens, taps, hidden, target_logits, mask, generator=None, held_out: bool = False
+    ) -> tuple[torch.Tensor, dict]:
         """The online/pretraining loss (`draft_loss`; deterministic, `generator` unused; held-out scores
         are the same loss)."""
         return draft_loss(self, tokens, taps, hidden, target_logits, mask, feature_weight=self.feature_weight)
@@ -158,9 +183,17 @@ def relayout(fused: Eagle3Drafter, emb: torch.Tensor, feats: torch.Tensor) -> Ea
         rms = lambda x: x.pow(2).mean(-1).sqrt()
         x = rms(e @ w_e.T + f)
         c_e, c_f = float((rms(e) / x).mean()), float((rms(f) / x).mean())
-        new = Eagle3Drafter(fused.policy_args, fused.feature_layers, fused.vocab_ids, fused.feature_weight,
-                            fused.num_layers, "eagle3", fused.layer, fused.own_head, norm_before_residual=False
-                            ).to(fused.fc.weight)
+        new = Eagle3Drafter(
+            fused.policy_args,
+            fused.feature_layers,
+            fused.vocab_ids,
+            fused.feature_weight,
+            fused.num_layers,
+            "eagle3",
+            fused.layer,
+            fused.own_head,
+            norm_before_residual=False,
+        ).to(fused.fc.weight)
         state = {k: v for k, v in fused.state_dict().items() if k != "fuse.weight"}
         state["fc.weight"] = w_f @ fused.fc.weight.double()
         gain = layer.input_layernorm.weight.double()
@@ -202,23 +235,41 @@ def unrolled(drafter, tokens: torch.Tensor, feats: torch.Tensor, steps: int, reu
     past = [] if reuse else None
     seg_tokens, seg_feats, seg_depth, outs = [], [], [], []
     for s in range(1, steps + 1):
-        seg_tokens.append(tokens[:, s:s + n])
+        seg_tokens.append(tokens[:, s : s + n])
         seg_feats.append(feats if s == 1 else outs[-1][0])
         seg_depth.append(j + s - 1)
         mask = unrolled_mask(n, s, tokens.device)
         if reuse:
-            step = drafter(seg_tokens[-1], seg_feats[-1], depth=seg_depth[-1].expand(B, -1), mask=mask[:, :, -n:],
-                           past=past, head=False)
+            step = drafter(
+                seg_tokens[-1],
+                seg_feats[-1],
+                depth=seg_depth[-1].expand(B, -1),
+                mask=mask[:, :, -n:],
+                past=past,
+                head=False,
+            )
         else:
-            step = drafter(torch.cat(seg_tokens, 1), torch.cat(seg_feats, 1), depth=torch.cat(seg_depth).expand(B, -1),
-                           mask=mask, head=False)
+            step = drafter(
+                torch.cat(seg_tokens, 1),
+                torch.cat(seg_feats, 1),
+                depth=torch.cat(seg_depth).expand(B, -1),
+                mask=mask,
+                head=False,
+            )
         outs.append((step.a[:, -n:], drafter.logits(step.h[:, -n:])))
     return outs
 
 
-def draft_loss(drafter, tokens: torch.Tensor, taps: dict[int, torch.Tensor], hidden: torch.Tensor,
-               target_logits: torch.Tensor, mask: torch.Tensor, steps: int = 3, feature_weight: float = 2.0
-               ) -> tuple[torch.Tensor, dict]:
+def draft_loss(
+    drafter,
+    tokens: torch.Tensor,
+    taps: dict[int, torch.Tensor],
+    hidden: torch.Tensor,
+    target_logits: torch.Tensor,
+    mask: torch.Tensor,
+    steps: int = 3,
+    feature_weight: float = 2.0,
+) -> tuple[torch.Tensor, dict]:
     """tokens (B, T); taps: policy layer outputs (B, T, d); hidden (B, T, d) policy final normed
     hidden; target_logits (B, T, V) policy logits; mask (B, T): position t is trained to predict
     token t + 2 from token t + 1 (targets at t + 1).
@@ -240,10 +291,10 @@ def draft_loss(drafter, tokens: torch.Tensor, taps: dict[int, torch.Tensor], hid
     j = torch.arange(n, device=tokens.device)
     total, stats = 0.0, {}
     for s, (a, z) in enumerate(unrolled(drafter, toks_p, feats, K), start=1):
-        m = (m_p[:, s - 1:s - 1 + n] & (j + s <= T - 1)).to(hidden.dtype)  # (B, n)
+        m = (m_p[:, s - 1 : s - 1 + n] & (j + s <= T - 1)).to(hidden.dtype)  # (B, n)
         cnt = m.sum().clamp(min=1)
-        feat = F.smooth_l1_loss(a, hid_p[:, s:s + n], reduction="none").mean(-1)  # (B, n)
-        p = p_p[:, s:s + n]  # (B, n, Vd) the policy's distribution on the draft vocabulary
+        feat = F.smooth_l1_loss(a, hid_p[:, s : s + n], reduction="none").mean(-1)  # (B, n)
+        p = p_p[:, s : s + n]  # (B, n, Vd) the policy's distribution on the draft vocabulary
         ce = -(p * torch.log_softmax(z, -1)).sum(-1)
         total = total + ((feature_weight * feat + CE_WEIGHT * ce) * m).sum() / cnt
         with torch.no_grad():
@@ -254,6 +305,10 @@ def draft_loss(drafter, tokens: torch.Tensor, taps: dict[int, torch.Tensor], hid
             # acceptance probability of a tree level: the policy's mass on the draft's TREE_BRANCH best tokens
             stats[f"tree_{s}"] = float((p.gather(-1, z.topk(TREE_BRANCH, -1).indices).sum(-1) * m).sum() / cnt)
             if s == 1:
-                stats.update(feat=float((feat.detach() * m).sum() / cnt), ce=float((ce.detach() * m).sum() / cnt),
-                             top1=top1, positions=float(cnt))
+                stats.update(
+                    feat=float((feat.detach() * m).sum() / cnt),
+                    ce=float((ce.detach() * m).sum() / cnt),
+                    top1=top1,
+                    positions=float(cnt),
+                )
     return total / K, stats

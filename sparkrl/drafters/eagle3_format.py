@@ -12,7 +12,8 @@ uses), its own output head and layer sizes kept.
     it taps, is k = i + 1), `norm_before_residual` false (the feature itself is the residual);
   * model.safetensors: `midlayer.*` (the first decoder layer; further ones `layers.N.*`), `fc.weight`,
     `norm.weight` (vLLM taps each layer once, in ascending order: `fc`'s blocks are put in that order, and those of
-    a layer a small policy's default taps twice are summed, which computes the same), `lm_head.weight` (the policy's output head restricted to the draft vocabulary, which is what
+    a layer a small policy's default taps twice are summed, which computes the same), `lm_head.weight` (the policy's
+    output head restricted to the draft vocabulary, which is what
     sparkrl's drafter drafts with), `d2t` (draft id -> target id offset: target = draft + d2t[draft]) and `t2d`
     (target ids in the draft vocabulary) when the draft vocabulary is smaller than the policy's. The token
     embedding is left out: vLLM then shares the target's, as sparkrl's drafter does;
@@ -44,16 +45,22 @@ WEIGHTS = "model.safetensors"
 def exportable(drafter) -> str | None:
     """Why `drafter` cannot be written in EAGLE-3's format (None: it can)."""
     if drafter.kind != "eagle3":
-        return (f"a {drafter.kind} drafter: vLLM's `dflash` method runs Qwen3-style block drafters, whose layout "
-                "differs from sparkrl's DFlash-style one; export an --draft eagle3 drafter")
+        return (
+            f"a {drafter.kind} drafter: vLLM's `dflash` method runs Qwen3-style block drafters, whose layout "
+            "differs from sparkrl's DFlash-style one; export an --draft eagle3 drafter"
+        )
     if drafter.layout != "eagle3":
-        return ("this drafter uses sparkrl's earlier fused layout, which vLLM and SGLang cannot run; carry it into "
-                "EAGLE-3's layout with a continued run, `sparkrl pretrain-draft --draft eagle3 --init THIS_FILE "
-                "--draft-layout eagle3`, or train one (EAGLE-3's layout is the default)")
+        return (
+            "this drafter uses sparkrl's earlier fused layout, which vLLM and SGLang cannot run; carry it into "
+            "EAGLE-3's layout with a continued run, `sparkrl pretrain-draft --draft eagle3 --init THIS_FILE "
+            "--draft-layout eagle3`, or train one (EAGLE-3's layout is the default)"
+        )
     args = drafter.stack.args
     if args.qk_norm or args.o_bias or args.qkv_bias:
-        return (f"the drafter of a {args.arch} policy has {'q/k norms' if args.qk_norm else 'attention biases'}, which "
-                "vLLM's Llama EAGLE-3 drafter lacks; export drafters of Llama-architecture policies")
+        return (
+            f"the drafter of a {args.arch} policy has {'q/k norms' if args.qk_norm else 'attention biases'}, which "
+            "vLLM's Llama EAGLE-3 drafter lacks; export drafters of Llama-architecture policies"
+        )
     return None
 
 
@@ -64,15 +71,28 @@ def eagle3_config(drafter, policy_config: dict, dtype: torch.dtype) -> dict:
     if "rope_theta" in drafter.layer:  # an imported drafter's own
         rope = {"rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta}}
     return {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size, "num_hidden_layers": a.num_layers,
-        "num_attention_heads": a.num_heads, "num_key_value_heads": a.num_kv_heads, "head_dim": a.head_dim,
-        "rms_norm_eps": a.rms_norm_eps, "attention_bias": False, "mlp_bias": a.mlp_bias,
-        "max_position_embeddings": policy_config.get("max_position_embeddings", 4096), **rope,
-        "vocab_size": a.vocab_size, "draft_vocab_size": int(drafter.vocab_ids.numel()),
-        "target_hidden_size": a.hidden_size, "num_aux_hidden_states": len(set(drafter.feature_layers)),
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": a.hidden_size,
+        "intermediate_size": a.intermediate_size,
+        "num_hidden_layers": a.num_layers,
+        "num_attention_heads": a.num_heads,
+        "num_key_value_heads": a.num_kv_heads,
+        "head_dim": a.head_dim,
+        "rms_norm_eps": a.rms_norm_eps,
+        "attention_bias": False,
+        "mlp_bias": a.mlp_bias,
+        "max_position_embeddings": policy_config.get("max_position_embeddings", 4096),
+        **rope,
+        "vocab_size": a.vocab_size,
+        "draft_vocab_size": int(drafter.vocab_ids.numel()),
+        "target_hidden_size": a.hidden_size,
+        "num_aux_hidden_states": len(set(drafter.feature_layers)),
         "eagle_aux_hidden_state_layer_ids": sorted({i + 1 for i in drafter.feature_layers}),
-        "norm_before_residual": drafter.norm_before_residual, "norm_before_fc": False, "tie_word_embeddings": False,
+        "norm_before_residual": drafter.norm_before_residual,
+        "norm_before_fc": False,
+        "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -98,8 +118,9 @@ def eagle3_weights(drafter, policy: Transformer, dtype: torch.dtype) -> dict[str
     return out
 
 
-def export_draft(drafter, policy: Transformer, policy_config: dict, out: Path,
-                 dtype: torch.dtype = torch.bfloat16) -> Path:
+def export_draft(
+    drafter, policy: Transformer, policy_config: dict, out: Path, dtype: torch.dtype = torch.bfloat16
+) -> Path:
     """Write `drafter` (serving `policy`, whose config.json is `policy_config`) as an EAGLE-3 checkpoint folder at
     `out` (see the module doc), through a temporary sibling renamed into place; returns `out`. An existing `out`
     is replaced only when it is empty or an earlier export."""
@@ -114,8 +135,18 @@ def export_draft(drafter, policy: Transformer, policy_config: dict, out: Path,
     try:
         save_file(eagle3_weights(drafter, policy, dtype), str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(eagle3_config(drafter, policy_config, dtype), indent=2) + "\n")
-        (tmp / MARKER).write_text(json.dumps({"format": "sparkrl-eagle3-draft", "version": 1, "kind": drafter.kind,
-                                              "feature_layers": list(drafter.feature_layers)}, indent=2) + "\n")
+        (tmp / MARKER).write_text(
+            json.dumps(
+                {
+                    "format": "sparkrl-eagle3-draft",
+                    "version": 1,
+                    "kind": drafter.kind,
+                    "feature_layers": list(drafter.feature_layers),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         os.chmod(tmp, 0o755)
         if out.exists():
             shutil.rmtree(out)
@@ -125,8 +156,18 @@ def export_draft(drafter, policy: Transformer, policy_config: dict, out: Path,
     return out
 
 
-LAYER_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "qk_norm",
-                "qkv_bias", "o_bias", "mlp_bias")  # what an imported drafter's layers keep of their own config
+LAYER_FIELDS = (
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "qk_norm",
+    "qkv_bias",
+    "o_bias",
+    "mlp_bias",
+)  # what an imported drafter's layers keep of their own config
 
 
 def is_eagle3_folder(path: Path) -> bool:
@@ -135,8 +176,12 @@ def is_eagle3_folder(path: Path) -> bool:
     if not cfg.is_file():
         return False
     c = json.loads(cfg.read_text())
-    return "speculators_model_type" in c or any("Eagle3" in a for a in c.get("architectures") or []) \
-        or "eagle_aux_hidden_state_layer_ids" in c or "draft_vocab_size" in c
+    return (
+        "speculators_model_type" in c
+        or any("Eagle3" in a for a in c.get("architectures") or [])
+        or "eagle_aux_hidden_state_layer_ids" in c
+        or "draft_vocab_size" in c
+    )
 
 
 def read_eagle3(path: Path) -> dict:
@@ -147,7 +192,10 @@ def read_eagle3(path: Path) -> dict:
     token embedding is the policy's."""
     path = Path(path)
     top = json.loads((path / "config.json").read_text())
-    cfg = {**top.get("transformer_layer_config", {}), **{k: v for k, v in top.items() if k != "transformer_layer_config"}}
+    cfg = {
+        **top.get("transformer_layer_config", {}),
+        **{k: v for k, v in top.items() if k != "transformer_layer_config"},
+    }
     if cfg.get("norm_before_fc") or cfg.get("fc_norm"):
         raise UserError(f"{path}: an EAGLE-3 drafter with norms before fc, which sparkrl's drafter lacks")
     args = ModelArgs.from_hf({**cfg, "model_type": "llama"})
@@ -156,7 +204,7 @@ def read_eagle3(path: Path) -> dict:
     for k, v in raw.items():
         k = k.removeprefix("model.")
         if k.startswith("midlayer."):
-            state["stack.layers.0." + k[len("midlayer."):]] = v
+            state["stack.layers.0." + k[len("midlayer.") :]] = v
         elif k.startswith("layers."):
             state["stack." + k] = v
         elif k in ("fc.weight", "norm.weight"):
@@ -167,14 +215,24 @@ def read_eagle3(path: Path) -> dict:
     vd = state["head.weight"].shape[0]
     state["vocab_ids"] = (torch.arange(vd) + d2t.long()) if d2t is not None else torch.arange(vd)
     aux = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+        "eagle_aux_hidden_state_layer_ids"
+    )
     layers = [k - 1 for k in sorted(set(aux))] if aux else None  # None: `feature_layers` resolves vLLM's default
     target = cfg.get("target_hidden_size") or cfg["hidden_size"]
-    return {"kind": "eagle3", "policy": {"hidden_size": target, "vocab_size": cfg["vocab_size"]},
-            "feature_layers": layers, "settings": {
-                "layout": "eagle3", "num_layers": cfg.get("num_hidden_layers", 1), "own_head": True,
-                "norm_before_residual": bool(cfg.get("norm_before_residual", "speculators_model_type" in top)),
-                "feature_weight": 0.0, "layer": {f: getattr(args, f) for f in LAYER_FIELDS}}, "state": state}
+    return {
+        "kind": "eagle3",
+        "policy": {"hidden_size": target, "vocab_size": cfg["vocab_size"]},
+        "feature_layers": layers,
+        "settings": {
+            "layout": "eagle3",
+            "num_layers": cfg.get("num_hidden_layers", 1),
+            "own_head": True,
+            "norm_before_residual": bool(cfg.get("norm_before_residual", "speculators_model_type" in top)),
+            "feature_weight": 0.0,
+            "layer": {f: getattr(args, f) for f in LAYER_FIELDS},
+        },
+        "state": state,
+    }
 
 
 def feature_layers(ck: dict, num_layers: int) -> tuple[int, ...]:

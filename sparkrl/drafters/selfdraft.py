@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from sparkrl.engine.records import DraftStep
 from sparkrl.drafters.tree import propose
+from sparkrl.engine.records import DraftStep
 from sparkrl.model.kvcache import KVCache
 from sparkrl.model.transformer import Transformer
 

@@ -17,12 +17,11 @@ node attends to its own ancestors there. The caller rolls the region back after 
 
 from __future__ import annotations
 
-
 import torch
 
 from sparkrl.config import TreeShape
-from sparkrl.engine.sampling import sample_from
 from sparkrl.engine.records import Contexts, Proposal, Tree
+from sparkrl.engine.sampling import sample_from
 
 
 def identity(z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -30,8 +29,17 @@ def identity(z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return z
 
 
-def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Tensor, h: torch.Tensor,
-               shape: TreeShape, nodes: int | None = None, correct=identity) -> Proposal:
+def build_tree(
+    drafter,
+    cache,
+    root: torch.Tensor,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    h: torch.Tensor,
+    shape: TreeShape,
+    nodes: int | None = None,
+    correct=identity,
+) -> Proposal:
     """Trees for a batch of roots.
 
     root: (B,) policy ids of the roots; z: (B, Vd) drafter logits after the root; a: (B, d) the drafter
@@ -84,9 +92,14 @@ def build_tree(drafter, cache, root: torch.Tensor, z: torch.Tensor, a: torch.Ten
         front_feat = step.a.gather(1, slot[..., None].expand(-1, -1, step.a.shape[-1]))
         front_anc = _child_ancestors(front_anc, slot, P, F)
         F = k
-    tree, keep = _select(torch.cat(rec_tok, 1), torch.cat(rec_score, 1), torch.cat(rec_parent, 1),
-                         torch.cat([torch.full_like(s, d, dtype=torch.long) for s, d in zip(rec_score, rec_depth)], 1),
-                         root, nodes or shape.nodes)
+    tree, keep = _select(
+        torch.cat(rec_tok, 1),
+        torch.cat(rec_score, 1),
+        torch.cat(rec_parent, 1),
+        torch.cat([torch.full_like(s, d, dtype=torch.long) for s, d in zip(rec_score, rec_depth)], 1),
+        root,
+        nodes or shape.nodes,
+    )
     node = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), _node_contexts(expanded, n_rec, keep, dev)], 1)
     return Proposal(tree, None, Contexts(ctx_h, ctx_z, node, rejected_children=True))
 
@@ -122,8 +135,9 @@ def _node_contexts(expanded: list, n_rec: int, keep: torch.Tensor, dev) -> torch
     return rec_ctx.gather(1, keep)
 
 
-def propose(drafter, cache, state, shape: TreeShape, nodes: int, temperature: float, u: torch.Tensor,
-            correct=identity) -> Proposal:
+def propose(
+    drafter, cache, state, shape: TreeShape, nodes: int, temperature: float, u: torch.Tensor, correct=identity
+) -> Proposal:
     """EAGLE-style proposals from the drafter's state at the roots (`records.DraftState`): a dynamic tree of
     `nodes` nodes (shape.mode "tree"), or a chain sampled from q with uniforms u (B, depth) ("chain")."""
     if shape.mode == "chain":
@@ -135,9 +149,13 @@ def path_tree(tokens: torch.Tensor) -> Tree:
     """A one-path tree over tokens (B, 1 + D): the root, then each token the child of the previous."""
     B, n = tokens.shape
     ar = torch.arange(n, device=tokens.device)
-    return Tree(tokens=tokens, parents=(ar - 1).expand(B, -1).clone(),
-                valid=torch.ones(B, n, dtype=torch.bool, device=tokens.device), depth=ar.expand(B, -1).clone(),
-                rank=ar.expand(B, -1).clone())
+    return Tree(
+        tokens=tokens,
+        parents=(ar - 1).expand(B, -1).clone(),
+        valid=torch.ones(B, n, dtype=torch.bool, device=tokens.device),
+        depth=ar.expand(B, -1).clone(),
+        rank=ar.expand(B, -1).clone(),
+    )
 
 
 def path_contexts(h: torch.Tensor, z: torch.Tensor) -> Contexts:
@@ -172,8 +190,9 @@ def _select(tok, score, parent, depth, root, nodes) -> tuple[Tree, torch.Tensor]
     ), keep
 
 
-def build_chain(drafter, cache, root, z, a, h, depth: int, temperature: float, u: torch.Tensor,
-                correct=identity) -> Proposal:
+def build_chain(
+    drafter, cache, root, z, a, h, depth: int, temperature: float, u: torch.Tensor, correct=identity
+) -> Proposal:
     """Chains of `depth` tokens sampled from the draft distribution q = softmax(z / temperature).
 
     u: (B, depth) uniforms. The proposal's q[:, d] (B, depth, Vd) is the distribution token d was drawn
@@ -191,8 +210,11 @@ def build_chain(drafter, cache, root, z, a, h, depth: int, temperature: float, u
         z = correct(z, h)
         hs.append(h)
         zs.append(z)
-        q = torch.softmax(z.float() / temperature, -1) if temperature > 0 else \
-            torch.nn.functional.one_hot(z.argmax(-1), z.shape[-1]).float()
+        q = (
+            torch.softmax(z.float() / temperature, -1)
+            if temperature > 0
+            else torch.nn.functional.one_hot(z.argmax(-1), z.shape[-1]).float()
+        )
         qs.append(q)
         toks.append(ids[sample_from(q, u[:, d])])
     tree = path_tree(torch.cat([root[:, None], torch.stack(toks, 1)], 1))

@@ -159,40 +159,72 @@ class CostModel:
         return max(t, 1e-9)
 
     def to_dict(self) -> dict:
-        return {"rows": list(self.rows), "rounds": {_key(s): list(v) for s, v in self.rounds.items()},
-                "accepted": {_key(s): list(v) for s, v in self.accepted.items()}, "level": list(self.level)}
+        return {
+            "rows": list(self.rows),
+            "rounds": {_key(s): list(v) for s, v in self.rounds.items()},
+            "accepted": {_key(s): list(v) for s, v in self.accepted.items()},
+            "level": list(self.level),
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":  # ("timed": the raw timings beside a fit, for the record)
-        return cls(tuple(d["rows"]), {_size(k): v for k, v in d["rounds"].items()},
-                   {_size(k): v for k, v in d["accepted"].items()}, d["level"])
+        return cls(
+            tuple(d["rows"]),
+            {_size(k): v for k, v in d["rounds"].items()},
+            {_size(k): v for k, v in d["accepted"].items()},
+            d["level"],
+        )
 
     @classmethod
-    def measure(cls, policy, drafter, shape: TreeShape, time_rounds, repeats: int | None = None,
-                kernels: dict | None = None) -> "CostModel":
+    def measure(
+        cls, policy, drafter, shape: TreeShape, time_rounds, repeats: int | None = None, kernels: dict | None = None
+    ) -> "CostModel":
         """Time whole engine rounds on this machine (cached per machine/model/threads/shape/kernels): AR and a few
         tree sizes (`timed_sizes`) at `ROWS`, every other size fitted (`smoothed`), with a progress bar.
-        time_rounds(policy, drafter, shape, rows, sizes, context, repeats per row, progress) -> `Timings` is the engine's
+        time_rounds(policy, drafter, shape, rows, sizes, context, repeats per row, progress) -> `Timings` is the
+        engine's
         own timing (`speculative.time_rounds`).
         repeats: timed rounds per size at every row count (default `REPEATS`). kernels: what runs the policy's
         forwards (`cpu.accelerate.Acceleration.kernels`), part of the cache key."""
         w = policy.lm_head.weight
-        path = measurement_path("rounds", str(w.device), str(w.dtype), policy.args.__dict__, drafter.kind,
-                                int(drafter.vocab_ids.numel()), shape.__dict__, ROWS, CONTEXT,
-                                {"engine": ENGINE, **(kernels or {})})
+        path = measurement_path(
+            "rounds",
+            str(w.device),
+            str(w.dtype),
+            policy.args.__dict__,
+            drafter.kind,
+            int(drafter.vocab_ids.numel()),
+            shape.__dict__,
+            ROWS,
+            CONTEXT,
+            {"engine": ENGINE, **(kernels or {})},
+        )
         if path.exists():
             return cls.from_dict(json.loads(path.read_text()))
         sizes = [AR] + timed_sizes(shape)
         reps = dict(REPEATS) if repeats is None else {B: repeats for B in ROWS}
-        print(f"sparkrl: timing the policy and the drafter for the speculation budget ({len(sizes)} round sizes at "
-              f"{', '.join(map(str, ROWS))} rows), once: cached in {path.parent} for next time; --budget fixed "
-              f"skips it", file=sys.stderr, flush=True)
-        with tqdm(total=timing_work(ROWS, sizes, CONTEXT, reps), desc="budget timing", file=sys.stderr, leave=False,
-                  bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}, about {remaining} left") as bar:
+        print(
+            f"sparkrl: timing the policy and the drafter for the speculation budget ({len(sizes)} round sizes at "
+            f"{', '.join(map(str, ROWS))} rows), once: cached in {path.parent} for next time; --budget fixed "
+            f"skips it",
+            file=sys.stderr,
+            flush=True,
+        )
+        with tqdm(
+            total=timing_work(ROWS, sizes, CONTEXT, reps),
+            desc="budget timing",
+            file=sys.stderr,
+            leave=False,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}, about {remaining} left",
+        ) as bar:
             got = time_rounds(policy, drafter, shape, ROWS, sizes, CONTEXT, reps, bar.update)
         timed = {s: [at_zero(r, lv) for r, lv in zip(got.rounds[s], got.level)] for s in sizes}
-        cost = cls(ROWS, nondecreasing(smoothed(timed, tree_sizes(shape))), {s: [0.0] * len(ROWS)
-                                                                           for s in [AR] + tree_sizes(shape)}, got.level)
+        cost = cls(
+            ROWS,
+            nondecreasing(smoothed(timed, tree_sizes(shape))),
+            {s: [0.0] * len(ROWS) for s in [AR] + tree_sizes(shape)},
+            got.level,
+        )
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({**cost.to_dict(), "timed": {_key(s): v for s, v in timed.items()}}))
         return cost
@@ -211,8 +243,9 @@ def round_work(B: int, size: tuple[int, int]) -> int:
 def timing_work(rows, sizes, context: int, repeats: dict) -> int:
     """The work `time_rounds` reports to its progress callback in all (`round_work` units)."""
     own = (context - 1) * round_work(1, AR)
-    return own + sum(repeats[B] * sum(round_work(B, s) for s in sizes) + (repeats[B] + 2) * round_work(B, AR)
-                     for B in rows)  # the timed rounds; the warm-up round and the levels, AR rounds' worth
+    return own + sum(
+        repeats[B] * sum(round_work(B, s) for s in sizes) + (repeats[B] + 2) * round_work(B, AR) for B in rows
+    )  # the timed rounds; the warm-up round and the levels, AR rounds' worth
 
 
 def timed_sizes(shape: TreeShape) -> list[Size]:
@@ -304,8 +337,14 @@ class Budget:
     then depend on wall-clock timings: a resumed run is not bit-identical to an uninterrupted one
     (its distribution is unchanged), which is why `--budget auto` does not adapt."""
 
-    def __init__(self, cost: CostModel, shape: TreeShape, prior_accept: float = 2.0, momentum: float = 0.9,
-                 adaptive: bool = False):
+    def __init__(
+        self,
+        cost: CostModel,
+        shape: TreeShape,
+        prior_accept: float = 2.0,
+        momentum: float = 0.9,
+        adaptive: bool = False,
+    ):
         self.cost, self.shape = cost, shape
         # expected accepted drafts per round for each size; optimistic at first, kept across rollouts
         self.accepted = {s: prior_accept * s[1] / shape.depth for s in self.sizes}
@@ -318,10 +357,14 @@ class Budget:
     def state_dict(self) -> dict:
         """What a resumed run needs to choose as the uninterrupted one would: the cost model it used
         and the running estimates."""
-        return {"cost": self.cost.to_dict(), "accepted": {_key(s): a for s, a in self.accepted.items()},
-                "seen": {_key(s): n for s, n in self.seen.items()},
-                "scale": {_key(s): a for s, a in self.scale.items()}, "declined": self.declined,
-                "rows": self.rows}
+        return {
+            "cost": self.cost.to_dict(),
+            "accepted": {_key(s): a for s, a in self.accepted.items()},
+            "seen": {_key(s): n for s, n in self.seen.items()},
+            "scale": {_key(s): a for s, a in self.scale.items()},
+            "declined": self.declined,
+            "rows": self.rows,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if "cost" not in state:  # a checkpoint from before sizes had depths: its estimates no longer apply
@@ -386,5 +429,5 @@ class Budget:
             if s[0] <= size[0] and s[1] <= size[1]:
                 kept = kept_drafts(tree, acc.path, s).double().mean().item()  # host sync
                 self.seen[s] += B
-                w = max(1 - self.momentum ** B, B / (self.seen[s] + PRIOR_ROWS))
+                w = max(1 - self.momentum**B, B / (self.seen[s] + PRIOR_ROWS))
                 self.accepted[s] = (1 - w) * self.accepted[s] + w * kept

@@ -47,7 +47,9 @@ class RoundStats:
     accept_s: float = 0.0
     ar_s: float = 0.0  # time of the autoregressive rounds
     accepted_at_depth: list[int] = field(default_factory=list)  # rows whose accepted path reached depth d+1
-    active_aal: list[tuple[int, float]] = field(default_factory=list)  # (active responses, AAL) per drafted round (paper Fig. 5)
+    active_aal: list[tuple[int, float]] = field(
+        default_factory=list
+    )  # (active responses, AAL) per drafted round (paper Fig. 5)
     adapter: dict = field(default_factory=dict)  # the drafter adapter's figures (SPARK's)
     sizes: dict[str, int] = field(default_factory=dict)  # drafted rounds per tree size "nodes,depth"
 
@@ -104,10 +106,20 @@ class RoundStats:
         """The figures for metrics.jsonl (speculative rollouts: AAL, rounds, time split, acceptance)."""
         if not self.depth:
             return {"policy_forwards": self.policy_forwards}
-        return {"aal": self.aal, "rounds": self.rounds, "tree_rounds": self.tree_rounds, "committed": self.committed,
-                "row_rounds": self.row_rounds, "policy_forwards": self.policy_forwards, "draft_s": self.draft_s,
-                "verify_s": self.verify_s, "accept_s": self.accept_s, "accept_at_depth": self.accept_at_depth,
-                "tree_sizes": self.sizes, **self.adapter}
+        return {
+            "aal": self.aal,
+            "rounds": self.rounds,
+            "tree_rounds": self.tree_rounds,
+            "committed": self.committed,
+            "row_rounds": self.row_rounds,
+            "policy_forwards": self.policy_forwards,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "accept_s": self.accept_s,
+            "accept_at_depth": self.accept_at_depth,
+            "tree_sizes": self.sizes,
+            **self.adapter,
+        }
 
 
 @dataclass
@@ -133,9 +145,15 @@ class Rollout:
 
     def append_round_log(self, path: str, **meta) -> None:
         """Append this rollout's per-token outcomes to a JSONL round log (`sparkrl analyze` reads it)."""
-        rec = {**meta, "group_size": self.group_size, "prompts": len(self.prompt_ids), "prompt_ids": self.prompt_ids,
-               "responses": [{"tokens": t, "outcome": o, "round": r}
-                             for t, o, r in zip(self.tokens, self.outcome, self.round_of)]}
+        rec = {
+            **meta,
+            "group_size": self.group_size,
+            "prompts": len(self.prompt_ids),
+            "prompt_ids": self.prompt_ids,
+            "responses": [
+                {"tokens": t, "outcome": o, "round": r} for t, o, r in zip(self.tokens, self.outcome, self.round_of)
+            ],
+        }
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -163,9 +181,13 @@ class Tree:
         """(B, N, N) bool: node i may attend to node j iff j is i or an ancestor of i."""
         B, N = self.tokens.shape
         eye = torch.eye(N, dtype=torch.bool, device=self.tokens.device).expand(B, N, N)
-        up = torch.where(self.parents >= 0, self.parents, torch.arange(N, device=self.tokens.device))  # root, padding: self
+        up = torch.where(
+            self.parents >= 0, self.parents, torch.arange(N, device=self.tokens.device)
+        )  # root, padding: self
         mask = eye
-        for _ in range(int(self.depth.max())):  # host sync; after d steps every node of depth <= d has all its ancestors
+        for _ in range(
+            int(self.depth.max())
+        ):  # host sync; after d steps every node of depth <= d has all its ancestors
             mask = eye | mask.gather(1, up[:, :, None].expand(B, N, N))
         return mask
 

@@ -20,10 +20,10 @@ import time
 import torch
 
 from sparkrl.config import SamplingConfig
-from sparkrl.model.kvcache import KVCache
-from sparkrl.model.transformer import Output, Transformer, pad_right
 from sparkrl.engine.records import UNDRAFTED, Rollout, RoundStats
 from sparkrl.engine.sampling import SAMPLER, Sampler, position_uniforms, response_keys
+from sparkrl.model.kvcache import KVCache
+from sparkrl.model.transformer import Output, Transformer, pad_right
 
 
 def response_generators(seed: int, n_prompts: int, group_size: int, offset: int = 0) -> list[torch.Generator]:
@@ -91,8 +91,17 @@ class Batch:
         return torch.tensor(keep, dtype=torch.long)
 
     def rollout(self, prompts: list[list[int]], group_size: int, t0: float, stats: RoundStats) -> Rollout:
-        return Rollout([list(p) for p in prompts], group_size, self.tokens, self.reason, time.perf_counter() - t0,
-                       stats, self.outcome, self.round_of, self.logp)
+        return Rollout(
+            [list(p) for p in prompts],
+            group_size,
+            self.tokens,
+            self.reason,
+            time.perf_counter() - t0,
+            stats,
+            self.outcome,
+            self.round_of,
+            self.logp,
+        )
 
 
 def prefill(model: Transformer, prompts: list[list[int]], capacity: int, group_size: int, taps: tuple[int, ...] = ()):
@@ -109,9 +118,15 @@ def prefill(model: Transformer, prompts: list[list[int]], capacity: int, group_s
     return cache, logits.index_select(0, rows), out
 
 
-def decode_one_token(model: Transformer, cache: KVCache, tokens: torch.Tensor, sampling: SamplingConfig,
-                     u: torch.Tensor, taps: tuple[int, ...] = (), sampler: Sampler = SAMPLER
-                     ) -> tuple[torch.Tensor, torch.Tensor, Output]:
+def decode_one_token(
+    model: Transformer,
+    cache: KVCache,
+    tokens: torch.Tensor,
+    sampling: SamplingConfig,
+    u: torch.Tensor,
+    taps: tuple[int, ...] = (),
+    sampler: Sampler = SAMPLER,
+) -> tuple[torch.Tensor, torch.Tensor, Output]:
     """One autoregressive step: run tokens (B,) and commit them, sample the next (B,) at uniforms u (B,)
     (`Batch.uniforms`). Returns the next tokens, their log-probabilities (B,) and the forward's output (its taps
     feed a drafter)."""
@@ -122,9 +137,16 @@ def decode_one_token(model: Transformer, cache: KVCache, tokens: torch.Tensor, s
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompts: list[list[int]], sampling: SamplingConfig, eos_ids: tuple[int, ...],
-             generators: list[torch.Generator], group_size: int = 1, progress=None, sampler: Sampler = SAMPLER
-             ) -> Rollout:
+def generate(
+    model: Transformer,
+    prompts: list[list[int]],
+    sampling: SamplingConfig,
+    eos_ids: tuple[int, ...],
+    generators: list[torch.Generator],
+    group_size: int = 1,
+    progress=None,
+    sampler: Sampler = SAMPLER,
+) -> Rollout:
     """Autoregressive sampling of `group_size` responses per prompt, all in one shrinking batch.
 
     generators: one per response (len(prompts) * group_size), e.g. from `response_generators`.

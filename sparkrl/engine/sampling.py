@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-
 _PRESELECT = (256, 4096)  # candidate counts tried in turn before falling back to a full sort
 
 
@@ -71,9 +70,12 @@ def _padded(probs: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor, width: i
     N, K = ids.shape
     held = torch.zeros(N, width + 1, dtype=torch.bool, device=ids.device)
     held.scatter_(1, ids.clamp(max=width), True)  # ids past width-1 all land in the spare last column
-    free = held[:, :width].to(torch.int8).argsort(dim=-1, stable=True)[:, :width - K]  # free ids, lowest first
-    return (torch.cat([probs, probs.new_zeros(N, width - K)], 1), torch.cat([ids, free], 1),
-            torch.cat([keep, keep.new_zeros(N, width - K)], 1))
+    free = held[:, :width].to(torch.int8).argsort(dim=-1, stable=True)[:, : width - K]  # free ids, lowest first
+    return (
+        torch.cat([probs, probs.new_zeros(N, width - K)], 1),
+        torch.cat([ids, free], 1),
+        torch.cat([keep, keep.new_zeros(N, width - K)], 1),
+    )
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -110,7 +112,7 @@ def position_uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     sampling would give (up to float noise; see `sample`), and two runs that differ only in how they
     draft make the same rollouts."""
     x = _mix(_mix(keys[:, None].to(positions.device) + _GOLDEN) ^ (positions + 1) * _GOLDEN)
-    return ((x >> 11) & ((1 << 53) - 1)).double() * 2.0 ** -53
+    return ((x >> 11) & ((1 << 53) - 1)).double() * 2.0**-53
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

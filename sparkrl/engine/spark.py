@@ -81,7 +81,8 @@ class SparseRows:
             return
         allk, inv = torch.unique(torch.cat([self.keys, keys]), sorted=True, return_inverse=True)
         self.rows = torch.zeros(allk.numel(), self.rows.shape[1], device=rows.device).index_add_(
-            0, inv, torch.cat([self.rows, rows]))
+            0, inv, torch.cat([self.rows, rows])
+        )
         self.keys = allk
 
     def drop(self, owners: torch.Tensor) -> None:
@@ -107,7 +108,11 @@ class SparseRows:
         ok = torch.arange(m, device=owners.device) < count[:, None]
         j = j.clamp(max=max(len(self) - 1, 0))
         tok = torch.where(ok, self.keys[j] - owners[:, None] * self.V, 0) if m else j
-        rows = torch.where(ok[..., None], self.rows[j], 0.0) if m else self.rows.new_zeros(len(owners), 0, self.rows.shape[1])
+        rows = (
+            torch.where(ok[..., None], self.rows[j], 0.0)
+            if m
+            else self.rows.new_zeros(len(owners), 0, self.rows.shape[1])
+        )
         return tok, rows
 
 
@@ -128,9 +133,11 @@ class Projection(nn.Module):
     def load(self, ck: dict, where: str = "checkpoint") -> None:
         d, r = self.A.shape
         if ck.get("hidden_size") != d or ck.get("rank") != r:
-            raise UserError(f"the SPARK projection in {where} is {ck.get('hidden_size')} x {ck.get('rank')}, this run "
-                            f"needs {d} x {r} (hidden size x --spark-rank); pass --spark-rank {ck.get('rank')} or "
-                            "a checkpoint made for this model")
+            raise UserError(
+                f"the SPARK projection in {where} is {ck.get('hidden_size')} x {ck.get('rank')}, this run "
+                f"needs {d} x {r} (hidden size x --spark-rank); pass --spark-rank {ck.get('rank')} or "
+                "a checkpoint made for this model"
+            )
         with torch.no_grad():
             self.A.copy_(ck["A"])
 
@@ -146,9 +153,21 @@ class Spark:
 
     needs_targets = True  # the engine asks the acceptance walk for p at the visited nodes
 
-    def __init__(self, A: torch.Tensor, vocab: int, k: int = 16, eta: float = 0.01, every: int = 1,
-                 temperature: float = 1.0, learn_A: bool = True, scope: str = "group", carry: bool = False,
-                 w_path: float = 1.0, w_rejected: float = 1.0, accepted_only: bool = False):
+    def __init__(
+        self,
+        A: torch.Tensor,
+        vocab: int,
+        k: int = 16,
+        eta: float = 0.01,
+        every: int = 1,
+        temperature: float = 1.0,
+        learn_A: bool = True,
+        scope: str = "group",
+        carry: bool = False,
+        w_path: float = 1.0,
+        w_rejected: float = 1.0,
+        accepted_only: bool = False,
+    ):
         self.A = A.detach().float()  # fixed during the rollout (Theorem B.8, step 1)
         self.V, self.k, self.eta, self.every = vocab, k, eta, every
         self.temperature = temperature if temperature > 0 else 1.0
@@ -168,9 +187,20 @@ class Spark:
     @classmethod
     def from_config(cls, cfg, A: torch.Tensor, vocab: int, temperature: float) -> "Spark":
         """From a `config.SparkConfig`."""
-        return cls(A, vocab, cfg.spark_k, cfg.spark_eta, cfg.spark_every, temperature, not cfg.spark_frozen_a,
-                   cfg.spark_scope, cfg.spark_carry, cfg.spark_path_weight, cfg.spark_rejected_weight,
-                   cfg.spark_feedback == "accepted")
+        return cls(
+            A,
+            vocab,
+            cfg.spark_k,
+            cfg.spark_eta,
+            cfg.spark_every,
+            temperature,
+            not cfg.spark_frozen_a,
+            cfg.spark_scope,
+            cfg.spark_carry,
+            cfg.spark_path_weight,
+            cfg.spark_rejected_weight,
+            cfg.spark_feedback == "accepted",
+        )
 
     def begin(self, n_prompts: int, group_size: int) -> None:
         """A new rollout of n_prompts x group_size responses (prompt-major). B = 0 unless `carry`.
@@ -222,8 +252,9 @@ class Spark:
         if row.numel():
             self.feedback_of(self._owner[row], h, z, p, w)
 
-    def feedback_of(self, owner: torch.Tensor, h: torch.Tensor, z: torch.Tensor, p: torch.Tensor,
-                    w: torch.Tensor) -> None:
+    def feedback_of(
+        self, owner: torch.Tensor, h: torch.Tensor, z: torch.Tensor, p: torch.Tensor, w: torch.Tensor
+    ) -> None:
         """`feedback` with each context's owner (n,) given instead of its batch row."""
         q = torch.softmax(z.float() / self.temperature, -1)  # (n, V)
         p = p.float()

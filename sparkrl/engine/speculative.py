@@ -23,17 +23,13 @@ import time
 import torch
 
 from sparkrl.config import SamplingConfig, TreeShape
-from sparkrl.engine.records import DraftState
-from sparkrl.engine.records import Proposal
-from sparkrl.model.kvcache import KVCache
-from sparkrl.model.transformer import Transformer, pad_right
-from sparkrl.engine.rollout import Batch, decode_one_token, generate, prefill
-from sparkrl.engine.records import HIT, MISS, UNDRAFTED, Round, RoundStats
 from sparkrl.engine.budget import AR, FixedBudget, Timings, round_work
+from sparkrl.engine.records import HIT, MISS, UNDRAFTED, Acceptance, DraftState, Proposal, Round, RoundStats
+from sparkrl.engine.rollout import Batch, decode_one_token, generate, prefill
 from sparkrl.engine.sampling import SAMPLER, Sampler
 from sparkrl.engine.verify import PathLogits, accept_chain, accept_tree
-from sparkrl.engine.records import Acceptance
-
+from sparkrl.model.kvcache import KVCache
+from sparkrl.model.transformer import Transformer, pad_right
 
 PATH_ROWS = 6  # LM-head rows of one acceptance-walk call (`verify.PathLogits`): on a CPU a bfloat16 head product
 # of up to 6-8 rows costs about what one row costs
@@ -128,8 +124,16 @@ class Speculation:
     """One speculative rollout in progress: the policy's and the drafter's caches, the drafter's state
     at every active row's root, and the batch bookkeeping."""
 
-    def __init__(self, policy: Transformer, drafter, sampling: SamplingConfig, shape: TreeShape,
-                 generators: list[torch.Generator], adapter, sampler: Sampler = SAMPLER):
+    def __init__(
+        self,
+        policy: Transformer,
+        drafter,
+        sampling: SamplingConfig,
+        shape: TreeShape,
+        generators: list[torch.Generator],
+        adapter,
+        sampler: Sampler = SAMPLER,
+    ):
         self.policy, self.drafter, self.sampling, self.shape = policy, drafter, sampling, shape
         self.generators, self.adapter, self.sampler = generators, adapter, sampler
         self.taps = tuple(drafter.feature_layers)
@@ -151,8 +155,9 @@ class Speculation:
         rows = torch.arange(len(prompts), device=device).repeat_interleave(G)
         self.dcache.keep_rows(rows)
         self.batch = Batch(self.generators, eos_ids, self.sampling.max_new_tokens)
-        root, logp = self.sampler.token(logits, self.sampling.temperature, self.sampling.top_p,
-                                        self.batch.uniforms()[:, 0])  # (N,)
+        root, logp = self.sampler.token(
+            logits, self.sampling.temperature, self.sampling.top_p, self.batch.uniforms()[:, 0]
+        )  # (N,)
         self.batch.commit([[t] for t in root.tolist()], [[x] for x in logp.tolist()])  # host sync
         last_feat = None if feats is None else feats[rows, lens[rows] - 1][:, None]  # (N, 1, d)
         self.state = catch_up(drafter, self.dcache, root[:, None], last_feat, torch.ones_like(root))
@@ -172,8 +177,15 @@ class Speculation:
     def autoregressive_round(self) -> Round:
         """A plain sampling step; the drafter catches up on it at the next drafted round."""
         t0 = time.perf_counter()
-        nxt, logp, out = decode_one_token(self.policy, self.pcache, self.state.root, self.sampling,
-                                          self.batch.uniforms()[:, 0], self.taps, self.sampler)
+        nxt, logp, out = decode_one_token(
+            self.policy,
+            self.pcache,
+            self.state.root,
+            self.sampling,
+            self.batch.uniforms()[:, 0],
+            self.taps,
+            self.sampler,
+        )
         self.batch.commit([[t] for t in nxt.tolist()], [[x] for x in logp.tolist()])  # host sync: tokens to lists
         self.backlog.add(nxt[:, None], self.drafter.features(out.taps))
         self.state.root = nxt
@@ -188,14 +200,25 @@ class Speculation:
             self.state = catch_up(drafter, self.dcache, *self.backlog.pop())
         dev = self.state.root.device
         if self.chain:  # from the generators: one per test, one for the residual, one per draft token
-            u = torch.stack([torch.rand(2 * shape.depth + 1, generator=self.generators[r], dtype=torch.float64)
-                             for r in self.batch.active]).to(dev)  # (B, 2D + 1)
+            u = torch.stack(
+                [
+                    torch.rand(2 * shape.depth + 1, generator=self.generators[r], dtype=torch.float64)
+                    for r in self.batch.active
+                ]
+            ).to(dev)  # (B, 2D + 1)
         else:
             u = self.batch.uniforms(shape.depth + 1, dev)  # (B, 1 + D): the positions the round may commit
         self.adapter.select(self.batch.active)
         drafted = shape if depth in (None, shape.depth) else dataclasses.replace(shape, depth=depth)
-        prop = drafter.propose(self.dcache, self.state, drafted, nodes, sampling.temperature,
-                               u[:, shape.depth + 1:] if self.chain else None, self.adapter.correct)
+        prop = drafter.propose(
+            self.dcache,
+            self.state,
+            drafted,
+            nodes,
+            sampling.temperature,
+            u[:, shape.depth + 1 :] if self.chain else None,
+            self.adapter.correct,
+        )
         tree = prop.tree
         B = tree.tokens.shape[0]
         self.dcache.commit(n_keep=torch.zeros(B, dtype=torch.long, device=tree.tokens.device))  # roll back
@@ -207,11 +230,26 @@ class Speculation:
             node_logits = policy.logits(out.hidden)  # (B, 1+D, V)
             q = torch.zeros(*prop.q.shape[:2], node_logits.shape[-1], device=node_logits.device)
             q.index_copy_(2, drafter.vocab_ids, prop.q)
-            acc = accept_chain(tree.tokens[:, 1:], q, node_logits, sampling.temperature, sampling.top_p,
-                               u[:, :shape.depth + 1], self.vocab)
+            acc = accept_chain(
+                tree.tokens[:, 1:],
+                q,
+                node_logits,
+                sampling.temperature,
+                sampling.top_p,
+                u[:, : shape.depth + 1],
+                self.vocab,
+            )
         else:  # the LM head runs on the nodes the acceptance walk visits, and the drafter's best below them
-            acc = accept_tree(tree, PathLogits(policy.logits, out.hidden, tree, PATH_ROWS, ancestors), sampling.temperature,
-                              sampling.top_p, u, shape.depth, self.vocab, self.sampler)
+            acc = accept_tree(
+                tree,
+                PathLogits(policy.logits, out.hidden, tree, PATH_ROWS, ancestors),
+                sampling.temperature,
+                sampling.top_p,
+                u,
+                shape.depth,
+                self.vocab,
+                self.sampler,
+            )
         n_acc = acc.n_accepted
         kept = torch.cat([torch.zeros_like(acc.path[:, :1]), acc.path.clamp(min=0)], 1)  # (B, 1+D) root + path
         self.pcache.commit(kept, n_acc + 1)
@@ -241,14 +279,31 @@ class Speculation:
 @torch.no_grad()
 def own_text(policy: Transformer, context: int, sampler: Sampler = SAMPLER, progress=None) -> list[int]:
     """`context` tokens the policy samples itself from token 0 (T 1, top-p 0.95, a fixed generator)."""
-    own = generate(policy, [[0]], SamplingConfig(1.0, 0.95, context - 1), (), [torch.Generator().manual_seed(0)],
-                   progress=progress, sampler=sampler)
+    own = generate(
+        policy,
+        [[0]],
+        SamplingConfig(1.0, 0.95, context - 1),
+        (),
+        [torch.Generator().manual_seed(0)],
+        progress=progress,
+        sampler=sampler,
+    )
     return [0] + own.tokens[0]
 
 
 @torch.no_grad()
-def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, context: int, repeats: int | dict,
-                progress=lambda n: None, text: list[int] | None = None, sampler: Sampler = SAMPLER) -> Timings:
+def time_rounds(
+    policy: Transformer,
+    drafter,
+    shape: TreeShape,
+    rows,
+    sizes,
+    context: int,
+    repeats: int | dict,
+    progress=lambda n: None,
+    text: list[int] | None = None,
+    sampler: Sampler = SAMPLER,
+) -> Timings:
     """Whole engine rounds timed for the budget's cost model (`budget.CostModel.measure`): for each row
     count B in `rows`, one prefill of a `context`-token text the policy sampled itself (`own_text`, or `text`)
     copied to B rows, one untimed autoregressive round (the first round over a new row count pays one-off costs;
@@ -302,9 +357,20 @@ def time_rounds(policy: Transformer, drafter, shape: TreeShape, rows, sizes, con
 
 
 @torch.no_grad()
-def generate_speculative(policy: Transformer, drafter, prompts: list[list[int]], sampling: SamplingConfig,
-                         eos_ids: tuple[int, ...], generators: list[torch.Generator], shape: TreeShape,
-                         group_size: int = 1, progress=None, budget=None, spark=None, sampler: Sampler = SAMPLER):
+def generate_speculative(
+    policy: Transformer,
+    drafter,
+    prompts: list[list[int]],
+    sampling: SamplingConfig,
+    eos_ids: tuple[int, ...],
+    generators: list[torch.Generator],
+    shape: TreeShape,
+    group_size: int = 1,
+    progress=None,
+    budget=None,
+    spark=None,
+    sampler: Sampler = SAMPLER,
+):
     """Exact speculative sampling; same contract and outputs as `rollout.generate`.
 
     shape: what the drafter proposes each round. budget: what chooses each round's tree size (nodes, depth), or
@@ -345,9 +411,17 @@ def generate_speculative(policy: Transformer, drafter, prompts: list[list[int]],
 class Autoregressive:
     """Rollouts without a drafter: `rollout.generate`, behind the same call as `Speculative`'s."""
 
-    def generate(self, policy: Transformer, prompts: list[list[int]], sampling: SamplingConfig,
-                 eos_ids: tuple[int, ...], generators: list[torch.Generator], group_size: int = 1, progress=None,
-                 sampler: Sampler = SAMPLER):
+    def generate(
+        self,
+        policy: Transformer,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        eos_ids: tuple[int, ...],
+        generators: list[torch.Generator],
+        group_size: int = 1,
+        progress=None,
+        sampler: Sampler = SAMPLER,
+    ):
         return generate(policy, prompts, sampling, eos_ids, generators, group_size, progress, sampler)
 
 
@@ -362,8 +436,28 @@ class Speculative:
     budget: object
     adapter: object
 
-    def generate(self, policy: Transformer, prompts: list[list[int]], sampling: SamplingConfig,
-                 eos_ids: tuple[int, ...], generators: list[torch.Generator], group_size: int = 1, progress=None,
-                 sampler: Sampler = SAMPLER):
-        return generate_speculative(policy, self.drafter, prompts, sampling, eos_ids, generators, self.shape,
-                                    group_size, progress, self.budget, self.adapter, sampler)
+    def generate(
+        self,
+        policy: Transformer,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        eos_ids: tuple[int, ...],
+        generators: list[torch.Generator],
+        group_size: int = 1,
+        progress=None,
+        sampler: Sampler = SAMPLER,
+    ):
+        return generate_speculative(
+            policy,
+            self.drafter,
+            prompts,
+            sampling,
+            eos_ids,
+            generators,
+            self.shape,
+            group_size,
+            progress,
+            self.budget,
+            self.adapter,
+            sampler,
+        )

@@ -41,8 +41,16 @@ def _first_child(tree: Tree, cur: torch.Tensor, active: torch.Tensor, x: torch.T
     return first, is_child & (node_ids < first[:, None])
 
 
-def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.Tensor, max_depth: int,
-                vocab: torch.Tensor | None = None, sampler: Sampler = SAMPLER) -> Acceptance:
+def accept_tree(
+    tree: Tree,
+    logits,
+    temperature: float,
+    top_p: float,
+    u: torch.Tensor,
+    max_depth: int,
+    vocab: torch.Tensor | None = None,
+    sampler: Sampler = SAMPLER,
+) -> Acceptance:
     """Walk every row's tree with point-mass acceptance.
 
     logits: (B, N, V) policy logits at every node (the distribution of the token after the node), or a
@@ -93,8 +101,16 @@ def accept_tree(tree: Tree, logits, temperature: float, top_p: float, u: torch.T
         walking = active.nonzero()[:, 0]  # host sync: which rows go on
         if walking.numel() == 0:  # every row has its bonus token
             break
-    return Acceptance(path, n_acc, bonus, last, torch.stack(visited, 1), rejected, torch.stack(logps, 1),
-                      torch.stack(targets, 1) if vocab is not None else None)
+    return Acceptance(
+        path,
+        n_acc,
+        bonus,
+        last,
+        torch.stack(visited, 1),
+        rejected,
+        torch.stack(logps, 1),
+        torch.stack(targets, 1) if vocab is not None else None,
+    )
 
 
 class PathLogits:
@@ -153,8 +169,15 @@ class PathLogits:
         self.row[r, n] = torch.arange(r.numel(), device=r.device)
 
 
-def accept_chain(tokens: torch.Tensor, q: torch.Tensor, logits: torch.Tensor, temperature: float, top_p: float,
-                 u: torch.Tensor, vocab: torch.Tensor | None = None) -> Acceptance:
+def accept_chain(
+    tokens: torch.Tensor,
+    q: torch.Tensor,
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    u: torch.Tensor,
+    vocab: torch.Tensor | None = None,
+) -> Acceptance:
     """Speculative sampling for chains drawn from q.
 
     tokens: (B, D) drafted tokens, token d drawn from q[:, d]; q: (B, D, V) the draft distributions

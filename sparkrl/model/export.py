@@ -34,8 +34,16 @@ MARKER = "sparkrl_export.json"
 WEIGHTS = "model.safetensors"
 
 # Files of a source folder that travel with the weights (matched on the file name's start or end).
-_COPY_PREFIXES = ("tokenizer", "special_tokens_map", "chat_template", "generation_config", "added_tokens",
-                  "vocab.", "merges.", "preprocessor_config")
+_COPY_PREFIXES = (
+    "tokenizer",
+    "special_tokens_map",
+    "chat_template",
+    "generation_config",
+    "added_tokens",
+    "vocab.",
+    "merges.",
+    "preprocessor_config",
+)
 _COPY_SUFFIXES = (".tiktoken",)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -58,32 +66,40 @@ def _check_replaceable(out: Path) -> None:
         return
     fix = f"choose a new or empty output folder, or delete {out} yourself"
     if MARKER not in present:
-        raise UserError(f"export target {out} is not a sparkrl export (it holds {', '.join(sorted(present)[:3])}"
-                        f"{', ...' if len(present) > 3 else ''} and no {MARKER}); {fix}")
+        raise UserError(
+            f"export target {out} is not a sparkrl export (it holds {', '.join(sorted(present)[:3])}"
+            f"{', ...' if len(present) > 3 else ''} and no {MARKER}); {fix}"
+        )
     try:
         listed = set(json.loads((out / MARKER).read_text())["files"])
     except (OSError, ValueError, KeyError, TypeError):
         raise UserError(f"export target {out} has an unreadable {MARKER}; {fix}") from None
     extra = sorted(present - listed - {MARKER})
     if extra:
-        raise UserError(f"export target {out} holds files a sparkrl export did not write "
-                        f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}); {fix}")
+        raise UserError(
+            f"export target {out} holds files a sparkrl export did not write "
+            f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}); {fix}"
+        )
 
 
 def _config(source: Path, policy: Transformer, dtype: torch.dtype) -> dict:
     try:
         cfg = json.loads((source / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise UserError(f"cannot read {source / 'config.json'} ({type(e).__name__}); "
-                        "pass the policy's own model folder as the export source") from None
+        raise UserError(
+            f"cannot read {source / 'config.json'} ({type(e).__name__}); "
+            "pass the policy's own model folder as the export source"
+        ) from None
     try:
         args = ModelArgs.from_hf(cfg)
     except ValueError as e:
         raise UserError(f"{source}: {e}") from None
     if args != policy.args:
-        raise UserError(f"the policy does not match {source / 'config.json'} ({policy.args.arch}, "
-                        f"{policy.args.num_layers} layers vs {args.arch}, {args.num_layers} layers); "
-                        "export from the folder the policy was loaded from")
+        raise UserError(
+            f"the policy does not match {source / 'config.json'} ({policy.args.arch}, "
+            f"{policy.args.num_layers} layers vs {args.arch}, {args.num_layers} layers); "
+            "export from the folder the policy was loaded from"
+        )
     cfg.pop("quantization_config", None)  # the exported weights are plain tensors
     if not cfg.get("architectures"):
         cfg["architectures"] = [ARCHITECTURES[args.arch]]
@@ -123,8 +139,9 @@ def _linked(same_as: Path, state: dict[str, torch.Tensor], target: Path) -> bool
     return True
 
 
-def export_model(policy: Transformer, source: Path, out: Path, *, dtype: torch.dtype | None = None,
-                 same_as: Path | None = None) -> Path:
+def export_model(
+    policy: Transformer, source: Path, out: Path, *, dtype: torch.dtype | None = None, same_as: Path | None = None
+) -> Path:
     """Write `policy` as a Hugging Face model folder at `out` (replacing a previous export); returns `out`.
 
     source: the policy's own model folder (`weights.resolve_model_path(name)`): its config.json and its
@@ -154,8 +171,19 @@ def export_model(policy: Transformer, source: Path, out: Path, *, dtype: torch.d
         for p in copies:
             shutil.copyfile(p, tmp / p.name)
         files = sorted(os.listdir(tmp))
-        (tmp / MARKER).write_text(json.dumps({"format": "sparkrl-export", "version": 1, "source": str(source),
-                                              "dtype": _DTYPE_NAMES[dtype], "files": files}, indent=2) + "\n")
+        (tmp / MARKER).write_text(
+            json.dumps(
+                {
+                    "format": "sparkrl-export",
+                    "version": 1,
+                    "source": str(source),
+                    "dtype": _DTYPE_NAMES[dtype],
+                    "files": files,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         if out.exists():
             # A folder cannot be renamed over a non-empty one: move the old export aside first.

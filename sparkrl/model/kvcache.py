@@ -37,8 +37,10 @@ class KVCache:
     @classmethod
     def empty(cls, args, batch: int, capacity: int, device, dtype) -> "KVCache":
         shape = (2, args.num_layers, batch, args.num_kv_heads, capacity, args.head_dim)
-        return cls(kv=torch.zeros(shape, device=device, dtype=dtype),
-                   lengths=torch.zeros(batch, dtype=torch.long, device=device))
+        return cls(
+            kv=torch.zeros(shape, device=device, dtype=dtype),
+            lengths=torch.zeros(batch, dtype=torch.long, device=device),
+        )
 
     def clone(self) -> "KVCache":
         return KVCache(self.kv.clone(memory_format=torch.contiguous_format), self.lengths.clone(), self.pending)
@@ -101,7 +103,7 @@ class KVCache:
             for i, r in enumerate(idx):  # r >= i: no source is written before it is read
                 if i != r:
                     self.kv[:, :, i].copy_(self.kv[:, :, r])
-            self.kv = self.kv[:, :, :len(idx)]
+            self.kv = self.kv[:, :, : len(idx)]
         else:
             self.kv = self.store = self.kv.index_select(2, rows)
         self._views()

@@ -28,13 +28,13 @@ class _HeadLogprobs(torch.autograd.Function):
         lse = torch.empty(N, device=hidden.device)
         logits = torch.empty(N, weight.shape[0], device=hidden.device) if keep_logits else None
         for s in range(0, N, rows):
-            z = F.linear(hidden[s:s + rows], weight).float()
+            z = F.linear(hidden[s : s + rows], weight).float()
             if logits is not None:
-                logits[s:s + rows] = z
+                logits[s : s + rows] = z
             if scale != 1.0:
                 z.mul_(scale)
-            lse[s:s + rows] = torch.logsumexp(z, -1)
-            logp[s:s + rows] = z.gather(1, targets[s:s + rows, None])[:, 0] - lse[s:s + rows]
+            lse[s : s + rows] = torch.logsumexp(z, -1)
+            logp[s : s + rows] = z.gather(1, targets[s : s + rows, None])[:, 0] - lse[s : s + rows]
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.scale, ctx.rows = scale, rows
         if logits is None:
@@ -51,22 +51,28 @@ class _HeadLogprobs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, device=weight.device) if need_w else None
         weight32 = weight.float()  # (the weight itself when it is float32)
         for s in range(0, hidden.shape[0], ctx.rows):
-            h = hidden[s:s + ctx.rows]
+            h = hidden[s : s + ctx.rows]
             z = F.linear(h, weight).float()
             if ctx.scale != 1.0:
                 z.mul_(ctx.scale)
-            g = grad[s:s + ctx.rows, None] * ctx.scale
-            gz = z.sub_(lse[s:s + ctx.rows, None]).exp_().mul_(-g)  # -g * softmax, in place of z
-            gz.scatter_add_(1, targets[s:s + ctx.rows, None], g)
+            g = grad[s : s + ctx.rows, None] * ctx.scale
+            gz = z.sub_(lse[s : s + ctx.rows, None]).exp_().mul_(-g)  # -g * softmax, in place of z
+            gz.scatter_add_(1, targets[s : s + ctx.rows, None], g)
             if need_h:
-                grad_h[s:s + ctx.rows] = (gz @ weight32).to(hidden.dtype)
+                grad_h[s : s + ctx.rows] = (gz @ weight32).to(hidden.dtype)
             if need_w:
                 grad_w.addmm_(gz.t(), h.float())
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
 
 
-def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                  keep_logits: bool = False, rows: int | None = None):
+def head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    keep_logits: bool = False,
+    rows: int | None = None,
+):
     """log softmax(hidden W^T / T)[targets] in float32: hidden (..., d), weight (V, d), targets (...) ->
     (...), differentiable in hidden and weight. The logits are F.linear(hidden, weight) rounded up to
     float32, as `Transformer.logits` makes them; T <= 0 (greedy) scores at T 1, as `grpo.token_logprobs`.

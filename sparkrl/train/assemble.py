@@ -16,21 +16,21 @@ from dataclasses import dataclass
 
 import torch
 
-from sparkrl.engine.budget import Budget, CostModel, FixedBudget
 from sparkrl.config import DraftConfig
-from sparkrl.train.checkpoint import drafter_source
-from sparkrl.train.distributed import SINGLE, World
-from sparkrl.train.draft_train import DraftTrainer
 from sparkrl.drafters import KINDS, find_checkpoint, load_drafter
 from sparkrl.drafters.base import read_checkpoint
-from sparkrl.model.transformer import Transformer
+from sparkrl.drafters.eagle3_format import eagle3_weights
+from sparkrl.engine.budget import Budget, CostModel, FixedBudget
 from sparkrl.engine.records import RoundStats
 from sparkrl.engine.spark import Projection, Spark
 from sparkrl.engine.speculative import Autoregressive, NoAdaptation, Speculative, time_rounds
+from sparkrl.model.transformer import Transformer
+from sparkrl.train.checkpoint import drafter_source
+from sparkrl.train.distributed import SINGLE, World
+from sparkrl.train.draft_train import DraftTrainer
+from sparkrl.train.precision import RolloutCopy, rollout_copy
 from sparkrl.vllm.engine import VllmEngine, VllmGeneration
 from sparkrl.vllm.spark import exported
-from sparkrl.drafters.eagle3_format import eagle3_weights
-from sparkrl.train.precision import RolloutCopy, rollout_copy
 
 
 def resolve_checkpoint(cfg: DraftConfig, policy: Transformer) -> tuple[str | None, dict | None]:
@@ -48,9 +48,12 @@ def make_drafter(cfg: DraftConfig, policy: Transformer, seed: int = 0, resolved:
         d = load_drafter(ck, policy.args, cfg.draft, source)
     else:
         if cfg.draft_checkpoint != "fresh":
-            print(f"sparkrl: warning: --draft {cfg.draft} without --draft-checkpoint starts from a freshly initialised "
-                  "drafter (low acceptance until it has trained; no drafter is shipped for this model); make one with "
-                  "`sparkrl pretrain-draft`", file=sys.stderr)
+            print(
+                f"sparkrl: warning: --draft {cfg.draft} without --draft-checkpoint starts from a freshly initialised "
+                "drafter (low acceptance until it has trained; no drafter is shipped for this model); make one with "
+                "`sparkrl pretrain-draft`",
+                file=sys.stderr,
+            )
         torch.manual_seed(seed)
         d = KINDS[cfg.draft](policy.args, **({"block_size": cfg.block_size} if cfg.draft == "dflash" else {}))
     if cfg.draft == "dflash":
@@ -59,8 +62,9 @@ def make_drafter(cfg: DraftConfig, policy: Transformer, seed: int = 0, resolved:
     return d.to(device=w.device, dtype=w.dtype).bind(policy)
 
 
-def make_spark(cfg: DraftConfig, policy: Transformer, drafter, temperature: float,
-               resolved: tuple | None = None) -> tuple[Projection | None, Spark | None]:
+def make_spark(
+    cfg: DraftConfig, policy: Transformer, drafter, temperature: float, resolved: tuple | None = None
+) -> tuple[Projection | None, Spark | None]:
     """SPARK's projection and rollout state ((None, None) without --spark). A comes from the drafter
     checkpoint when it holds one (a GRPO run's checkpoint does), else from the policy's output
     projection (QR)."""
@@ -79,8 +83,13 @@ def make_budget(cfg: DraftConfig, rollout: RolloutCopy, drafter) -> Budget | Fix
     """The per-round speculation budget for the rollout policy `rollout` (`FixedBudget`: always the full proposal)."""
     if cfg.budget == "fixed":
         return FixedBudget(cfg.shape())
-    cost = CostModel.measure(rollout.model, drafter, cfg.shape(), functools.partial(time_rounds, sampler=rollout.sampler),
-                             kernels=rollout.kernels)
+    cost = CostModel.measure(
+        rollout.model,
+        drafter,
+        cfg.shape(),
+        functools.partial(time_rounds, sampler=rollout.sampler),
+        kernels=rollout.kernels,
+    )
     return Budget(cost, cfg.shape(), adaptive=cfg.budget == "adaptive")
 
 
@@ -207,8 +216,9 @@ class Drafting:
         return self.budget.figures(stats)
 
 
-def make_drafting(cfg: DraftConfig, policy: Transformer, rollout: RolloutCopy, temperature: float,
-                  seed: int = 0) -> Drafting | NoDrafting:
+def make_drafting(
+    cfg: DraftConfig, policy: Transformer, rollout: RolloutCopy, temperature: float, seed: int = 0
+) -> Drafting | NoDrafting:
     """The drafter, SPARK, the budget, the engine and the draft trainer, with the draft checkpoint read once.
     policy: the master weights (what the drafter trains against); rollout: the policy's rollout copy
     (`rollout_copy`: what samples), whose dtype and kernels the drafter's rollout copy, the cost model and the
@@ -217,16 +227,28 @@ def make_drafting(cfg: DraftConfig, policy: Transformer, rollout: RolloutCopy, t
         return NoDrafting()
     resolved = resolve_checkpoint(cfg, policy)  # once: the shipped-drafter lookup reads a file and the policy
     drafter = make_drafter(cfg, policy, seed, resolved)
-    copy = rollout_copy(drafter, rollout.model.lm_head.weight.dtype, rollout.cpu_kernels,
-                        attention32=rollout.kernels.get("attention") == str(torch.float32))
+    copy = rollout_copy(
+        drafter,
+        rollout.model.lm_head.weight.dtype,
+        rollout.cpu_kernels,
+        attention32=rollout.kernels.get("attention") == str(torch.float32),
+    )
     copy.model.bind(rollout.model)
     projection, spark = make_spark(cfg, policy, drafter, temperature, resolved)
     budget = make_budget(cfg, rollout, copy.model)
     sc = cfg.spark_config
-    trainer = DraftTrainer(drafter, cfg.draft_lr, projection=projection, projection_lr=sc.spark_lr,
-                           learn_projection=not sc.spark_frozen_a)
-    return Drafting(drafter, copy, projection, spark, budget,
-                    Speculative(copy.model, cfg.shape(), budget, spark or NoAdaptation()), trainer)
+    trainer = DraftTrainer(
+        drafter, cfg.draft_lr, projection=projection, projection_lr=sc.spark_lr, learn_projection=not sc.spark_frozen_a
+    )
+    return Drafting(
+        drafter,
+        copy,
+        projection,
+        spark,
+        budget,
+        Speculative(copy.model, cfg.shape(), budget, spark or NoAdaptation()),
+        trainer,
+    )
 
 
 class Served:
@@ -244,19 +266,32 @@ class Served:
         self.push()
 
 
-def serve_with_vllm(cfg: DraftConfig, lm, rollout: RolloutCopy, drafting: Drafting | NoDrafting, temperature: float,
-                    max_len: int, dtype: torch.dtype, seed: int = 0) -> Served:
+def serve_with_vllm(
+    cfg: DraftConfig,
+    lm,
+    rollout: RolloutCopy,
+    drafting: Drafting | NoDrafting,
+    temperature: float,
+    max_len: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> Served:
     """--engine vllm: one vLLM engine for the run, serving the policy `lm` (and the drafter, exported to it), which
     `drafting.engine` then generates with; returns the policy's rollout copy that also refreshes vLLM (the drafter's
     becomes one too)."""
     policy, drafter = lm.model, drafting.drafter if isinstance(drafting, Drafting) else None
     projection = drafting.projection if drafter is not None else None
-    engine = VllmEngine.serving(lm, drafter, dtype, cfg.tree_depth, max_len, seed, temperature,
-                                spark=exported(projection, cfg.spark_config))
+    engine = VllmEngine.serving(
+        lm, drafter, dtype, cfg.tree_depth, max_len, seed, temperature, spark=exported(projection, cfg.spark_config)
+    )
     drafting.engine = VllmGeneration(engine, cfg.tree_depth if drafter is not None else 0)
     if drafter is not None:
         if projection is not None:  # SPARK's state lives in vLLM's drafter, which accumulates A's gradient there
             drafting.spark = engine.spark().spark
-        drafting.rollout = Served(drafting.rollout, lambda: engine.load_drafter(
-            eagle3_weights(drafting.drafter, policy, dtype), None if projection is None else projection.A))
+        drafting.rollout = Served(
+            drafting.rollout,
+            lambda: engine.load_drafter(
+                eagle3_weights(drafting.drafter, policy, dtype), None if projection is None else projection.A
+            ),
+        )
     return Served(rollout, lambda: engine.load_policy(policy.weights()))

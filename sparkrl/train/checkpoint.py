@@ -34,9 +34,16 @@ def list_checkpoints(out: str | Path) -> list[Path]:
     d = checkpoint_dir(out)
     if not d.is_dir():
         return []
-    steps = [p for p in d.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()
-             and (p / STATE).exists() and (p / POLICY).exists()]
-    return sorted(steps, key=lambda p: int(p.name[len(_PREFIX):]))
+    steps = [
+        p
+        for p in d.iterdir()
+        if p.is_dir()
+        and p.name.startswith(_PREFIX)
+        and p.name[len(_PREFIX) :].isdigit()
+        and (p / STATE).exists()
+        and (p / POLICY).exists()
+    ]
+    return sorted(steps, key=lambda p: int(p.name[len(_PREFIX) :]))
 
 
 def checkpoints_at(path: str | Path) -> list[Path]:
@@ -102,8 +109,11 @@ def save_checkpoint(out: str | Path, step: int, state: dict, keep: int) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=d, prefix=".tmp-"))
     try:
         state = dict(state)
-        save_file({k: v.detach().contiguous() for k, v in state.pop("policy").items()}, str(tmp / POLICY),
-                  metadata={"format": "pt"})  # as `export.export_model` writes it, which can then link this file
+        save_file(
+            {k: v.detach().contiguous() for k, v in state.pop("policy").items()},
+            str(tmp / POLICY),
+            metadata={"format": "pt"},
+        )  # as `export.export_model` writes it, which can then link this file
         torch.save({"step": step, "rng": rng_state(), **state}, tmp / STATE)
         for f in (POLICY, STATE):
             _fsync(tmp / f)

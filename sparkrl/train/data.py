@@ -138,8 +138,10 @@ def _hub_rows(name: str) -> list[dict]:
     try:
         ds = datasets.load_dataset(hub_id, config, split=split, data_files=files)
     except Exception as e:  # offline, unknown id
-        raise UserError(f"could not load dataset {hub_id!r} from the hub ({type(e).__name__}); "
-                        "pass a local .jsonl/.parquet file, or 'default' for the built-in problems") from None
+        raise UserError(
+            f"could not load dataset {hub_id!r} from the hub ({type(e).__name__}); "
+            "pass a local .jsonl/.parquet file, or 'default' for the built-in problems"
+        ) from None
     return list(ds)
 
 
@@ -153,8 +155,10 @@ def load_problems(spec: str, default_size: int = 2000, seed: int = 0) -> Dataset
     elif spec in HUB_DATASETS or spec.count("/") == 1:
         rows, name = _hub_rows(spec), spec
     else:
-        raise UserError(f"dataset {spec!r} is not a file, a known name ({', '.join(HUB_DATASETS)}) or a hub id; "
-                        "pass a local .jsonl/.parquet file or 'default'")
+        raise UserError(
+            f"dataset {spec!r} is not a file, a known name ({', '.join(HUB_DATASETS)}) or a hub id; "
+            "pass a local .jsonl/.parquet file or 'default'"
+        )
     problems, skipped = [], {}
     for row in rows:
         p, why = parse_row(row)
@@ -164,7 +168,9 @@ def load_problems(spec: str, default_size: int = 2000, seed: int = 0) -> Dataset
             problems.append(p)
     ds = Dataset(name, problems, skipped)
     if not problems:
-        raise UserError(f"dataset {name} has no usable rows ({ds.summary()}); expected GSM8K, MATH, DAPO or SimpleLR fields")
+        raise UserError(
+            f"dataset {name} has no usable rows ({ds.summary()}); expected GSM8K, MATH, DAPO or SimpleLR fields"
+        )
     return ds
 
 
@@ -173,13 +179,37 @@ def held_out(problem: Problem, fraction: float) -> bool:
     its question, so the split is the same in every run, file order and subset (draft pretraining never
     sees these problems; the drafter benchmarks measure on them)."""
     h = int.from_bytes(hashlib.sha256(problem.question.encode("utf-8")).digest()[:8], "big")
-    return h / 2 ** 64 < fraction
+    return h / 2**64 < fraction
 
 
 # --- the generated default dataset ------------------------------------------------------------
 
-_NAMES = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farah", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena",
-          "Mateo", "Nora", "Omar", "Priya", "Quinn", "Rosa", "Sami", "Tara", "Uma", "Victor", "Wen", "Yara"]
+_NAMES = [
+    "Ava",
+    "Ben",
+    "Chloe",
+    "Diego",
+    "Emma",
+    "Farah",
+    "Gus",
+    "Hana",
+    "Ivan",
+    "Jade",
+    "Kofi",
+    "Lena",
+    "Mateo",
+    "Nora",
+    "Omar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sami",
+    "Tara",
+    "Uma",
+    "Victor",
+    "Wen",
+    "Yara",
+]
 _ITEMS = ["apples", "marbles", "stickers", "books", "pencils", "cookies", "stamps", "shells", "cards", "beads"]
 _CONTAINERS = ["boxes", "bags", "jars", "baskets", "crates"]
 
@@ -204,10 +234,16 @@ def _level2(r: random.Random) -> Problem:
         return Problem(q, str(a * b + c))
     if kind == 1:
         price = r.randint(2, 9)
-        q = f"A shop sells {item} for ${price} each. {n} buys {a} {item} and pays with a ${price * a + c} bill. How much change does {n} get, in dollars?"
+        q = (
+            f"A shop sells {item} for ${price} each. {n} buys {a} {item} and pays with a ${price * a + c} bill. "
+            f"How much change does {n} get, in dollars?"
+        )
         return Problem(q, str(c))
     total = a * b
-    q = f"{n} shares {total} {item} equally among {a} friends and then eats {min(c, b)} of one share. How many {item} are left in that share?"
+    q = (
+        f"{n} shares {total} {item} equally among {a} friends and then eats {min(c, b)} of one share. How "
+        f"many {item} are left in that share?"
+    )
     return Problem(q, str(b - min(c, b)))
 
 
@@ -217,19 +253,25 @@ def _level3(r: random.Random) -> Problem:
     kind = r.randrange(3)
     if kind == 0:
         a, k, d = r.randint(4, 30), r.randint(2, 5), r.randint(2, 20)
-        q = (f"{n1} has {a} {item}. {n2} has {k} times as many as {n1}, minus {d}. "
-             f"How many {item} do they have together?")
+        q = (
+            f"{n1} has {a} {item}. {n2} has {k} times as many as {n1}, minus {d}. "
+            f"How many {item} do they have together?"
+        )
         return Problem(q, str(a + k * a - d))
     if kind == 1:
         pct = r.choice([10, 20, 25, 50, 75])
         base = r.randint(2, 40) * 20  # a multiple of 20: every listed percentage is a whole number
         extra = r.randint(1, 15)
-        q = (f"A class collected {base} {item}. They gave {pct}% of them to a school and then received {extra} more. "
-             f"How many {item} does the class have now?")
+        q = (
+            f"A class collected {base} {item}. They gave {pct}% of them to a school and then received {extra} more. "
+            f"How many {item} does the class have now?"
+        )
         return Problem(q, str(base - base * pct // 100 + extra))
     days, per, rest = r.randint(3, 9), r.randint(4, 20), r.randint(2, 6)
-    q = (f"{n1} reads {per} pages a day for {days} days, then {rest} fewer pages a day for twice as many days. "
-         f"How many pages does {n1} read in total?")
+    q = (
+        f"{n1} reads {per} pages a day for {days} days, then {rest} fewer pages a day for twice as many days. "
+        f"How many pages does {n1} read in total?"
+    )
     return Problem(q, str(days * per + 2 * days * (per - rest)))
 
 
@@ -274,10 +316,12 @@ def read_prompts_file(path: str) -> list[str]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise UserError(f"{p}:{i}: not JSON ({e.msg}); a .jsonl prompts file has one object with a 'prompt' "
-                            "field per line (use a .txt file for one plain prompt per line)") from None
+            raise UserError(
+                f"{p}:{i}: not JSON ({e.msg}); a .jsonl prompts file has one object with a 'prompt' "
+                "field per line (use a .txt file for one plain prompt per line)"
+            ) from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise UserError(f"{p}:{i}: no 'prompt' string in this row; each line needs {{\"prompt\": \"...\"}}")
+            raise UserError(f'{p}:{i}: no \'prompt\' string in this row; each line needs {{"prompt": "..."}}')
         texts.append(row["prompt"])
     if not texts:
         raise UserError(f"--prompts-file {p} has no prompts")
@@ -303,7 +347,7 @@ def build_prompts(tokenizer, problems: list[Problem], max_tokens: int, overflow:
             cut = len(q_ids)
             while len(ids) > max_tokens and cut >= 1:  # re-tokenizing may shift a token: repeat
                 cut -= len(ids) - max_tokens
-                ids = chat_prompt_ids(tokenizer, f"{tokenizer.decode(q_ids[:max(cut, 0)])}\n\n{INSTRUCTION}")
+                ids = chat_prompt_ids(tokenizer, f"{tokenizer.decode(q_ids[: max(cut, 0)])}\n\n{INSTRUCTION}")
             if len(ids) > max_tokens or cut < 1:
                 out.skipped += 1
                 continue

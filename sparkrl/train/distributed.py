@@ -52,13 +52,17 @@ class World:
         if size == 1:
             return SINGLE
         if prompts_per_step % size:
-            raise UserError(f"--prompts-per-step {prompts_per_step} does not split over the {size} ranks torchrun "
-                            f"started (each takes whole prompt groups); pass a multiple of {size}")
+            raise UserError(
+                f"--prompts-per-step {prompts_per_step} does not split over the {size} ranks torchrun "
+                f"started (each takes whole prompt groups); pass a multiple of {size}"
+            )
         dev = torch.device(device)
         if dev.type == "cuda":
             if dev.index is not None:
-                raise UserError(f"--device {device} under torchrun would put every rank on one GPU; pass --device "
-                                "cuda (rank r uses cuda:LOCAL_RANK)")
+                raise UserError(
+                    f"--device {device} under torchrun would put every rank on one GPU; pass --device "
+                    "cuda (rank r uses cuda:LOCAL_RANK)"
+                )
             dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(dev)
         rank = int(os.environ["RANK"])

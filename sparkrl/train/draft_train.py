@@ -22,8 +22,15 @@ STATS = ("feat", "ce", "top1")  # loss statistics averaged over the drafter's tr
 class DraftTrainer:
     """The drafter's optimizer and its online updates (one AdamW step per rollout)."""
 
-    def __init__(self, drafter, lr: float = 1e-4, max_grad_norm: float = 1.0, projection=None,
-                 projection_lr: float = 1e-4, learn_projection: bool = True):
+    def __init__(
+        self,
+        drafter,
+        lr: float = 1e-4,
+        max_grad_norm: float = 1.0,
+        projection=None,
+        projection_lr: float = 1e-4,
+        learn_projection: bool = True,
+    ):
         """projection: SPARK's `spark.Projection` (saved with the drafter; learned in its own parameter
         group from the gradient the rollout accumulated, unless learn_projection is False)."""
         self.drafter = drafter
@@ -43,8 +50,14 @@ class DraftTrainer:
         t0 = time.perf_counter()
         with torch.enable_grad():
             dt = self.drafter.fc.weight.dtype  # features of an autocast update come in bfloat16
-            loss, st = self.drafter.loss(tokens, {i: t.detach().to(dt) for i, t in taps.items()},
-                                         hidden.detach().to(dt), logits.detach(), mask, generator=generator)
+            loss, st = self.drafter.loss(
+                tokens,
+                {i: t.detach().to(dt) for i, t in taps.items()},
+                hidden.detach().to(dt),
+                logits.detach(),
+                mask,
+                generator=generator,
+            )
             (loss * weight).backward()
         st["loss"] = float(loss.detach())
         self._stats.append(st)
@@ -55,8 +68,15 @@ class DraftTrainer:
         """The loss statistics of a held-out micro-batch, without a gradient."""
         dt = self.drafter.fc.weight.dtype
         with torch.no_grad():
-            loss, st = self.drafter.loss(tokens, {i: t.to(dt) for i, t in taps.items()}, hidden.to(dt), logits, mask,
-                                         generator=generator, held_out=True)
+            loss, st = self.drafter.loss(
+                tokens,
+                {i: t.to(dt) for i, t in taps.items()},
+                hidden.to(dt),
+                logits,
+                mask,
+                generator=generator,
+                held_out=True,
+            )
         return {**st, "loss": float(loss)}
 
     def step(self, grad_A: torch.Tensor | None = None, world: World = SINGLE) -> dict:

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparkrl.train.checkpoint import atomic_save
 from sparkrl.errors import UserError
 from sparkrl.model.transformer import pad_right
+from sparkrl.train.checkpoint import atomic_save
 
 SHAPE_STEP = 64
 
@@ -91,6 +91,8 @@ class FeatureStore:
         need = tokens * width * torch.finfo(dtype).bits // 8 - sum(p.stat().st_size for p in self.folder.glob("*.pt"))
         free = shutil.disk_usage(self.folder).free
         if need * 1.1 + 2**30 > free:
-            raise UserError(f"the policy features of {tokens:,} tokens need about {need / 2**30:.1f} GB more in "
-                            f"{self.folder}, which has {free / 2**30:.1f} GB free: free some space, or pass "
-                            "--no-feature-cache (the policy pass then runs again every epoch)")
+            raise UserError(
+                f"the policy features of {tokens:,} tokens need about {need / 2**30:.1f} GB more in "
+                f"{self.folder}, which has {free / 2**30:.1f} GB free: free some space, or pass "
+                "--no-feature-cache (the policy pass then runs again every epoch)"
+            )

@@ -88,5 +88,8 @@ def mismatch(logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor)
     max |difference| (the caller divides the sums by the token count)."""
     d = (logp.detach() - rollout_logp).double() * mask
     k3 = (torch.exp(d) - d - 1) * mask
-    return {"abs_sum": float(d.abs().sum()), "abs_max": float(d.abs().max()) if d.numel() else 0.0,
-            "kl_sum": float(k3.sum())}
+    return {
+        "abs_sum": float(d.abs().sum()),
+        "abs_max": float(d.abs().max()) if d.numel() else 0.0,
+        "kl_sum": float(k3.sum()),
+    }

@@ -18,8 +18,8 @@ import copy
 import torch
 
 from sparkrl.cpu.accelerate import accelerate
-from sparkrl.engine.sampling import SAMPLER
 from sparkrl.cpu.tuning import DTYPES, bf16_speedup, float32_attention
+from sparkrl.engine.sampling import SAMPLER
 from sparkrl.model.transformer import Transformer
 from sparkrl.train.sharding import full
 
@@ -36,14 +36,24 @@ def rollout_dtype(choice: str, policy: Transformer) -> torch.dtype:
     return torch.bfloat16 if bf16_speedup(policy) > 1.05 else torch.float32
 
 
-def rollout_copy(module: torch.nn.Module, dtype: torch.dtype, cpu_kernels: str = "auto", head_float32: bool = False,
-                 separate: bool = False, attention32: bool | None = None) -> "RolloutCopy":
+def rollout_copy(
+    module: torch.nn.Module,
+    dtype: torch.dtype,
+    cpu_kernels: str = "auto",
+    head_float32: bool = False,
+    separate: bool = False,
+    attention32: bool | None = None,
+) -> "RolloutCopy":
     """`module`'s `RolloutCopy` in `dtype`, run on the kernels of --cpu-kernels `cpu_kernels` (`cpu.accelerate`).
     attention32: whether a half-precision copy attends in float32 (None: `cpu.tuning.float32_attention`
     decides; a run records the decision so its ranks and its resumption agree)."""
     rc = RolloutCopy(module, dtype, separate=separate)
     args = rc.model.args if isinstance(rc.model, Transformer) else None
-    f32 = float32_attention(cpu_kernels, dtype, next(module.parameters()).device, args) if attention32 is None else attention32
+    f32 = (
+        float32_attention(cpu_kernels, dtype, next(module.parameters()).device, args)
+        if attention32 is None
+        else attention32
+    )
     acc = accelerate(rc.model, cpu_kernels, f32)
     rc.sampler, rc.kernels, rc.cpu_kernels = acc.sampler, acc.kernels, cpu_kernels
     if head_float32 and dtype != torch.float32:  # a float32 copy of the master's head (refreshed with the rest)

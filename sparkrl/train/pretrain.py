@@ -30,27 +30,37 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
-from sparkrl.train.checkpoint import atomic_save
 from sparkrl.config import PretrainConfig, to_dict
-from sparkrl.train.data import INSTRUCTION, Problem, chat_prompt_ids, held_out, load_problems
-from sparkrl.train.draft_train import DraftTrainer
 from sparkrl.drafters import KINDS, find_checkpoint, load_drafter
 from sparkrl.drafters.base import expected_length, policy_fingerprint, save_safetensors
 from sparkrl.drafters.eagle3 import relayout
-from sparkrl.errors import UserError
-from sparkrl.train.features import FeatureStore, policy_pass
-from sparkrl.machine import set_threads
-from sparkrl.train.precision import RolloutCopy, rollout_copy, rollout_dtype
 from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.errors import UserError
+from sparkrl.machine import set_threads
 from sparkrl.model.weights import load_model
+from sparkrl.train.checkpoint import atomic_save
+from sparkrl.train.data import INSTRUCTION, Problem, chat_prompt_ids, held_out, load_problems
+from sparkrl.train.draft_train import DraftTrainer
+from sparkrl.train.features import FeatureStore, policy_pass
+from sparkrl.train.precision import RolloutCopy, rollout_copy, rollout_dtype
 
 CHAT_PROMPTS = [
-    "Explain how a rainbow forms.", "Write a short poem about the sea.", "What are three tips for studying well?",
-    "Describe your ideal weekend.", "How does a bicycle stay upright?", "Give me a recipe for pancakes.",
-    "Why is the sky blue?", "Summarize the plot of a fairy tale you like.", "What is photosynthesis?",
-    "How do I write a polite email to a teacher?", "List some fun facts about octopuses.",
-    "Explain what a computer program is to a child.", "What should I pack for a camping trip?",
-    "How do vaccines work?", "Tell me a short story about a brave mouse.", "What is the difference between weather and climate?",
+    "Explain how a rainbow forms.",
+    "Write a short poem about the sea.",
+    "What are three tips for studying well?",
+    "Describe your ideal weekend.",
+    "How does a bicycle stay upright?",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+    "Summarize the plot of a fairy tale you like.",
+    "What is photosynthesis?",
+    "How do I write a polite email to a teacher?",
+    "List some fun facts about octopuses.",
+    "Explain what a computer program is to a child.",
+    "What should I pack for a camping trip?",
+    "How do vaccines work?",
+    "Tell me a short story about a brave mouse.",
+    "What is the difference between weather and climate?",
 ]
 CHUNK = 64  # prompts per generation call (and per resumable corpus file)
 EVAL_SEED = 1 << 20  # response generators of held-out prompts start here
@@ -106,26 +116,46 @@ def solution_ids(tok, p: Problem, eos: int, max_tokens: int) -> Seq:
 def kernel_tags(rollout: RolloutCopy) -> list[str]:
     """What of the CPU layer ran a rollout copy, in words (part of the corpus and feature caches' keys)."""
     k = rollout.kernels
-    return ((["packed"] if k.get("packed") else []) + (["float32 attention"] if k.get("attention") == str(torch.float32)
-            else []) + (["native"] if "native" in k else []) + (["compiled ops"] if "ops" in k else []))
+    return (
+        (["packed"] if k.get("packed") else [])
+        + (["float32 attention"] if k.get("attention") == str(torch.float32) else [])
+        + (["native"] if "native" in k else [])
+        + (["compiled ops"] if "ops" in k else [])
+    )
 
 
-def _generated(rollout: RolloutCopy, tok, prompts: list[list[int]], cfg: PretrainConfig, eos_ids, folder: Path,
-               name: str, offset: int) -> list[Seq]:
+def _generated(
+    rollout: RolloutCopy,
+    tok,
+    prompts: list[list[int]],
+    cfg: PretrainConfig,
+    eos_ids,
+    folder: Path,
+    name: str,
+    offset: int,
+) -> list[Seq]:
     """Responses of the policy (its rollout copy) to `prompts`, CHUNK prompts per file in `folder`, named by a
     hash of what made them: a restarted or resumed run reuses the files of the same prompts and settings."""
     policy = rollout.model
     seqs = []
     bar = tqdm(total=len(prompts), desc=f"corpus ({name})", unit="prompt", file=sys.stderr)
     for i in range(0, len(prompts), CHUNK):
-        chunk = prompts[i:i + CHUNK]
-        key = json.dumps([chunk, to_dict(cfg.sampling), cfg.seed, offset + i, cfg.model.model,
-                          str(policy.lm_head.weight.dtype)] + kernel_tags(rollout))
+        chunk = prompts[i : i + CHUNK]
+        key = json.dumps(
+            [chunk, to_dict(cfg.sampling), cfg.seed, offset + i, cfg.model.model, str(policy.lm_head.weight.dtype)]
+            + kernel_tags(rollout)
+        )
         # ^ a file is reused only for the same work
         path = folder / f"{name}-{i // CHUNK:05d}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
         if not path.exists():
-            r = generate(policy, chunk, cfg.sampling, eos_ids, response_generators(cfg.seed, len(chunk), 1, offset=offset + i),
-                         sampler=rollout.sampler)
+            r = generate(
+                policy,
+                chunk,
+                cfg.sampling,
+                eos_ids,
+                response_generators(cfg.seed, len(chunk), 1, offset=offset + i),
+                sampler=rollout.sampler,
+            )
             atomic_save([p + t for p, t in zip(chunk, r.tokens)], path)
         seqs += [Seq(ids, len(p)) for ids, p in zip(torch.load(path), chunk)]
         bar.update(len(chunk))
@@ -135,18 +165,25 @@ def _generated(rollout: RolloutCopy, tok, prompts: list[list[int]], cfg: Pretrai
 
 def load_corpus_problems(cfg: PretrainConfig) -> tuple[list[Problem], list[Problem]]:
     """(train, held-out) problems of every --data spec (comma-separated)."""
-    problems = [p for spec in cfg.data.data.split(",") if spec.strip()
-                for p in load_problems(spec.strip(), cfg.data.default_size, cfg.seed).problems]
+    problems = [
+        p
+        for spec in cfg.data.data.split(",")
+        if spec.strip()
+        for p in load_problems(spec.strip(), cfg.data.default_size, cfg.seed).problems
+    ]
     train = [p for p in problems if not held_out(p, cfg.holdout)]
     test = [p for p in problems if held_out(p, cfg.holdout)]
     if cfg.prompts == 0 and not cfg.corpus and not (cfg.solutions and any(p.solution for p in train)):
-        raise UserError("the corpus would be empty: pass --prompts N (the policy answers N prompts), --corpus FILE, or "
-                        "--data with worked solutions (GSM8K, MATH with a 'solution' field)")
+        raise UserError(
+            "the corpus would be empty: pass --prompts N (the policy answers N prompts), --corpus FILE, or "
+            "--data with worked solutions (GSM8K, MATH with a 'solution' field)"
+        )
     return train, test
 
 
-def build_corpus(cfg: PretrainConfig, rollout: RolloutCopy, tok, eos_ids, problems: tuple[list[Problem], list[Problem]]
-                 ) -> tuple[list[Seq], list[Seq], dict]:
+def build_corpus(
+    cfg: PretrainConfig, rollout: RolloutCopy, tok, eos_ids, problems: tuple[list[Problem], list[Problem]]
+) -> tuple[list[Seq], list[Seq], dict]:
     """(train sequences, held-out sequences, tokens per source) from (train, held-out) problems
     (`load_corpus_problems`)."""
     folder = Path(cfg.out) / "corpus"
@@ -173,7 +210,10 @@ def build_corpus(cfg: PretrainConfig, rollout: RolloutCopy, tok, eos_ids, proble
     sources["policy responses"] = sum(len(s.ids) for s in gen)
     train += gen
     k = cfg.eval_sequences - len(test)
-    held = [chat_prompt_ids(tok, prompt_text(p))[: cfg.data.max_prompt_tokens] for p in rng.sample(test_p, min(k, len(test_p)))]
+    held = [
+        chat_prompt_ids(tok, prompt_text(p))[: cfg.data.max_prompt_tokens]
+        for p in rng.sample(test_p, min(k, len(test_p)))
+    ]
     test += _generated(rollout, tok, held, cfg, eos_ids, folder, "heldout", EVAL_SEED)
     if cfg.corpus:
         extra = _corpus_from_file(cfg.corpus, tok, limit)
@@ -191,8 +231,8 @@ def batch_plan(lengths: list[int], micro_batch: int, seed: int, epoch: int) -> l
     window = 32 * micro_batch
     batches = []
     for i in range(0, len(order), window):
-        w = sorted(order[i:i + window], key=lambda j: lengths[j])
-        batches += [w[k:k + micro_batch] for k in range(0, len(w), micro_batch)]
+        w = sorted(order[i : i + window], key=lambda j: lengths[j])
+        batches += [w[k : k + micro_batch] for k in range(0, len(w), micro_batch)]
     rng.shuffle(batches)
     return batches
 
@@ -205,8 +245,9 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def evaluate(trainer: DraftTrainer, policy, seqs: list[Seq], micro_batch: int,
-             store: FeatureStore | None = None) -> dict:
+def evaluate(
+    trainer: DraftTrainer, policy, seqs: list[Seq], micro_batch: int, store: FeatureStore | None = None
+) -> dict:
     """Held-out statistics averaged over positions: per-depth top-1 agreement and acceptance, the
     expected acceptance length of a drafted chain (`drafters.base.expected_length`) and, for drafters
     that draft trees, of a tree's path (its levels' best children; what tree rounds accept)."""
@@ -215,7 +256,7 @@ def evaluate(trainer: DraftTrainer, policy, seqs: list[Seq], micro_batch: int,
     sums, n = Counter(), 0.0
     for i in range(0, len(seqs), micro_batch):
         with _autocast(policy):
-            st = trainer.evaluate(*policy_pass(policy, seqs[i:i + micro_batch], taps, store=store), generator=g)
+            st = trainer.evaluate(*policy_pass(policy, seqs[i : i + micro_batch], taps, store=store), generator=g)
         w = st["positions"]
         sums.update({k: v * w for k, v in st.items() if k != "positions"})
         n += w
@@ -257,10 +298,17 @@ def plot(records: list[dict], path: Path) -> None:
             ax[0].plot(x, [r["tree_expected_length"] for r in rs], marker="s", ls="--", label=f"{kind}, a tree's path")
         for d in range(1, 4):
             ax[1].plot(x, [r[f"acc_{d}"] for r in rs], marker="o", ms=3, label=f"{kind}, depth {d}")
-    ax[0].set(xlabel="pretraining tokens (millions)", ylabel="expected acceptance length",
-              title="held-out text: expected acceptance length (estimate)")
-    ax[1].set(xlabel="pretraining tokens (millions)", ylabel="acceptance probability", ylim=(0, 1),
-              title="held-out, per depth / block position")
+    ax[0].set(
+        xlabel="pretraining tokens (millions)",
+        ylabel="expected acceptance length",
+        title="held-out text: expected acceptance length (estimate)",
+    )
+    ax[1].set(
+        xlabel="pretraining tokens (millions)",
+        ylabel="acceptance probability",
+        ylim=(0, 1),
+        title="held-out, per depth / block position",
+    )
     ax[0].legend(fontsize=8)
     ax[1].legend(fontsize=7)
     fig.tight_layout()
@@ -283,12 +331,16 @@ def _check_resume(cfg: PretrainConfig, out: Path) -> dict | None:
     diff = [k for k in now if k not in free and k != "model" and now[k] != saved.get(k)]
     diff += [f"model.{k}" for k in now["model"] if k != "threads" and now["model"][k] != saved["model"].get(k)]
     if diff:
-        raise UserError(f"--resume with other settings than the run in {out} ({', '.join(diff)}); "
-                        "pass the same settings or another --out")
+        raise UserError(
+            f"--resume with other settings than the run in {out} ({', '.join(diff)}); "
+            "pass the same settings or another --out"
+        )
     return torch.load(state, map_location="cpu", weights_only=False)
 
 
-def drafter_trainers(cfg: PretrainConfig, master, vocab_ids: torch.Tensor | None, inits: dict) -> dict[str, DraftTrainer]:
+def drafter_trainers(
+    cfg: PretrainConfig, master, vocab_ids: torch.Tensor | None, inits: dict
+) -> dict[str, DraftTrainer]:
     """A `DraftTrainer` per --draft kind, of a fresh drafter (seeded, on `vocab_ids`) or the kind's --init one."""
     w = master.lm_head.weight
     trainers = {}
@@ -313,8 +365,10 @@ def check_layout(cfg: PretrainConfig, inits: dict) -> None:
     """--draft-layout against the --init drafter's: fused to eagle3 is carried over (`relayout_init`), not back."""
     d = inits.get("eagle3")
     if d is not None and cfg.draft_layout == "fused" and d.layout != "fused":
-        raise UserError(f"--draft-layout fused with --init {cfg.init}, a drafter in EAGLE-3's layout: a drafter is "
-                        "carried from the fused layout into EAGLE-3's, not back; leave --draft-layout out")
+        raise UserError(
+            f"--draft-layout fused with --init {cfg.init}, a drafter in EAGLE-3's layout: a drafter is "
+            "carried from the fused layout into EAGLE-3's, not back; leave --draft-layout out"
+        )
 
 
 def relayout_init(cfg: PretrainConfig, drafter, policy, train: list[Seq], n: int = 8):
@@ -328,8 +382,11 @@ def relayout_init(cfg: PretrainConfig, drafter, policy, train: list[Seq], n: int
         m = mask[:, :-1]  # position t: token t + 1 and the feature at t
         feats = drafter.features({i: t[:, :-1].float() for i, t in taps.items()})
         emb = drafter.embed(toks[:, 1:]).float()
-    tqdm.write(f"sparkrl: --init {cfg.init} carried from the fused layout into EAGLE-3's (scales from {int(m.sum())} "
-               f"positions); this run's training goes on from there", file=sys.stderr)
+    tqdm.write(
+        f"sparkrl: --init {cfg.init} carried from the fused layout into EAGLE-3's (scales from {int(m.sum())} "
+        f"positions); this run's training goes on from there",
+        file=sys.stderr,
+    )
     return relayout(drafter.float(), emb[m], feats[m])
 
 
@@ -338,8 +395,12 @@ def feature_store(cfg: PretrainConfig, rollout: RolloutCopy) -> FeatureStore | N
     keyed on what computes them."""
     if not cfg.feature_cache:
         return None
-    tag = [cfg.model.model, str(rollout.model.lm_head.weight.dtype), bool(rollout.kernels.get("packed")),
-           cfg.model.cpu_kernels]
+    tag = [
+        cfg.model.model,
+        str(rollout.model.lm_head.weight.dtype),
+        bool(rollout.kernels.get("packed")),
+        cfg.model.cpu_kernels,
+    ]
     tag += [t for t in kernel_tags(rollout) if t != "packed"]
     return FeatureStore(Path(cfg.out) / "features", json.dumps(tag))
 
@@ -349,8 +410,16 @@ class Pretraining:
     rollout copy), the held-out sequences, and where it stands (steps, tokens read, training seconds, the
     records of pretrain.jsonl), resumed from `resume` (state.pt) when given."""
 
-    def __init__(self, cfg: PretrainConfig, trainers: dict[str, DraftTrainer], policy, test: list[Seq],
-                 store: FeatureStore | None, fingerprint: list[float], resume: dict | None):
+    def __init__(
+        self,
+        cfg: PretrainConfig,
+        trainers: dict[str, DraftTrainer],
+        policy,
+        test: list[Seq],
+        store: FeatureStore | None,
+        fingerprint: list[float],
+        resume: dict | None,
+    ):
         self.cfg, self.out, self.trainers, self.policy = cfg, Path(cfg.out), trainers, policy
         self.test, self.store, self.fingerprint = test, store, fingerprint
         self.step, self.tokens, self.seconds, self.records = 0, 0, 0.0, []
@@ -364,22 +433,41 @@ class Pretraining:
             self.records = [r for r in records if r["step"] <= self.step]  # what came after the checkpoint is redone
 
     def save_state(self) -> None:
-        atomic_save({"trainers": {k: t.state_dict() for k, t in self.trainers.items()}, "step": self.step,
-                     "tokens": self.tokens, "seconds": self.seconds, "rng": torch.get_rng_state()}, self.out / "state.pt")
+        atomic_save(
+            {
+                "trainers": {k: t.state_dict() for k, t in self.trainers.items()},
+                "step": self.step,
+                "tokens": self.tokens,
+                "seconds": self.seconds,
+                "rng": torch.get_rng_state(),
+            },
+            self.out / "state.pt",
+        )
         (self.out / "pretrain.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.records))
 
     def score(self) -> None:
         """Held-out scores of every drafter (records and a line each), its snapshot, the plot."""
         for kind, t in self.trainers.items():
             if self.test:
-                r = {"heldout": True, "kind": kind, "step": self.step, "tokens": self.tokens,
-                     **evaluate(t, self.policy, self.test, self.cfg.micro_batch, self.store)}
+                r = {
+                    "heldout": True,
+                    "kind": kind,
+                    "step": self.step,
+                    "tokens": self.tokens,
+                    **evaluate(t, self.policy, self.test, self.cfg.micro_batch, self.store),
+                }
                 self.records.append(r)
                 tree = f", trees {r['tree_expected_length']:.2f}" if "tree_expected_length" in r else ""
-                tqdm.write(f"{kind} held-out at step {self.step} ({self.tokens / 1e6:.2f}M tokens): expected length "
-                           f"{r['expected_length']:.2f}{tree}, top-1 {r['top1_1']:.2f}", file=sys.stderr)
-            save_safetensors(t.drafter.checkpoint(), self.out / kind / "snapshots" / f"step-{self.step:06d}.safetensors",
-                             fingerprint=self.fingerprint)
+                tqdm.write(
+                    f"{kind} held-out at step {self.step} ({self.tokens / 1e6:.2f}M tokens): expected length "
+                    f"{r['expected_length']:.2f}{tree}, top-1 {r['top1_1']:.2f}",
+                    file=sys.stderr,
+                )
+            save_safetensors(
+                t.drafter.checkpoint(),
+                self.out / kind / "snapshots" / f"step-{self.step:06d}.safetensors",
+                fingerprint=self.fingerprint,
+            )
         plot(self.records, self.out / "pretrain.png")
 
     def train(self, plans: list[list[list[int]]], seqs: list[Seq], taps: tuple, store: FeatureStore | None) -> None:
@@ -395,8 +483,13 @@ class Pretraining:
                     continue
                 self.train_step([seqs[j] for j in mb], taps, total, store)
                 bar.update(1)
-                bar.set_postfix(tokens=f"{self.tokens / 1e6:.2f}M", **{
-                    f"top1_{kind}": f"{r['top1']:.2f}" for kind, r in zip(self.trainers, self.records[-len(self.trainers):])})
+                bar.set_postfix(
+                    tokens=f"{self.tokens / 1e6:.2f}M",
+                    **{
+                        f"top1_{kind}": f"{r['top1']:.2f}"
+                        for kind, r in zip(self.trainers, self.records[-len(self.trainers) :])
+                    },
+                )
                 if self.step % cfg.eval_every == 0 or self.step == total:
                     self.score()
                 if self.step % cfg.checkpoint_every == 0 or self.step == total:
@@ -421,23 +514,40 @@ class Pretraining:
             t.step()
         self.seconds += time.perf_counter() - t0
         for kind, t in self.trainers.items():
-            self.records.append({"kind": kind, "step": self.step + 1, "tokens": self.tokens,
-                                 "seconds": round(self.seconds, 2), "lr": t.opt.param_groups[0]["lr"], **stats[kind]})
+            self.records.append(
+                {
+                    "kind": kind,
+                    "step": self.step + 1,
+                    "tokens": self.tokens,
+                    "seconds": round(self.seconds, 2),
+                    "lr": t.opt.param_groups[0]["lr"],
+                    **stats[kind],
+                }
+            )
         self.step += 1
 
     def finish(self, seqs: list[Seq], steps: int) -> dict:
         """Each drafter written (OUT/KIND/drafter.pt and .safetensors); returns the run's summary."""
-        summary = {"out": str(self.out), "sequences": len(seqs), "tokens": sum(len(s.ids) for s in seqs),
-                   "steps": steps, "draft_vocab": int(next(iter(self.trainers.values())).drafter.vocab_ids.numel()),
-                   "drafters": {}}
+        summary = {
+            "out": str(self.out),
+            "sequences": len(seqs),
+            "tokens": sum(len(s.ids) for s in seqs),
+            "steps": steps,
+            "draft_vocab": int(next(iter(self.trainers.values())).drafter.vocab_ids.numel()),
+            "drafters": {},
+        }
         for kind, t in self.trainers.items():
             atomic_save(t.drafter.checkpoint(), self.out / kind / "drafter.pt")
-            save_safetensors(t.drafter.checkpoint(), self.out / kind / "drafter.safetensors", fingerprint=self.fingerprint)
+            save_safetensors(
+                t.drafter.checkpoint(), self.out / kind / "drafter.safetensors", fingerprint=self.fingerprint
+            )
             last = next((r for r in reversed(self.records) if r.get("heldout") and r["kind"] == kind), {})
-            summary["drafters"][kind] = {"path": str(self.out / kind / "drafter.safetensors"),
-                                         "heldout_expected_length": last.get("expected_length"),
-                                         "heldout_top1": last.get("top1_1"),
-                                         "heldout_tree_expected_length": last.get("tree_expected_length")}
+            summary["drafters"][kind] = {
+                "path": str(self.out / kind / "drafter.safetensors"),
+                "heldout_expected_length": last.get("expected_length"),
+                "heldout_top1": last.get("top1_1"),
+                "heldout_tree_expected_length": last.get("tree_expected_length"),
+            }
         return summary
 
 
@@ -453,8 +563,14 @@ def pretrain(cfg: PretrainConfig) -> dict:
     dt = rollout_dtype(cfg.model.rollout_dtype, master)
     rollout = rollout_copy(master, dt, cfg.model.cpu_kernels, cfg.model.rollout_head == "float32")
     policy = rollout.model  # what gives the drafters their features and targets
-    inits = {kind: load_drafter(find_checkpoint(cfg.init, kind, master, "--init"), master.args, kind)
-             for kind in cfg.kinds()} if cfg.init else {}  # a wrong --init fails before the corpus is made
+    inits = (
+        {
+            kind: load_drafter(find_checkpoint(cfg.init, kind, master, "--init"), master.args, kind)
+            for kind in cfg.kinds()
+        }
+        if cfg.init
+        else {}
+    )  # a wrong --init fails before the corpus is made
     check_layout(cfg, inits)
     train, test, sources = build_corpus(cfg, rollout, tok, lm.eos_ids, problems)
     if resume is None:  # --draft-layout eagle3 carries a fused --init drafter over
@@ -471,13 +587,23 @@ def pretrain(cfg: PretrainConfig) -> dict:
     store = feature_store(cfg, rollout)
     train_store = store if cfg.epochs > 1 else None  # training sequences are read again only in later epochs
     if train_store is not None:
-        train_store.check_space(sum(len(s.ids) for s in train), (len(taps) + 1) * master.args.hidden_size,
-                                policy.lm_head.weight.dtype)
+        train_store.check_space(
+            sum(len(s.ids) for s in train), (len(taps) + 1) * master.args.hidden_size, policy.lm_head.weight.dtype
+        )
     if resume is None:
-        (out / "config.json").write_text(json.dumps({"config": to_dict(cfg), "corpus_sequences": len(train),
-                                                     "corpus_tokens": sum(len(s.ids) for s in train), "sources": sources,
-                                                     "heldout_sequences": len(test),
-                                                     "policy_dtype": str(policy.lm_head.weight.dtype)}, indent=2))
+        (out / "config.json").write_text(
+            json.dumps(
+                {
+                    "config": to_dict(cfg),
+                    "corpus_sequences": len(train),
+                    "corpus_tokens": sum(len(s.ids) for s in train),
+                    "sources": sources,
+                    "heldout_sequences": len(test),
+                    "policy_dtype": str(policy.lm_head.weight.dtype),
+                },
+                indent=2,
+            )
+        )
     run = Pretraining(cfg, trainers, policy, test, store, fingerprint, resume)
     run.train(plans, train, taps, train_store)
     return run.finish(train, sum(map(len, plans)))

@@ -40,7 +40,7 @@ def _last_box(text: str) -> tuple[int, str, int] | None:
     if i >= len(text):
         return None
     if text[i] != "{":  # "\boxed 5"
-        m = re.match(r"[^\s$]{1,%d}" % MAX_ANSWER_CHARS, text[i:i + MAX_ANSWER_CHARS + 1])
+        m = re.match(r"[^\s$]{1,%d}" % MAX_ANSWER_CHARS, text[i : i + MAX_ANSWER_CHARS + 1])
         return (start, m.group(0), i + m.end()) if m else None
     depth = 0
     for j in range(i, min(len(text), i + MAX_ANSWER_CHARS + 2)):
@@ -52,7 +52,7 @@ def _last_box(text: str) -> tuple[int, str, int] | None:
         elif c == "}":
             depth -= 1
             if depth == 0:
-                inner = text[i + 1:j].strip()
+                inner = text[i + 1 : j].strip()
                 return (start, inner, j + 1) if inner else None
     return None  # unbalanced, or longer than MAX_ANSWER_CHARS
 

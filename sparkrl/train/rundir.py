@@ -13,13 +13,13 @@ import torch
 
 from sparkrl import __version__
 from sparkrl.config import RunConfig, SparkConfig, to_dict
+from sparkrl.drafters import find_checkpoint, load_drafter
+from sparkrl.drafters.base import read_checkpoint
+from sparkrl.drafters.eagle3_format import export_draft
 from sparkrl.errors import UserError, writable_dir
 from sparkrl.model.export import export_model
 from sparkrl.model.weights import load_model
-from sparkrl.drafters import find_checkpoint, load_drafter
-from sparkrl.drafters.base import read_checkpoint
 from sparkrl.train.checkpoint import STATE, checkpoints_at, list_checkpoints, load_checkpoint, remove_stale
-from sparkrl.drafters.eagle3_format import export_draft
 from sparkrl.vllm.spark import settings_of, write_projection
 
 # Settings that may change between a run and its resumption (they do not change the maths).
@@ -41,11 +41,15 @@ def prepare_out_dir(cfg: RunConfig) -> dict:
     for p in remove_stale(out):
         print(f"sparkrl: removed {p}, left by an interrupted checkpoint write", file=sys.stderr)
     if any((out / "checkpoints").glob("step-*.pt")):
-        raise UserError(f"{out}/checkpoints holds step-N.pt files of an older sparkrl, which this one does not read; "
-                        "continue that run with the sparkrl that wrote it, or choose a new --out")
+        raise UserError(
+            f"{out}/checkpoints holds step-N.pt files of an older sparkrl, which this one does not read; "
+            "continue that run with the sparkrl that wrote it, or choose a new --out"
+        )
     has_ckpt = bool(list_checkpoints(out))
     if has_ckpt and not cfg.resume:
-        raise UserError(f"{out} already holds checkpoints of a run; pass --resume to continue it, or choose a new --out")
+        raise UserError(
+            f"{out} already holds checkpoints of a run; pass --resume to continue it, or choose a new --out"
+        )
     saved = out / "config.json"
     resolved = {}
     if cfg.resume and has_ckpt and saved.exists():
@@ -56,8 +60,10 @@ def prepare_out_dir(cfg: RunConfig) -> dict:
         diff = [k for k in new if k.split(".")[-1] not in _RESUMABLE and old.get(k) != new[k]]
         if diff:
             k = diff[0]
-            raise UserError(f"--resume with different settings than the run in {out}: {k} was {old.get(k)!r}, "
-                            f"now {new[k]!r} ({len(diff)} differ); use the run's settings or a new --out")
+            raise UserError(
+                f"--resume with different settings than the run in {out}: {k} was {old.get(k)!r}, "
+                f"now {new[k]!r} ({len(diff)} differ); use the run's settings or a new --out"
+            )
     out.mkdir(parents=True, exist_ok=True)
     write_run_config(cfg, resolved)
     return resolved
@@ -65,23 +71,30 @@ def prepare_out_dir(cfg: RunConfig) -> dict:
 
 def write_run_config(cfg: RunConfig, resolved: dict) -> None:
     """DIR/config.json: the settings, what was resolved from them at the start (`resolved`), versions."""
-    (Path(cfg.out) / "config.json").write_text(json.dumps({"config": to_dict(cfg), "resolved": resolved,
-                                                           "sparkrl": __version__, "torch": torch.__version__}, indent=2))
+    (Path(cfg.out) / "config.json").write_text(
+        json.dumps(
+            {"config": to_dict(cfg), "resolved": resolved, "sparkrl": __version__, "torch": torch.__version__}, indent=2
+        )
+    )
 
 
 def run_policy(run_dir: str, steps: list[Path]):
     """The policy of a run's checkpoint `steps[-1]` (a `weights.LoadedModel`, without its tokenizer), and the
     checkpoint."""
     if not steps:
-        raise UserError(f"{run_dir} holds no checkpoint: pass a `sparkrl train --out` folder or one of its "
-                        "checkpoints/step-N folders")
+        raise UserError(
+            f"{run_dir} holds no checkpoint: pass a `sparkrl train --out` folder or one of its "
+            "checkpoints/step-N folders"
+        )
     ck = load_checkpoint(steps[-1])
     lm = load_model(ck["config"]["model"]["model"], with_tokenizer=False)
     lm.model.to(next(iter(ck["policy"].values())).dtype)
     missing, unexpected = lm.model.load_weights(ck["policy"])
     if missing or unexpected:
-        raise UserError(f"{steps[-1]} does not fit {ck['config']['model']['model']} (missing {missing[:3]}, "
-                        f"unexpected {unexpected[:3]})")
+        raise UserError(
+            f"{steps[-1]} does not fit {ck['config']['model']['model']} (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]})"
+        )
     return lm, ck
 
 
@@ -101,7 +114,8 @@ def export_run(run_dir: str, out: str) -> tuple[int, Path]:
 
 
 def export_drafter(source: str, model: str, out: str, dtype: str = "bfloat16") -> tuple[str, Path]:
-    """Write an EAGLE3-style drafter as the checkpoint vLLM's `eagle3` method loads (`drafters.eagle3_format.export_draft`):
+    """Write an EAGLE3-style drafter as the checkpoint vLLM's `eagle3` method loads
+    (`drafters.eagle3_format.export_draft`):
     a GRPO run's (its latest checkpoint's drafter, with the policy it served then), or a drafter checkpoint
     (`--draft-checkpoint`'s values: default, a file) serving `model`. Returns (what was exported, the folder)."""
     check_out_folder(out)

@@ -24,9 +24,9 @@ import sys
 
 import torch
 
-from sparkrl.train.distributed import World
 from sparkrl.errors import UserError
 from sparkrl.model.transformer import Transformer
+from sparkrl.train.distributed import World
 
 
 def is_dtensor(t) -> bool:
@@ -118,8 +118,10 @@ class FullyShard(Replicated):
 
     def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
         params = [p for group in opt.param_groups for p in group["params"]]  # state_dict's numbering
-        mine = {i: {k: shard_like(v, params[i]) if torch.is_tensor(v) else v for k, v in s.items()}
-                for i, s in state["state"].items()}
+        mine = {
+            i: {k: shard_like(v, params[i]) if torch.is_tensor(v) else v for k, v in s.items()}
+            for i, s in state["state"].items()
+        }
         opt.load_state_dict({**state, "state": mine})
 
     def _gathered(self, tensors: dict) -> dict:
@@ -137,7 +139,9 @@ def sharding(choice: str, world: World) -> Replicated:
     if choice == "none":
         return Replicated(world)
     if world.size == 1:
-        raise UserError("--shard-policy fsdp shards the policy over the ranks torchrun starts, and this process runs "
-                        "alone; launch it with `torchrun --nproc-per-node N -m sparkrl train ...` (N >= 2), or drop "
-                        "the flag")
+        raise UserError(
+            "--shard-policy fsdp shards the policy over the ranks torchrun starts, and this process runs "
+            "alone; launch it with `torchrun --nproc-per-node N -m sparkrl train ...` (N >= 2), or drop "
+            "the flag"
+        )
     return FullyShard(world)

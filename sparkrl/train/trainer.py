@@ -24,27 +24,27 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from sparkrl.train.assemble import Drafting, NoDrafting, make_drafting, serve_with_vllm
-from sparkrl.vllm.engine import model_len
-from sparkrl.train.checkpoint import POLICY, list_checkpoints, load_latest, save_checkpoint, set_rng_state
 from sparkrl.config import RunConfig, to_dict
+from sparkrl.cpu.accelerate import accelerate
+from sparkrl.cpu.tuning import float32_attention
+from sparkrl.engine.records import Rollout, RoundStats
+from sparkrl.engine.rollout import response_generators
+from sparkrl.errors import UserError, enough_space
+from sparkrl.machine import RateWatch, set_threads
+from sparkrl.model.export import export_model
+from sparkrl.model.transformer import Transformer, pad_right
+from sparkrl.model.weights import load_model, resolve_model_path
+from sparkrl.train.assemble import Drafting, NoDrafting, make_drafting, serve_with_vllm
+from sparkrl.train.checkpoint import POLICY, list_checkpoints, load_latest, save_checkpoint, set_rng_state
 from sparkrl.train.data import build_prompts, load_problems
 from sparkrl.train.distributed import SINGLE, World
 from sparkrl.train.draft_train import row_generators
-from sparkrl.errors import UserError, enough_space
-from sparkrl.model.export import export_model
-from sparkrl.train.grpo import grpo_loss, group_advantages, mismatch
-from sparkrl.cpu.accelerate import accelerate
-from sparkrl.cpu.tuning import float32_attention
-from sparkrl.machine import RateWatch, set_threads
-from sparkrl.model.transformer import Transformer, pad_right
+from sparkrl.train.grpo import group_advantages, grpo_loss, mismatch
 from sparkrl.train.precision import rollout_copy, rollout_dtype
 from sparkrl.train.rewards import Grader
-from sparkrl.engine.rollout import response_generators
-from sparkrl.engine.records import Rollout, RoundStats
-from sparkrl.train.sharding import sharding
-from sparkrl.model.weights import load_model, resolve_model_path
 from sparkrl.train.rundir import append_metrics, export_run, prepare_out_dir, truncate_steps, write_run_config
+from sparkrl.train.sharding import sharding
+from sparkrl.vllm.engine import model_len
 
 
 class DataOrder:
@@ -113,9 +113,17 @@ def _forward(model: Transformer, toks, pos, targets, temperature: float, autocas
     return logp[:, :R], h, logits, {i: at_positions(t, pos) for i, t in out.taps.items()}
 
 
-def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Rollout, adv: torch.Tensor,
-                  cfg: RunConfig, drafting: Drafting | NoDrafting = NoDrafting(), total: int | None = None,
-                  draft_generators: list[torch.Generator] | None = None) -> dict:
+def policy_update(
+    policy: Transformer,
+    ref: Transformer | None,
+    opt,
+    rollout: Rollout,
+    adv: torch.Tensor,
+    cfg: RunConfig,
+    drafting: Drafting | NoDrafting = NoDrafting(),
+    total: int | None = None,
+    draft_generators: list[torch.Generator] | None = None,
+) -> dict:
     """Gradients of one GRPO update on a rollout, accumulated over micro-batches; `apply_update`
     then steps the optimizer (the policy does not change here).
 
@@ -137,7 +145,7 @@ def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Ro
     gap = {"abs_sum": 0.0, "abs_max": 0.0, "kl_sum": 0.0}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=g.train_dtype == "bfloat16")
     for i in range(0, len(rows), g.micro_batch):
-        mb = rows[i:i + g.micro_batch]
+        mb = rows[i : i + g.micro_batch]
         toks, pos, mask, targets = response_batch(rollout, mb, device)
         R = targets.shape[1]
         rollout_logp = torch.tensor([rollout.logp[r] + [0.0] * (R - len(rollout.logp[r])) for r in mb])  # (b, R)
@@ -148,20 +156,46 @@ def policy_update(policy: Transformer, ref: Transformer | None, opt, rollout: Ro
                 ref_logp = _forward(ref, toks, pos, targets, T, autocast)[0]
         logp, h, logits, tapped = _forward(policy, toks, pos, targets, T, autocast, drafting.feature_layers)
         mask_r = mask[:, :R]
-        drafting.observe(toks.gather(1, pos), tapped, h, logits, mask, float(mask_r.sum()) / total,
-                         [draft_generators[r] for r in mb] if draft_generators else None)
-        parts = grpo_loss(logp, logp.detach(), ref_logp, adv[mb].to(device), mask_r, g.clip_eps, g.kl_beta, total,
-                          rollout_logp, g.tis_cap)
+        drafting.observe(
+            toks.gather(1, pos),
+            tapped,
+            h,
+            logits,
+            mask,
+            float(mask_r.sum()) / total,
+            [draft_generators[r] for r in mb] if draft_generators else None,
+        )
+        parts = grpo_loss(
+            logp,
+            logp.detach(),
+            ref_logp,
+            adv[mb].to(device),
+            mask_r,
+            g.clip_eps,
+            g.kl_beta,
+            total,
+            rollout_logp,
+            g.tis_cap,
+        )
         parts.loss.backward()
         loss_sum += parts.loss.item()
         kl += parts.kl_sum
         clipped += parts.clipped
         m = mismatch(logp, rollout_logp, mask_r)
-        gap = {"abs_sum": gap["abs_sum"] + m["abs_sum"], "abs_max": max(gap["abs_max"], m["abs_max"]),
-               "kl_sum": gap["kl_sum"] + m["kl_sum"]}
+        gap = {
+            "abs_sum": gap["abs_sum"] + m["abs_sum"],
+            "abs_max": max(gap["abs_max"], m["abs_max"]),
+            "kl_sum": gap["kl_sum"] + m["kl_sum"],
+        }
     n = max(total, 1)
-    return {"loss": loss_sum, "kl": kl / n, "clip_frac": clipped / n, "rollout_logp_abs_mean": gap["abs_sum"] / n,
-            "rollout_logp_abs_max": gap["abs_max"], "rollout_kl": gap["kl_sum"] / n}
+    return {
+        "loss": loss_sum,
+        "kl": kl / n,
+        "clip_frac": clipped / n,
+        "rollout_logp_abs_mean": gap["abs_sum"] / n,
+        "rollout_logp_abs_max": gap["abs_max"],
+        "rollout_kl": gap["kl_sum"] / n,
+    }
 
 
 def apply_update(policy: Transformer, opt, max_grad_norm: float) -> dict:
@@ -199,41 +233,81 @@ class GRPORun:
         problems = load_problems(cfg.data.data, cfg.data.default_size, cfg.seed)
         set_threads(cfg.model.threads)  # after the inputs are checked: a bad one fails with one line
         self.lm = lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
-        self.prompts = build_prompts(lm.tokenizer, problems.problems, cfg.data.max_prompt_tokens,
-                                     cfg.data.prompt_overflow)
-        note = (f"; prompts over {cfg.data.max_prompt_tokens} tokens: {self.prompts.skipped} skipped, "
-                f"{self.prompts.truncated} truncated")
+        self.prompts = build_prompts(
+            lm.tokenizer, problems.problems, cfg.data.max_prompt_tokens, cfg.data.prompt_overflow
+        )
+        note = (
+            f"; prompts over {cfg.data.max_prompt_tokens} tokens: {self.prompts.skipped} skipped, "
+            f"{self.prompts.truncated} truncated"
+        )
         if not self.prompts.problems:
-            raise UserError(f"no prompt fits --max-prompt-tokens {cfg.data.max_prompt_tokens} ({problems.summary()}"
-                            f"{note}); raise it or use --prompt-overflow truncate")
+            raise UserError(
+                f"no prompt fits --max-prompt-tokens {cfg.data.max_prompt_tokens} ({problems.summary()}"
+                f"{note}); raise it or use --prompt-overflow truncate"
+            )
         if world.is_main:
             print(f"sparkrl: {problems.summary()}{note}", file=sys.stderr)
         self.policy = policy = lm.model
         if world.is_main:  # before any rollout: a checkpoint (weights and AdamW's two moments) and the final export
-            enough_space(cfg.out, 4 * 4 * sum(p.numel() for p in policy.parameters()), "a checkpoint and the exported model")
-        self.ref = None if cfg.grpo.kl_beta == 0 else shards.wrap(copy.deepcopy(policy).requires_grad_(False),
-                                                                  frozen=True)
+            enough_space(
+                cfg.out, 4 * 4 * sum(p.numel() for p in policy.parameters()), "a checkpoint and the exported model"
+            )
+        self.ref = (
+            None if cfg.grpo.kl_beta == 0 else shards.wrap(copy.deepcopy(policy).requires_grad_(False), frozen=True)
+        )
         # what samples, on which kernels: measured once by rank 0 (a resumed run keeps what its start chose)
         k = cfg.model.cpu_kernels
-        dt = settled(world, resolved, {"rollout_dtype": lambda: str(rollout_dtype(cfg.model.rollout_dtype, policy))
-                                       .removeprefix("torch.")})["rollout_dtype"]
-        attention = settled(world, resolved, {"float32_attention": lambda: float32_attention(
-            k, getattr(torch, dt), policy.lm_head.weight.device, policy.args)})
-        self.rollout = rollout_copy(policy, getattr(torch, dt), k, cfg.model.rollout_head == "float32",
-                                    separate=shards.sharded, attention32=attention["float32_attention"])  # unsharded
+        dt = settled(
+            world,
+            resolved,
+            {"rollout_dtype": lambda: str(rollout_dtype(cfg.model.rollout_dtype, policy)).removeprefix("torch.")},
+        )["rollout_dtype"]
+        attention = settled(
+            world,
+            resolved,
+            {
+                "float32_attention": lambda: float32_attention(
+                    k, getattr(torch, dt), policy.lm_head.weight.device, policy.args
+                )
+            },
+        )
+        self.rollout = rollout_copy(
+            policy,
+            getattr(torch, dt),
+            k,
+            cfg.model.rollout_head == "float32",
+            separate=shards.sharded,
+            attention32=attention["float32_attention"],
+        )  # unsharded
         packed = self.rollout.kernels["packed"]
-        if self.ref is not None and packed and not shards.sharded and self.ref.lm_head.weight.dtype == getattr(torch, dt):
+        if (
+            self.ref is not None
+            and packed
+            and not shards.sharded
+            and self.ref.lm_head.weight.dtype == getattr(torch, dt)
+        ):
             accelerate(self.ref, "packed")  # no-grad forwards, as the rollout's; weights fixed: packed once
-        kernels = {"packed_kernels": packed, "weight_major_kernels": self.rollout.kernels["weight_major"],
-                   "compiled_kernels": "native" in self.rollout.kernels}  # compiled: where they could be built
+        kernels = {
+            "packed_kernels": packed,
+            "weight_major_kernels": self.rollout.kernels["weight_major"],
+            "compiled_kernels": "native" in self.rollout.kernels,
+        }  # compiled: where they could be built
         if world.is_main:
             write_run_config(cfg, {**resolved, "rollout_dtype": dt, **attention, **kernels})
         with world.main_first():  # rank 0 times the machine for the budget (cached), the others read its timing
             self.drafting = make_drafting(cfg.draft, policy, self.rollout, cfg.sampling.temperature, cfg.seed)
         if cfg.draft.engine == "vllm":  # vLLM generates; every refresh of a rollout copy puts its weights there
             longest = model_len(self.prompts.prompt_ids, cfg.sampling.max_new_tokens, cfg.draft.tree_depth)
-            self.rollout = serve_with_vllm(cfg.draft, lm, self.rollout, self.drafting, cfg.sampling.temperature,
-                                           longest, getattr(torch, dt), cfg.seed)
+            self.rollout = serve_with_vllm(
+                cfg.draft,
+                lm,
+                self.rollout,
+                self.drafting,
+                cfg.sampling.temperature,
+                longest,
+                getattr(torch, dt),
+                cfg.seed,
+            )
         shards.wrap(policy)  # after the rollout copy and the drafter were made from the whole policy
         self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
         self.order = DataOrder(len(self.prompts.problems), cfg.grpo.prompts_per_step, cfg.seed)
@@ -245,8 +319,10 @@ class GRPORun:
         if self.cfg.resume and (ck := load_latest(self.cfg.out)) is not None:
             missing, unexpected = self.shards.load_weights(self.policy, ck["policy"])
             if missing or unexpected:
-                raise UserError(f"the checkpoint in {self.cfg.out} does not fit this model (missing {missing[:3]}, "
-                                f"unexpected {unexpected[:3]}); resume with the run's --model")
+                raise UserError(
+                    f"the checkpoint in {self.cfg.out} does not fit this model (missing {missing[:3]}, "
+                    f"unexpected {unexpected[:3]}); resume with the run's --model"
+                )
             self.shards.load_optimizer_state(self.opt, ck["optimizer"])
             self.drafting.load_state_dict(ck, self.world)
             set_rng_state(ck["rng"])
@@ -262,8 +338,12 @@ class GRPORun:
         """What a checkpoint holds (whole tensors; called on every rank, complete on rank 0). budgets:
         every rank's budget state (data-parallel: each rank's budget learns from its own rollouts);
         rank 0's alone when not given."""
-        return {"policy": self.shards.weights(self.policy), "optimizer": self.shards.optimizer_state(self.opt),
-                "config": to_dict(self.cfg), **self.drafting.state_dict(budgets)}
+        return {
+            "policy": self.shards.weights(self.policy),
+            "optimizer": self.shards.optimizer_state(self.opt),
+            "config": to_dict(self.cfg),
+            **self.drafting.state_dict(budgets),
+        }
 
     def checkpoint_if_due(self, m: dict) -> bool:
         """Write a checkpoint after the step whose metrics are m when the run's rule says so (rank 0
@@ -284,11 +364,12 @@ class GRPORun:
         one block that Ctrl-C waits for, so an interrupted run's last checkpoint matches its metrics."""
         cfg, G, world = self.cfg, self.cfg.grpo.group_size, self.world
         mine = world.shard(cfg.grpo.prompts_per_step)  # this rank's prompts of the step (all of them in one process)
-        idx = self.order.batch(step)[mine.start:mine.stop]
+        idx = self.order.batch(step)[mine.start : mine.stop]
         gens = response_generators(cfg.seed, len(idx), G, offset=step * cfg.grpo.prompts_per_step + mine.start)
         batch_prompts = [self.prompts.prompt_ids[i] for i in idx]
-        rollout = self.drafting.engine.generate(self.rollout.model, batch_prompts, cfg.sampling, self.lm.eos_ids, gens,
-                                                G, progress, self.rollout.sampler)
+        rollout = self.drafting.engine.generate(
+            self.rollout.model, batch_prompts, cfg.sampling, self.lm.eos_ids, gens, G, progress, self.rollout.sampler
+        )
         self.drafting.bind(self.rollout.model if self.shards.sharded else self.policy)  # whole, not sharded
         texts = self.lm.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
         scores = [self.grader.score(t, self.prompts.problems[idx[r // G]].answer) for r, t in enumerate(texts)]
@@ -296,8 +377,17 @@ class GRPORun:
         t0 = time.perf_counter()
         total = int(world.sum(torch.tensor(rollout.num_tokens)))  # the loss is a token mean over the whole step's batch
         draft_gens = row_generators(cfg.seed, step, range(mine.start * G, mine.stop * G))
-        upd = policy_update(self.policy, self.ref, self.opt, rollout, group_advantages(rewards, G), cfg, self.drafting,
-                            total, draft_gens)
+        upd = policy_update(
+            self.policy,
+            self.ref,
+            self.opt,
+            rollout,
+            group_advantages(rewards, G),
+            cfg,
+            self.drafting,
+            total,
+            draft_gens,
+        )
         with deferred_sigint():
             self.shards.reduce_grads(self.policy)  # every rank's share of the batch: the whole batch's gradient
             upd.update(apply_update(self.policy, self.opt, cfg.grpo.max_grad_norm))
@@ -376,8 +466,17 @@ class Summary:
 
 
 LEARNING = ("reward_mean", "accuracy", "format")  # what a `Summary` shows from its first step to its last
-SUMMED = ("gen_s", "train_s", "draft_train_s", "gen_tokens", "rounds", "tree_rounds", "committed",
-          "row_rounds", "gen_ar_estimate_s")  # the metrics a `Summary` adds up
+SUMMED = (
+    "gen_s",
+    "train_s",
+    "draft_train_s",
+    "gen_tokens",
+    "rounds",
+    "tree_rounds",
+    "committed",
+    "row_rounds",
+    "gen_ar_estimate_s",
+)  # the metrics a `Summary` adds up
 
 
 def train(cfg: RunConfig, grader: Grader | None = None) -> Summary:
@@ -399,12 +498,17 @@ def _train(run: GRPORun) -> Summary:
     cfg, main = run.cfg, run.world.is_main
     start = saved_step = run.resume()
     if cfg.resume and main:
-        print(f"sparkrl: resuming {cfg.out} from step {start}" if start else
-              f"sparkrl: --resume: no checkpoint in {cfg.out}/checkpoints yet; starting from step 0", file=sys.stderr)
+        print(
+            f"sparkrl: resuming {cfg.out} from step {start}"
+            if start
+            else f"sparkrl: --resume: no checkpoint in {cfg.out}/checkpoints yet; starting from step 0",
+            file=sys.stderr,
+        )
     summary = Summary(cfg.out, main)
     watch = RateWatch()
-    bar = tqdm(total=cfg.steps, initial=start, unit="step", desc="grpo", dynamic_ncols=True, file=sys.stderr,
-               disable=not main)
+    bar = tqdm(
+        total=cfg.steps, initial=start, unit="step", desc="grpo", dynamic_ncols=True, file=sys.stderr, disable=not main
+    )
 
     def checkpoint(m):
         nonlocal saved_step
@@ -424,12 +528,20 @@ def _train(run: GRPORun) -> Summary:
             summary.add(m)
             watch.observe(m["gen_tok_per_s"])
             bar.update(1)
-            drafting = {"tok_per_round": f"{m['aal']:.2f}", "drafted": f"{m['tree_rounds']}/{m['rounds']}"} \
-                if "aal" in m else {}
+            drafting = (
+                {"tok_per_round": f"{m['aal']:.2f}", "drafted": f"{m['tree_rounds']}/{m['rounds']}"}
+                if "aal" in m
+                else {}
+            )
             if "spark_share" in m:
                 drafting["spark"] = f"{m['spark_share']:.1%}"
-            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.2f}",
-                            tok_s=f"{m['gen_tok_per_s']:.0f}", **drafting, refresh=True)
+            bar.set_postfix(
+                reward=f"{m['reward_mean']:.3f}",
+                acc=f"{m['accuracy']:.2f}",
+                tok_s=f"{m['gen_tok_per_s']:.0f}",
+                **drafting,
+                refresh=True,
+            )
     except KeyboardInterrupt:
         bar.close()
         done = start + summary.steps_run
@@ -437,8 +549,11 @@ def _train(run: GRPORun) -> Summary:
             if done > saved_step and not run.shards.sharded:  # a sharded policy needs every rank: its last one stands
                 save_checkpoint(cfg.out, done, run.state(), cfg.keep_checkpoints)
                 saved_step = done
-            print(f"sparkrl: interrupted; checkpoint at step {saved_step} in {cfg.out}/checkpoints; continue with "
-                  "--resume", file=sys.stderr)
+            print(
+                f"sparkrl: interrupted; checkpoint at step {saved_step} in {cfg.out}/checkpoints; continue with "
+                "--resume",
+                file=sys.stderr,
+            )
         raise SystemExit(130)
     finally:
         run.grader.close()
@@ -458,11 +573,15 @@ def check_data_parallel(cfg: RunConfig) -> None:
     if cfg.draft.engine == "vllm":
         raise UserError("--engine vllm runs in one process (one vLLM engine per run): start it without torchrun")
     if sc.spark and sc.spark_scope == "batch":
-        raise UserError("--spark-scope batch shares one correction across the whole batch, which the data-parallel "
-                        "ranks split; use --spark-scope group or response, or one process")
+        raise UserError(
+            "--spark-scope batch shares one correction across the whole batch, which the data-parallel "
+            "ranks split; use --spark-scope group or response, or one process"
+        )
     if sc.spark and sc.spark_carry:
-        raise UserError("--spark-carry carries each rank's corrections by batch position, which differs from one "
-                        "process's; run that ablation in one process")
+        raise UserError(
+            "--spark-carry carries each rank's corrections by batch position, which differs from one "
+            "process's; run that ablation in one process"
+        )
 
 
 # How the ranks' update figures combine: each rank's share of a whole-batch token mean (policy_update
@@ -492,5 +611,14 @@ def merge_rollouts(parts: list[Rollout]) -> Rollout:
     """The ranks' rollouts of a step as one (rank order is the batch's order); see `gather_step`."""
     cat = lambda name: [x for p in parts for x in getattr(p, name)]
     stats = RoundStats.merge([p.stats for p in parts], concurrent=True)
-    return Rollout(cat("prompt_ids"), parts[0].group_size, cat("tokens"), cat("finish_reason"),
-                   max(p.gen_s for p in parts), stats, cat("outcome"), cat("round_of"), cat("logp"))
+    return Rollout(
+        cat("prompt_ids"),
+        parts[0].group_size,
+        cat("tokens"),
+        cat("finish_reason"),
+        max(p.gen_s for p in parts),
+        stats,
+        cat("outcome"),
+        cat("round_of"),
+        cat("logp"),
+    )

