@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from sparkrl.config import DraftConfig, SamplingConfig, SparkConfig
-from sparkrl.engine.rollout import response_generators
+from sparkrl.engine.autoregressive import response_generators
 from sparkrl.engine.speculative import generate_speculative
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -50,12 +50,13 @@ def main():
     for name, fields in SHAPES.items():
         for spark in (False, True):
             cfg = DraftConfig(**fields, budget="fixed", spark_config=SparkConfig(spark=spark))
-            lm, d, prompts, sampler = default_rollouts(
+            lm, gen, prompts = default_rollouts(
                 cfg, args.dtype, args.data, args.heldout, count=args.count, skip=args.skip
             )
+            d, sampler = gen.drafting, gen.policy.sampler
             r = generate_speculative(
                 lm.model,
-                d.rollout.model,
+                d.copy.model,
                 prompts,
                 sc,
                 lm.eos_ids,

@@ -24,11 +24,11 @@ import torch
 
 from sparkrl.config import DraftConfig, SamplingConfig
 from sparkrl.drafters.selfdraft import SelfDrafter
-from sparkrl.engine.rollout import response_generators
+from sparkrl.engine.autoregressive import response_generators
 from sparkrl.engine.speculative import generate_speculative
 from sparkrl.model.weights import load_model
-from sparkrl.train.assemble import make_drafter
 from sparkrl.train.data import build_prompts, held_out, load_problems
+from sparkrl.train.drafting import make_drafter
 
 
 def held_out_prompts(lm, spec: str, fraction: float, n: int) -> list[list[int]]:

@@ -26,25 +26,27 @@ import torch
 from default_rollouts import default_rollouts
 
 from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, SparkConfig, TreeShape, build
+from sparkrl.engine.autoregressive import Autoregressive, response_generators
 from sparkrl.engine.budget import FixedBudget
-from sparkrl.engine.rollout import response_generators
 from sparkrl.engine.spark import Spark
-from sparkrl.engine.speculative import Autoregressive, NoAdaptation, Speculative
-from sparkrl.train.assemble import make_spark
+from sparkrl.engine.speculative import NoAdaptation, Speculative
+from sparkrl.train.drafting import make_spark
 from sparkrl.train.trainer import train
 from sparkrl.vllm.engine import VllmEngine, model_len
 from sparkrl.vllm.spark import settings_of
 
 
-def systems(args, lm, d, sampler, longest: int) -> dict:
+def systems(args, lm, gen, longest: int) -> dict:
     """name -> generate(prompts, G, sampling, gens) -> (tokens, seconds, AAL or None, SPARK seconds): each engine,
-    started once."""
+    started once. gen: sparkrl's (`generation.Generation`); the vLLM engines, several in one process, are started
+    here with the drafter it made."""
     policy, dtype = lm.model, lm.model.lm_head.weight.dtype
+    d, sampler = gen.drafting, gen.policy.sampler
     out = {"sparkrl AR": lambda p, G, s, g: sparkrl_run(Autoregressive(), policy, p, G, s, g, lm, sampler)}
     if args.ar_only:
         eng = VllmEngine.serving(lm, None, dtype, 1, longest)
         return {**out, "vLLM AR": lambda p, G, s, g: vllm_run(eng, p, G, s, g, lm)}
-    out["sparkrl spec (budget)"] = lambda p, G, s, g: sparkrl_run(d.engine, policy, p, G, s, g, lm, sampler)
+    out["sparkrl spec (budget)"] = lambda p, G, s, g: sparkrl_run(gen.engine, policy, p, G, s, g, lm, sampler)
     sc = SparkConfig(spark=True)  # the paper's defaults; A from the drafter checkpoint, else the policy's head
     A = (
         make_spark(
@@ -58,7 +60,7 @@ def systems(args, lm, d, sampler, longest: int) -> dict:
         adapters[" +SPARK"] = lambda: Spark.from_config(sc, A, d.drafter.vocab_ids.numel(), 1.0)
     for k in args.chains:  # vLLM's drafting: the drafter's argmax chain of k, every round (a one-branch tree)
         for tag, adapter in adapters.items():
-            chain = Speculative(d.engine.drafter, TreeShape(k, 1, k), FixedBudget(TreeShape(k, 1, k)), adapter())
+            chain = Speculative(gen.engine.drafter, TreeShape(k, 1, k), FixedBudget(TreeShape(k, 1, k)), adapter())
             out[f"sparkrl greedy chain {k}{tag}"] = lambda p, G, s, g, e=chain: sparkrl_run(
                 e, policy, p, G, s, g, lm, sampler
             )
@@ -315,8 +317,8 @@ def main():
         if args.ar_only
         else DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint)
     )
-    lm, d, prompts, sampler = default_rollouts(dcfg, args.dtype, args.data, args.heldout, count=8 * (args.repeats + 1))
-    run = systems(args, lm, d, sampler, model_len(prompts, args.max_new_tokens, max(args.chains)))
+    lm, gen, prompts = default_rollouts(dcfg, args.dtype, args.data, args.heldout, count=8 * (args.repeats + 1))
+    run = systems(args, lm, gen, model_len(prompts, args.max_new_tokens, max(args.chains)))
     rows = measure(args, run, prompts)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

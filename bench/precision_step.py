@@ -76,8 +76,8 @@ def main():
         )
         runs[name] = GRPORun(cfg)
         if c.get("native") is False:  # the default kernels less the compiled few-row product
-            use_native(runs[name].rollout.model, False)
-            runs[name].rollout.sampler = SAMPLER
+            use_native(runs[name].generation.policy.model, False)
+            runs[name].generation.policy.sampler = SAMPLER
     rows = {name: [] for name in runs}
     for step in range(a.steps):
         for name in list(runs) if step % 2 == 0 else list(runs)[::-1]:

@@ -27,8 +27,8 @@ import torch
 from default_rollouts import default_rollouts
 
 from sparkrl.config import DraftConfig, SamplingConfig, TreeShape
+from sparkrl.engine.autoregressive import response_generators
 from sparkrl.engine.budget import AR, CostModel
-from sparkrl.engine.rollout import response_generators
 from sparkrl.engine.speculative import NoAdaptation, Speculation, time_rounds
 
 
@@ -118,23 +118,22 @@ def main():
     if (0, 0) not in sizes:
         ap.error("--sizes must include 0,0 (the autoregressive reference)")
     dcfg = DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, budget="fixed")
-    lm, d, prompts, sampler = default_rollouts(
-        dcfg, args.dtype, args.data, args.heldout, count=args.prompts, skip=args.skip
-    )
+    lm, gen, prompts = default_rollouts(dcfg, args.dtype, args.data, args.heldout, count=args.prompts, skip=args.skip)
+    d, sampler = gen.drafting, gen.policy.sampler
     cost = (
         CostModel.measure(
             lm.model,
-            d.rollout.model,
+            d.copy.model,
             dcfg.shape(),
             functools.partial(time_rounds, sampler=sampler),
-            kernels=d.rollout.kernels,
+            kernels=gen.policy.kernels.key(),
         )
         if args.cost_model
         else None
     )
     result = {"meta": {**vars(args), "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": {}}
     for rows in map(int, args.rows.split(",")):
-        res = measure(lm.model, d.rollout.model, dcfg.shape(), prompts, rows, sizes, args.rounds, args.warmup, sampler)
+        res = measure(lm.model, d.copy.model, dcfg.shape(), prompts, rows, sizes, args.rounds, args.warmup, sampler)
         result["rows"][rows] = res
         if cost is not None:
             ar = res["0,0"]["ms_per_round"]

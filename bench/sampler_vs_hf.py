@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from sparkrl.config import SamplingConfig
+from sparkrl.config import DraftConfig, SamplingConfig
 from sparkrl.cpu.accelerate import use_native
-from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.engine.autoregressive import generate, response_generators
 from sparkrl.engine.sampling import SAMPLER
 from sparkrl.model.weights import load_model
 from sparkrl.train.data import chat_prompt_ids
-from sparkrl.train.precision import rollout_copy
+from sparkrl.train.generation import RolloutPlan, build_generation
 
 PROMPT = "Tom has 3 boxes with 12 apples each and eats 5 apples. How many are left? Solve it step by step."
 
@@ -58,12 +58,12 @@ def main():
     sc = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=args.new_tokens)
 
     plain = copy.deepcopy(lm.model)  # F.linear everywhere, attention in the model's dtype: the eager reference
-    dt = lm.model.lm_head.weight.dtype
-    rollout = rollout_copy(lm.model, dt, args.cpu_kernels)  # the kernels and attention sparkrl runs
+    plan = RolloutPlan.settle(lm.model, "model", args.cpu_kernels, DraftConfig())
+    rollout = build_generation(plan, DraftConfig(), lm.model, sc.temperature, trains=False).policy  # as sparkrl runs it
     lm.model, k = rollout.model, rollout.kernels
-    packed = k["packed"]
-    fast = packed or k["weight_major"] or k["attention"] != "None"
-    native_on = "native" in k  # the compiled kernels
+    packed = k.packed
+    fast = packed or k.weight_major or k.float32_attention
+    native_on = bool(k.compiled)  # the compiled kernels
 
     def ours(B, model=lm.model, compiled=True):
         sampler = SAMPLER
@@ -141,8 +141,8 @@ def main():
         "prompt_tokens": len(prompt),
         "dtype": args.dtype,
         "packed_weights": packed,
-        "weight_major_kernels": k["weight_major"],
-        "float32_attention": k["attention"] != "None",
+        "weight_major_kernels": k.weight_major,
+        "float32_attention": k.float32_attention,
         "native_kernel": native_on,
         "compiled_ops": native_on,
     }

@@ -28,9 +28,9 @@ import torch
 from default_rollouts import default_rollouts
 
 from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
+from sparkrl.engine.autoregressive import generate, response_generators
 from sparkrl.engine.budget import AR, Budget, CostModel
 from sparkrl.engine.records import RoundStats
-from sparkrl.engine.rollout import generate, response_generators
 from sparkrl.engine.speculative import generate_speculative
 
 
@@ -103,10 +103,9 @@ def main():
         budget=args.budget,
         block_size=args.block_size,
     )
-    lm, d, prompts, sampler = default_rollouts(
-        dcfg, args.dtype, args.data, args.heldout, args.cpu_kernels, skip=args.skip
-    )
-    drafter, budget = d.rollout.model, d.budget
+    lm, gen, prompts = default_rollouts(dcfg, args.dtype, args.data, args.heldout, args.cpu_kernels, skip=args.skip)
+    d, sampler = gen.drafting, gen.policy.sampler
+    drafter, budget = d.copy.model, d.budget
     full_depth_budget = full_depth_only(budget, dcfg.shape()) if args.also_full_depth else None
     sc = SamplingConfig(1.0, 0.95, args.max_new_tokens)
     rows = []
@@ -234,7 +233,7 @@ def main():
             "data": args.data,
             "dtype": args.dtype,
             "budget": args.budget,
-            "packed_weights": d.rollout.kernels["packed"] if d.rollout else False,
+            "packed_weights": gen.policy.kernels.packed,
             "float32_attention": lm.model.model.attn_dtype is not None,
             "draft_checkpoint": args.draft_checkpoint,
             "repeats": args.repeats,

@@ -350,7 +350,7 @@ def trained_drafter(policy, steps: int = 150):
     its drafts (and the tests reach the acceptance path, not only the rejections)."""
     from sparkrl.config import SamplingConfig
     from sparkrl.drafters.eagle3 import Eagle3Drafter, draft_loss
-    from sparkrl.engine.rollout import generate
+    from sparkrl.engine.autoregressive import generate
 
     torch.manual_seed(0)
     drafter = Eagle3Drafter(policy.args, feature_layers=(0, 1)).bind(policy)

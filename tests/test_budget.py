@@ -11,6 +11,7 @@ from helpers import ROWS, Alternating, full_depth, small_policy, synthetic
 from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.tree import build_tree
+from sparkrl.engine.autoregressive import generate, response_generators
 from sparkrl.engine.budget import (
     AR,
     EXPLORE_EVERY,
@@ -29,7 +30,6 @@ from sparkrl.engine.budget import (
     tree_sizes,
 )
 from sparkrl.engine.records import Tree
-from sparkrl.engine.rollout import generate, response_generators
 from sparkrl.engine.speculative import generate_speculative, time_rounds
 
 

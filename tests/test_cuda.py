@@ -77,7 +77,7 @@ def test_every_kind_of_round_samples_the_policy_exactly(mode, spark, seed):
     from sparkrl.config import SamplingConfig, TreeShape
     from sparkrl.drafters.dflash import DFlashDrafter
     from sparkrl.drafters.eagle3 import Eagle3Drafter
-    from sparkrl.engine.rollout import generate, response_generators
+    from sparkrl.engine.autoregressive import generate, response_generators
     from sparkrl.engine.spark import Spark, init_projection
     from sparkrl.engine.speculative import generate_speculative
 

@@ -13,7 +13,7 @@ from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters import load_drafter
 from sparkrl.drafters.dflash import DFlashDrafter, block_logits, block_loss, build_block, sample_anchors
 from sparkrl.drafters.eagle3 import Eagle3Drafter
-from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.engine.autoregressive import generate, response_generators
 from sparkrl.engine.speculative import generate_speculative
 from sparkrl.errors import UserError
 

@@ -15,8 +15,8 @@ from sparkrl.drafters.eagle3 import Eagle3Drafter, draft_loss
 from sparkrl.engine.budget import CostModel
 from sparkrl.errors import UserError
 from sparkrl.model.weights import load_model
-from sparkrl.train.assemble import make_drafter
 from sparkrl.train.checkpoint import load_latest
+from sparkrl.train.drafting import make_drafter
 from sparkrl.train.trainer import train
 
 

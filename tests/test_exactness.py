@@ -20,9 +20,9 @@ from helpers import (
 from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.selfdraft import SelfDrafter
+from sparkrl.engine.autoregressive import generate, response_generators
 from sparkrl.engine.budget import AR
 from sparkrl.engine.records import HIT
-from sparkrl.engine.rollout import generate, response_generators
 from sparkrl.engine.speculative import generate_speculative
 
 PROMPTS = [[1, 2, 3, 4], [2, 0]]  # ragged prefixes; EOS ends responses at different rounds

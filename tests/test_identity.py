@@ -8,15 +8,17 @@ checks of that are in tests/test_kernels.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from sparkrl.config import DraftConfig, SamplingConfig, SparkConfig
-from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.engine.autoregressive import response_generators
 from sparkrl.model.weights import load_model
-from sparkrl.train.assemble import make_drafting
 from sparkrl.train.data import chat_prompt_ids
-from sparkrl.train.precision import rollout_copy
+from sparkrl.train.generation import RolloutPlan, build_generation
+from sparkrl.train.precision import dtype_name
 
 pytestmark = pytest.mark.slow
 KERNELS = "auto"  # the default; "packed" or "plain" (torch's kernels) fail here
@@ -41,15 +43,16 @@ def test_speculative_rollouts_are_the_autoregressive_tokens_on_the_default_model
     default_lm, dtype, temperature, top_p, n
 ):
     """Both drafters with SPARK on (its corrected proposals take the drafter's code path and more)."""
-    rollout = rollout_copy(default_lm.model, dtype, KERNELS, separate=True)
-    policy = rollout.model
+    plan = RolloutPlan.settle(default_lm.model, dtype_name(dtype), KERNELS, DraftConfig())
+    build = lambda cfg: build_generation(
+        replace(plan, draft=cfg.draft), cfg, default_lm.model, temperature, separate=True
+    )  # a copy in `dtype` (the default model's master weights are float32)
     prompts = [chat_prompt_ids(default_lm.tokenizer, p) for p in PROMPTS]
     sc = SamplingConfig(temperature, top_p, 40)
     gens = lambda: response_generators(0, len(prompts), n)
-    ar = generate(policy, prompts, sc, default_lm.eos_ids, gens(), group_size=n, sampler=rollout.sampler).tokens
+    ar = build(DraftConfig()).generate(prompts, sc, default_lm.eos_ids, gens(), group_size=n).tokens
     for draft in ("eagle3", "dflash"):
         cfg = DraftConfig(draft=draft, budget="fixed", spark_config=SparkConfig(spark=True))
-        d = make_drafting(cfg, default_lm.model, rollout, temperature)
-        r = d.engine.generate(policy, prompts, sc, default_lm.eos_ids, gens(), n, sampler=rollout.sampler)
+        r = build(cfg).generate(prompts, sc, default_lm.eos_ids, gens(), n)
         assert r.stats.aal > 1.2, (draft, r.stats.aal)  # drafts were accepted: many verification forwards
         assert r.tokens == ar, draft

@@ -24,7 +24,7 @@ from sparkrl.cpu.kernels import (
 )
 from sparkrl.cpu.kernels import CpuLinear as Linear
 from sparkrl.model.transformer import apply_rope
-from sparkrl.train.precision import rollout_copy
+from sparkrl.train.precision import inference_copy
 
 BF16, F32 = torch.bfloat16, torch.float32
 needs_packing = pytest.mark.skipif(not packable(BF16, "cpu"), reason="this torch/CPU cannot prepack bfloat16 weights")
@@ -77,14 +77,14 @@ def test_a_changed_weight_is_repacked_never_served_stale(dtype):
         after = lin(x)
         _close_to_float64(after, x, lin)
         assert not torch.allclose(after.float(), before.float())
-        lin.weight.copy_(torch.randn(32, 64))  # as `RolloutCopy.refresh` writes
+        lin.weight.copy_(torch.randn(32, 64))  # as `InferenceCopy.refresh` writes
         _close_to_float64(lin(x), x, lin)
 
 
 @needs_packing
 def test_a_refreshed_rollout_copy_samples_from_the_new_master_weights():
     master = Linear(48, 40, bias=False)
-    copy_ = rollout_copy(master, BF16, "packed")
+    copy_ = inference_copy(master, BF16, "packed")
     x = torch.randn(2, 48).to(BF16)
     layer = copy_.model
     assert layer.packed and layer is not master

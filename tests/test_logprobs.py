@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from sparkrl.model.logprobs import head_logprobs
 from sparkrl.train.grpo import token_logprobs
-from sparkrl.train.precision import rollout_copy
+from sparkrl.train.precision import inference_copy
 
 
 def plain(hidden, weight, targets, temperature):
@@ -69,7 +69,7 @@ def test_only_what_needs_a_gradient_gets_one(tiny_llama):
 
 
 def test_a_float32_head_copy_scores_with_its_float32_weights(tiny_llama):
-    copy = rollout_copy(tiny_llama, torch.bfloat16, "plain", head_float32=True).model
+    copy = inference_copy(tiny_llama, torch.bfloat16, "plain", head_float32=True).model
     h = torch.randn(2, 3, tiny_llama.args.hidden_size).bfloat16()
     t = torch.randint(0, tiny_llama.args.vocab_size, (2, 3))
     torch.testing.assert_close(copy.token_logprobs(h, t)[0], token_logprobs(copy.logits(h), t), rtol=0, atol=1e-5)

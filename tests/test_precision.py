@@ -7,17 +7,19 @@ import json
 
 import torch
 
+from sparkrl.config import DraftConfig
 from sparkrl.cpu import tuning
 from sparkrl.cpu.accelerate import CpuAttention
 from sparkrl.drafters import Eagle3Drafter
 from sparkrl.model.transformer import Linear
-from sparkrl.train.precision import rollout_copy, rollout_dtype
+from sparkrl.train.generation import RolloutPlan
+from sparkrl.train.precision import inference_copy, rollout_dtype
 
 
 def test_float32_head_matches_a_float64_reference_where_a_bf16_head_rounds(tiny_llama):
     master = tiny_llama  # float32 master weights
-    fp32_head = rollout_copy(master, torch.bfloat16, "plain", head_float32=True).model
-    bf16_head = rollout_copy(master, torch.bfloat16, "plain").model
+    fp32_head = inference_copy(master, torch.bfloat16, "plain", head_float32=True).model
+    bf16_head = inference_copy(master, torch.bfloat16, "plain").model
     assert fp32_head.head32 and fp32_head.head32[0].dtype == torch.float32 and not bf16_head.head32
     h = (4 * torch.randn(5, master.args.hidden_size, generator=torch.Generator().manual_seed(0))).to(torch.bfloat16)
     ref = h.double() @ master.lm_head.weight.double().T  # the master's head on the rollout's hidden states
@@ -28,7 +30,7 @@ def test_float32_head_matches_a_float64_reference_where_a_bf16_head_rounds(tiny_
 
 
 def test_float32_head_follows_the_master_after_refresh_and_only_for_half_copies(tiny_llama):
-    copy = rollout_copy(tiny_llama, torch.bfloat16, "plain", head_float32=True)
+    copy = inference_copy(tiny_llama, torch.bfloat16, "plain", head_float32=True)
     with torch.no_grad():
         tiny_llama.lm_head.weight.mul_(1.5)  # an optimizer step, in place
     assert not torch.equal(copy.model.head32[0], tiny_llama.lm_head.weight)
@@ -36,7 +38,7 @@ def test_float32_head_follows_the_master_after_refresh_and_only_for_half_copies(
     assert torch.equal(copy.model.head32[0], tiny_llama.lm_head.weight)
     assert copy.model.head32[0] is not tiny_llama.lm_head.weight  # a copy the rollout owns
     assert (
-        rollout_copy(tiny_llama, torch.float32, "plain", head_float32=True).model.head32 == ()
+        inference_copy(tiny_llama, torch.float32, "plain", head_float32=True).model.head32 == ()
     )  # float32: nothing to do
 
 
@@ -52,7 +54,8 @@ def test_the_float32_attention_decision_is_measured_once_and_cached_and_applied(
         lambda q, k, v, mask: calls.append(k.dtype) or (2.0 if k.dtype == torch.bfloat16 else 1.0),
     )
     attn = lambda model: {m.attn_dtype for m in model.modules() if isinstance(m, CpuAttention)}
-    copy = rollout_copy(tiny_llama, torch.bfloat16, "packed").model
+    plan = RolloutPlan.settle(tiny_llama, "bfloat16", "packed", DraftConfig())  # where the choice is made
+    copy = inference_copy(tiny_llama, plan.dtype, "packed", plan.float32_attention).model
     assert set(calls) == {torch.bfloat16, torch.float32}
     assert attn(copy) == {torch.float32}
     cache = copy.new_cache(2, 8)
@@ -62,9 +65,9 @@ def test_the_float32_attention_decision_is_measured_once_and_cached_and_applied(
     stored = json.loads(next((tmp_path / "costs").glob("attention-*.json")).read_text())
     assert stored["pays"] and stored["speedup"] == 2.0
     for model in (
-        rollout_copy(tiny_llama, torch.float32, "packed").model,
-        rollout_copy(Eagle3Drafter(tiny_llama.args), torch.bfloat16, "packed").model,
-        rollout_copy(tiny_llama, torch.bfloat16, "plain").model,
+        inference_copy(tiny_llama, torch.float32, "packed").model,
+        inference_copy(Eagle3Drafter(tiny_llama.args), torch.bfloat16, "packed").model,
+        inference_copy(tiny_llama, torch.bfloat16, "plain").model,
     ):
         assert attn(model) == {None}
     assert len(calls) == n

@@ -10,13 +10,15 @@ import pytest
 import torch
 from helpers import assert_drawn
 
-from sparkrl.config import PretrainConfig, build
+from sparkrl.config import DraftConfig, PretrainConfig, build
 from sparkrl.drafters.base import expected_length, read_checkpoint, save_safetensors, target_probs
 from sparkrl.errors import UserError
 from sparkrl.train.data import Problem, held_out, load_problems, parse_row
 from sparkrl.train.features import policy_pass
-from sparkrl.train.precision import RolloutCopy
+from sparkrl.train.generation import RolloutPlan, build_generation
 from sparkrl.train.pretrain import batch_plan, build_corpus, load_corpus_problems, lr_at, per_depth, pretrain
+
+PLAIN = RolloutPlan(torch.float32, cpu_kernels="plain")  # the eager reference's kernels
 
 GSM_ROW = {
     "question": "Tom has {n} apples and buys 3 more. How many apples does he have?",
@@ -107,7 +109,11 @@ def test_held_out_problems_never_enter_the_corpus(tiny_model_dir, tmp_path):
     cfg = _cfg(tmp_path, tiny_model_dir, data, prompts=8)
     lm = load_model(str(tiny_model_dir))
     train, test, sources = build_corpus(
-        cfg, RolloutCopy(lm.model, torch.float32), lm.tokenizer, lm.eos_ids, load_corpus_problems(cfg)
+        cfg,
+        build_generation(PLAIN, DraftConfig(), lm.model, 1.0, trains=False),
+        lm.tokenizer,
+        lm.eos_ids,
+        load_corpus_problems(cfg),
     )
     problems = load_problems(str(data)).problems
     held = [p for p in problems if held_out(p, 0.2)]
@@ -358,7 +364,7 @@ def test_draft_checkpoint_choices(tiny_model_dir, tmp_path):
     from sparkrl.config import DraftConfig
     from sparkrl.drafters import find_checkpoint
     from sparkrl.model.weights import load_model
-    from sparkrl.train.assemble import make_drafter
+    from sparkrl.train.drafting import make_drafter
 
     policy = load_model(str(tiny_model_dir), with_tokenizer=False).model
     assert find_checkpoint("", "eagle3", policy) is None  # no drafter is shipped for this policy: fresh
@@ -381,7 +387,7 @@ def test_shipped_drafters_serve_the_default_model(kind, tmp_path):
     from sparkrl.config import DraftConfig
     from sparkrl.drafters import find_checkpoint, load_drafter, shipped_path
     from sparkrl.model.weights import load_model
-    from sparkrl.train.assemble import make_drafter
+    from sparkrl.train.drafting import make_drafter
 
     path = shipped_path(kind)
     assert path.is_file() and path.stat().st_size < 40e6, path

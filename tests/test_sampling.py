@@ -10,7 +10,7 @@ from scipy.stats import kstest
 from sparkrl.config import SamplingConfig
 from sparkrl.cpu import native
 from sparkrl.cpu.accelerate import COMPILED_SAMPLER
-from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.engine.autoregressive import generate, response_generators
 from sparkrl.engine.sampling import (
     logprob_of,
     nucleus,

@@ -10,7 +10,7 @@ from helpers import ParityGrader, assert_drawn, random_round, reference, run_con
 from sparkrl.config import SamplingConfig, TreeShape
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.tree import build_chain, build_tree
-from sparkrl.engine.rollout import generate, response_generators
+from sparkrl.engine.autoregressive import generate, response_generators
 from sparkrl.engine.spark import Projection, Spark, SparseRows, init_projection, sparse_delta
 from sparkrl.engine.speculative import generate_speculative
 from sparkrl.errors import UserError

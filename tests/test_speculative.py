@@ -15,12 +15,12 @@ from sparkrl.cpu.kernels import is_packed, pack, packable
 from sparkrl.drafters.dflash import DFlashDrafter
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.selfdraft import SelfDrafter
+from sparkrl.engine.autoregressive import generate, response_generators
 from sparkrl.engine.budget import AR
-from sparkrl.engine.rollout import generate, response_generators
 from sparkrl.engine.sampling import SAMPLER
 from sparkrl.engine.spark import Spark, init_projection
 from sparkrl.engine.speculative import Backlog, catch_up, generate_speculative
-from sparkrl.train.precision import rollout_copy
+from sparkrl.train.precision import inference_copy
 
 FAST = {(0.8, 0.7, "tree", True), (0.8, 0.7, "chain", True), (0.8, 0.7, "block", True), (1.0, 1.0, "tree", False)}
 
@@ -232,7 +232,7 @@ def test_rollouts_are_exact_for_the_rollout_model(mode, dtype, packed, head32, a
         pytest.skip("the compiled kernels are not available here")
     master = small_policy(seed)
     policy = on_kernels(
-        rollout_copy(master, dtype, "plain", head_float32=head32).model, packed, dtype == torch.float32, fast, attn32
+        inference_copy(master, dtype, "plain", head_float32=head32).model, packed, dtype == torch.float32, fast, attn32
     )
     assert policy.lm_head.native == policy.model.norm.native == fast
     drafter = DFlashDrafter(policy.args, block_size=3) if mode == "block" else Eagle3Drafter(policy.args)

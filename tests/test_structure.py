@@ -33,7 +33,7 @@ def lazy_ok(module: str) -> bool:
 
 # Layers, bottom to top, by package: a module may import from its own package and from the layers below. Two
 # packages in one layer do not import each other: the CPU layer is an add-on beside the drafters, and nothing
-# below `train` (where `precision.rollout_copy` composes it) imports it.
+# below `train` (where `precision.inference_copy` composes it) imports it.
 LAYERS = [
     {"errors", "config", "machine", "__init__"},  # what every layer reads
     {"model"},  # the Transformer, weights, export, log-probabilities: the reference semantics

@@ -455,17 +455,17 @@ def test_bfloat16_rollouts_of_float32_weights(tiny_model_dir, tmp_path):
 
     kw = dict(rollout_dtype="bfloat16", draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3, budget="fixed")
     run = GRPORun(run_config(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
-    assert run.rollout.copied and run.rollout.model.lm_head.weight.dtype == torch.bfloat16
+    assert run.generation.policy.copied and run.generation.policy.model.lm_head.weight.dtype == torch.bfloat16
     assert run.policy.lm_head.weight.dtype == torch.float32
     assert (
-        run.drafting.rollout.model.fc.weight.dtype == torch.bfloat16
+        run.drafting.copy.model.fc.weight.dtype == torch.bfloat16
         and run.drafting.drafter.fc.weight.dtype == torch.float32
     )
     m = run.step(0)
     run.grader.close()
-    for a, b in zip(run.rollout.model.parameters(), run.policy.parameters()):  # refreshed after the update
+    for a, b in zip(run.generation.policy.model.parameters(), run.policy.parameters()):  # refreshed after the update
         assert torch.equal(a, b.to(torch.bfloat16))
-    for a, b in zip(run.drafting.rollout.model.parameters(), run.drafting.drafter.parameters()):
+    for a, b in zip(run.drafting.copy.model.parameters(), run.drafting.drafter.parameters()):
         assert torch.equal(a, b.to(torch.bfloat16))
     assert 0 < m["rollout_logp_abs_mean"] <= m["rollout_logp_abs_max"] and m["rollout_kl"] >= 0
     train(run_config(tiny_model_dir, tmp_path / "a", steps=3, **kw), grader=ParityGrader())
@@ -484,7 +484,7 @@ def test_weight_major_cpu_kernels_are_used_unpacked_and_unmeasured(tiny_model_di
         grader=ParityGrader(),
     )
     run.grader.close()
-    layers = [m for m in run.rollout.model.modules() if isinstance(m, Linear)]
+    layers = [m for m in run.generation.policy.model.modules() if isinstance(m, Linear)]
     assert layers and all(m.weight_major and not m.packed for m in layers)
     resolved = json.loads((tmp_path / "x" / "config.json").read_text())["resolved"]
     assert resolved["weight_major_kernels"] is True and resolved["packed_kernels"] is False
@@ -511,8 +511,8 @@ def test_packed_float32_rollouts_sample_from_the_updated_policy_and_the_referenc
         budget="fixed",
     )
     run = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
-    assert run.rollout.model is run.policy and run.policy.lm_head.packed and run.ref.lm_head.packed
-    assert run.drafting.rollout.model._head[0].packed
+    assert run.generation.policy.model is run.policy and run.policy.lm_head.packed and run.ref.lm_head.packed
+    assert run.drafting.copy.model._head[0].packed
     toks = torch.randint(0, run.policy.args.vocab_size, (2, 7))
     with torch.no_grad():
         run.ref(toks)
@@ -547,15 +547,19 @@ def test_packed_bfloat16_rollouts_with_a_float32_head_follow_the_updates_and_res
         budget="fixed",
     )
     run = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "x", steps=1, **kw), grader=ParityGrader())
-    assert run.rollout.model.lm_head.packed and run.drafting.rollout.model.fc.packed and run.rollout.model.head32
     assert (
-        run.drafting.rollout.model._head[0].packed and not is_packed(run.policy) and not is_packed(run.drafting.drafter)
+        run.generation.policy.model.lm_head.packed
+        and run.drafting.copy.model.fc.packed
+        and run.generation.policy.model.head32
     )
+    assert run.drafting.copy.model._head[0].packed and not is_packed(run.policy) and not is_packed(run.drafting.drafter)
     run.step(0)
     run.grader.close()
-    for a, b in zip(run.rollout.model.parameters(), run.policy.parameters()):  # refreshed: repacked at next use
+    for a, b in zip(
+        run.generation.policy.model.parameters(), run.policy.parameters()
+    ):  # refreshed: repacked at next use
         assert torch.equal(a, b.to(torch.bfloat16))
-    assert torch.equal(run.rollout.model.head32[0], run.policy.lm_head.weight)  # the float32 head too
+    assert torch.equal(run.generation.policy.model.head32[0], run.policy.lm_head.weight)  # the float32 head too
     train(run_config(tiny_model_dir, tmp_path / "a", steps=3, **kw), grader=ParityGrader())
     assert json.loads((tmp_path / "a" / "config.json").read_text())["resolved"]["packed_kernels"] is True
     train(run_config(tiny_model_dir, tmp_path / "b", steps=1, **kw), grader=ParityGrader())
@@ -566,7 +570,7 @@ def test_packed_bfloat16_rollouts_with_a_float32_head_follow_the_updates_and_res
         run_config(tiny_model_dir, tmp_path / "b", steps=4, resume=True, **kw), grader=ParityGrader()
     )
     again.grader.close()
-    assert again.rollout.model.lm_head.packed  # the start's choice, not this (patched) measurement
+    assert again.generation.policy.model.lm_head.packed  # the start's choice, not this (patched) measurement
 
 
 def test_bfloat16_autocast_update_trains(tiny_model_dir, tmp_path):
@@ -590,14 +594,15 @@ def test_bfloat16_autocast_update_trains(tiny_model_dir, tmp_path):
 
 
 def test_resume_keeps_the_rollout_dtype_its_start_resolved(tiny_model_dir, tmp_path, monkeypatch):
+    import sparkrl.train.generation as generation_mod
     import sparkrl.train.trainer as trainer_mod
 
     train(run_config(tiny_model_dir, tmp_path / "r", steps=1), grader=ParityGrader())
     first = json.loads((tmp_path / "r" / "config.json").read_text())["resolved"]["rollout_dtype"]
     other = "bfloat16" if first == "float32" else "float32"
-    monkeypatch.setattr(trainer_mod, "rollout_dtype", lambda *a: getattr(torch, other))  # another machine's measure
+    monkeypatch.setattr(generation_mod, "rollout_dtype", lambda *a: getattr(torch, other))  # another machine's measure
     run = trainer_mod.GRPORun(run_config(tiny_model_dir, tmp_path / "r", steps=2, resume=True), grader=ParityGrader())
-    assert str(run.rollout.model.lm_head.weight.dtype) == f"torch.{first}"
+    assert str(run.generation.policy.model.lm_head.weight.dtype) == f"torch.{first}"
 
 
 def test_bfloat16_rollouts_attend_in_float32_where_measured_and_resume_keeps_the_choice(
@@ -606,11 +611,12 @@ def test_bfloat16_rollouts_attend_in_float32_where_measured_and_resume_keeps_the
     """Where torch's attention serves (here --cpu-kernels weight-major), the rollout copy and its drafter attend in
     float32 where this machine's measurement says so (the master weights and the trained drafter do not); the
     run records the choice and a resumed run keeps it."""
+    import sparkrl.train.generation as generation_mod
     import sparkrl.train.trainer as trainer_mod
     from sparkrl.model.transformer import Attention
 
     attn = lambda module: {getattr(m, "attn_dtype", None) for m in module.modules() if isinstance(m, Attention)}
-    monkeypatch.setattr(trainer_mod, "float32_attention", lambda *a: True)  # this machine's measurement
+    monkeypatch.setattr(generation_mod, "float32_attention", lambda *a: True)  # this machine's measurement
     kw = dict(
         rollout_dtype="bfloat16",
         draft="eagle3",
@@ -622,12 +628,12 @@ def test_bfloat16_rollouts_attend_in_float32_where_measured_and_resume_keeps_the
     )
     train(run_config(tiny_model_dir, tmp_path / "r", steps=1, **kw), grader=ParityGrader())
     assert json.loads((tmp_path / "r" / "config.json").read_text())["resolved"]["float32_attention"] is True
-    monkeypatch.setattr(trainer_mod, "float32_attention", lambda *a: False)  # another machine's
+    monkeypatch.setattr(generation_mod, "float32_attention", lambda *a: False)  # another machine's
     run = trainer_mod.GRPORun(
         run_config(tiny_model_dir, tmp_path / "r", steps=2, resume=True, **kw), grader=ParityGrader()
     )
     run.grader.close()
-    assert attn(run.rollout.model) == attn(run.drafting.rollout.model) == {torch.float32}
+    assert attn(run.generation.policy.model) == attn(run.drafting.copy.model) == {torch.float32}
     assert attn(run.policy) == attn(run.drafting.drafter) == {None}
 
 
@@ -643,7 +649,7 @@ def test_auto_cpu_kernels_run_the_compiled_kernels_and_record_it(tiny_model_dir,
         run_config(tiny_model_dir, tmp_path / "r", steps=1, rollout_dtype="float32"), grader=ParityGrader()
     )
     run.grader.close()
-    model = run.rollout.model
+    model = run.generation.policy.model
     assert model.lm_head.native and model.model.layers[0].mlp.up_proj.native and not model.lm_head.packed
     assert model.model.norm.native and model.model.layers[0].self_attn.native
     resolved = json.loads((tmp_path / "r" / "config.json").read_text())["resolved"]

@@ -109,7 +109,10 @@ def test_grpo_trains_on_sparkrl_rollouts(tmp_path, tok):
         out = rollout(prompts, trainer)
         hf = trainer.model
         theirs = dict(hf.named_parameters())
-        for name, p in rollout.rollout.model.named_parameters():  # (d) the engine samples with the trained weights
+        for (
+            name,
+            p,
+        ) in rollout.generation.policy.model.named_parameters():  # (d) the engine samples with the trained weights
             assert torch.equal(p, theirs[name]), name
         for p_ids, c_ids, lp in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):  # (b)
             assert len(lp) == len(c_ids) > 0

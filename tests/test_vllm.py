@@ -20,7 +20,7 @@ from helpers import VLLM_ENV as ENV
 from sparkrl.config import SamplingConfig
 from sparkrl.drafters.eagle3 import Eagle3Drafter
 from sparkrl.drafters.eagle3_format import eagle3_weights
-from sparkrl.engine.rollout import generate
+from sparkrl.engine.autoregressive import generate
 from sparkrl.vllm import plugin
 from sparkrl.vllm.engine import VllmEngine
 

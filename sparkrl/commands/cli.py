@@ -1,6 +1,6 @@
 """Command line: builds a config from flags and calls the library. The library never parses argv.
 
-Flags are generated from the config dataclasses (`config.py`, and here the settings of the commands only
+Flags are generated from the config dataclasses (`sparkrl.config`, and here the settings of the commands only
 the command line runs: generate, analyze, export): field `max_new_tokens` becomes `--max-new-tokens`, its
 docstring the help text, booleans get `--x / --no-x`.
 """
@@ -35,18 +35,17 @@ from sparkrl.config import (
     option,
     require,
 )
-from sparkrl.engine.rollout import response_generators
+from sparkrl.engine.autoregressive import response_generators
+from sparkrl.engine.records import Rollout
 from sparkrl.errors import UserError, output_error
 from sparkrl.machine import set_threads
 from sparkrl.model.weights import load_model
-from sparkrl.train.assemble import make_drafter, make_drafting, make_spark
 from sparkrl.train.data import chat_prompt_ids, read_prompts_file
-from sparkrl.train.precision import rollout_copy, rollout_dtype
+from sparkrl.train.generation import Generation, RolloutPlan, build_generation
 from sparkrl.train.pretrain import pretrain
 from sparkrl.train.rundir import export_drafter, export_run
 from sparkrl.train.trainer import train
-from sparkrl.vllm.engine import VllmEngine, model_len
-from sparkrl.vllm.spark import exported
+from sparkrl.vllm.engine import model_len
 
 
 @dataclass(frozen=True)
@@ -213,38 +212,48 @@ def run_generate(cfg: GenerateConfig) -> None:
     texts = read_prompts_file(cfg.prompts_file) if cfg.prompts_file else [cfg.prompt]
     set_threads(cfg.model.threads)
     lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
-    dt = rollout_dtype(cfg.model.rollout_dtype, lm.model)
     tok = lm.tokenizer
     prompts = [tok(t, add_special_tokens=False)["input_ids"] if cfg.raw else chat_prompt_ids(tok, t) for t in texts]
     if any(not p for p in prompts):
         raise UserError("a prompt is empty after tokenization")
-    if cfg.draft.engine == "vllm":
-        return generate_with_vllm(cfg, lm, dt, prompts)
-    rollout = rollout_copy(lm.model, dt, cfg.model.cpu_kernels, cfg.model.rollout_head == "float32")
-    lm.model = rollout.model  # nothing trains here
+    m, d = cfg.model, cfg.draft
+    plan = RolloutPlan.settle(lm.model, m.rollout_dtype, m.cpu_kernels, d, m.rollout_head == "float32")
+    longest = model_len(prompts, cfg.sampling.max_new_tokens, d.tree_depth) if plan.engine == "vllm" else 0
+    gen = build_generation(
+        plan, d, lm.model, cfg.sampling.temperature, cfg.seed, trains=False, lm=lm, max_len=longest
+    )  # nothing trains here
     gens = response_generators(cfg.seed, len(prompts), cfg.n)
-    d = make_drafting(cfg.draft, lm.model, rollout, cfg.sampling.temperature, cfg.seed)
-    r = d.engine.generate(lm.model, prompts, cfg.sampling, lm.eos_ids, gens, group_size=cfg.n, sampler=rollout.sampler)
-    if cfg.draft.round_log and r.stats.depth:  # the outcomes of a speculative rollout
-        r.append_round_log(cfg.draft.round_log, spark=d.adapts, seed=cfg.seed)
+    r = gen.generate(prompts, cfg.sampling, lm.eos_ids, gens, group_size=cfg.n)
+    if d.round_log and r.stats.depth:  # the outcomes of a speculative rollout
+        r.append_round_log(d.round_log, spark=gen.drafting.adapts, seed=cfg.seed)
     print_responses(cfg, tok, prompts, r.tokens, r.finish_reason)
-    s = r.stats
-    print(
-        f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({r.num_tokens / max(r.gen_s, 1e-9):.1f} tok/s), "
-        f"{s.policy_forwards} policy forwards",
-        file=sys.stderr,
-    )
-    if s.depth:
-        depth = " ".join(f"{a:.2f}" for a in s.accept_at_depth)
-        sizes = ", ".join(f"{k}: {v}" for k, v in s.sizes.items())
-        spark = f", {SparkFigures.of(s.adapter).line()}" if d.adapts else ""
+    print_figures(r, gen)
+
+
+def print_figures(r: Rollout, gen: Generation) -> None:
+    """The rollout's speed and drafting figures, on stderr."""
+    s, vllm, depth = r.stats, gen.plan.engine == "vllm", gen.plan.draft != "none"
+    how = "vLLM" if vllm else f"{s.policy_forwards} policy forwards"
+    rate = r.num_tokens / max(r.gen_s, 1e-9)
+    print(f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({rate:.1f} tok/s), {how}", file=sys.stderr)
+    if not (s.depth and depth):
+        return
+    accepted = " ".join(f"{a:.2f}" for a in s.accept_at_depth)
+    spark = f", {SparkFigures.of(s.adapter).line()}" if gen.drafting.adapts else ""
+    if vllm:
         print(
-            f"sparkrl: drafting: aal {s.aal:.2f}, {s.rounds} rounds ({s.tree_rounds} with a tree, by nodes,depth "
-            f"{{{sizes}}}), "
-            f"acceptance per depth [{depth}], "
-            f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s accept+commit {s.accept_s:.2f}s{spark}",
+            f"sparkrl: drafting (vLLM, chains of {s.depth}): aal {s.aal:.2f}, {s.rounds} rounds, "
+            f"acceptance per position [{accepted}]{spark}",
             file=sys.stderr,
         )
+        return
+    sizes = ", ".join(f"{k}: {v}" for k, v in s.sizes.items())
+    print(
+        f"sparkrl: drafting: aal {s.aal:.2f}, {s.rounds} rounds ({s.tree_rounds} with a tree, by nodes,depth "
+        f"{{{sizes}}}), acceptance per depth [{accepted}], "
+        f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s accept+commit {s.accept_s:.2f}s{spark}",
+        file=sys.stderr,
+    )
 
 
 def print_responses(cfg: GenerateConfig, tok, prompts, tokens, finish_reason) -> None:
@@ -267,37 +276,6 @@ def print_responses(cfg: GenerateConfig, tok, prompts, tokens, finish_reason) ->
             )
         else:
             print(f"--- prompt {i // cfg.n} response {i % cfg.n} ({finish_reason[i]}) ---\n{text}", flush=True)
-
-
-def generate_with_vllm(cfg: GenerateConfig, lm, dtype, prompts) -> None:
-    """`generate --engine vllm`: the policy served by vLLM, the --draft eagle3 drafter exported to it (with SPARK's
-    projection under --spark)."""
-    drafter = make_drafter(cfg.draft, lm.model, cfg.seed) if cfg.draft.draft == "eagle3" else None
-    projection, _ = make_spark(cfg.draft, lm.model, drafter, cfg.sampling.temperature)
-    eng = VllmEngine.serving(
-        lm,
-        drafter,
-        dtype,
-        cfg.draft.tree_depth,
-        model_len(prompts, cfg.sampling.max_new_tokens, cfg.draft.tree_depth),
-        cfg.seed,
-        cfg.sampling.temperature,
-        spark=exported(projection, cfg.draft.spark_config),
-    )
-    r = eng.generate(prompts, cfg.sampling, lm.eos_ids, cfg.n, cfg.seed)
-    print_responses(cfg, lm.tokenizer, prompts, r.tokens, r.finish_reason)
-    print(
-        f"sparkrl: {r.num_tokens} tokens in {r.gen_s:.2f}s ({r.num_tokens / max(r.gen_s, 1e-9):.1f} tok/s), vLLM",
-        file=sys.stderr,
-    )
-    if drafter is not None:
-        depth = " ".join(f"{a:.2f}" for a in r.acceptance())
-        spark = f", {SparkFigures.of(r.adapter).line()}" if projection is not None else ""
-        print(
-            f"sparkrl: drafting (vLLM, chains of {cfg.draft.tree_depth}): aal {r.aal:.2f}, "
-            f"{int(r.drafted['drafts'])} rounds, acceptance per position [{depth}]{spark}",
-            file=sys.stderr,
-        )
 
 
 @dataclass

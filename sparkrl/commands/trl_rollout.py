@@ -9,12 +9,12 @@ repeated G times in a row (a group may be split across processes: each part is t
 with its own SPARK correction B_g). Per call:
 
   1. First call: the trainer-level checks (`check_trainer`), then the engine is built from the model
-     TRL trains: a sparkrl `Transformer` with the same Hugging Face parameter names, its rollout copy
-     (`precision.RolloutCopy`), the drafter, SPARK and the budget (`assemble.make_drafting`: the drafter
-     shipped for the default model, a checkpoint, or a fresh one).
+     TRL trains: a sparkrl `Transformer` with the same Hugging Face parameter names, then what makes its
+     rollouts (`generation.build_generation`: its inference copy, the drafter shipped for the default model,
+     a checkpoint or a fresh one, SPARK and the budget).
   2. Weight sync: when the trained model changed since the last call (TRL's global step or the
      parameters' in-place version counters moved), its parameters are copied in place into the
-     engine's copy (no reallocation), and the rollout copy refreshed.
+     engine's copy (no reallocation), and its inference copy refreshed.
   3. Consecutive identical prompts form a group; prompts are tokenized as TRL's own generation does
      (strings as they are, conversations with the trainer's chat template).
   4. Exact speculative sampling (`speculative.generate_speculative`; autoregressive with draft 'none')
@@ -45,18 +45,18 @@ import time
 import torch
 
 from sparkrl.config import SamplingConfig, TRLConfig
+from sparkrl.engine.autoregressive import response_generators
 from sparkrl.engine.records import Rollout, RoundStats
-from sparkrl.engine.rollout import response_generators
 from sparkrl.errors import UserError
 from sparkrl.model.transformer import ModelArgs, Transformer
-from sparkrl.train.assemble import Drafting, NoDrafting, make_drafting
 from sparkrl.train.data import Problem
 from sparkrl.train.distributed import SINGLE, World
 from sparkrl.train.draft_train import row_generators
-from sparkrl.train.precision import RolloutCopy, rollout_copy, rollout_dtype
+from sparkrl.train.drafting import NoDrafting, OnlineDrafting
+from sparkrl.train.generation import Generation, RolloutPlan, build_generation
 from sparkrl.train.pretrain import prompt_text
 from sparkrl.train.rewards import Grader
-from sparkrl.train.trainer import at_positions, response_batch
+from sparkrl.train.update import at_positions, response_batch
 
 # --- refusals: one line each, before any model work ------------------------------------------------
 
@@ -197,8 +197,8 @@ class SparkRollout:
         if args is not None:
             sampling_config(args)
         self.policy: Transformer | None = None  # the engine's copy of the trained model (built at the first call)
-        self.rollout: RolloutCopy | None = None  # what samples (the copy itself, or a cast copy of it)
-        self.drafting: Drafting | NoDrafting = NoDrafting()  # the drafter and its training (built at the first call)
+        self.generation: Generation | None = None  # what makes its rollouts (built at the first call)
+        self.drafting: OnlineDrafting = NoDrafting()  # the drafter and its training (the generation's)
         self.world = SINGLE
         self.calls = self.prompts_seen = 0
         self.synced: tuple | None = None  # (model, global step, parameter versions) last copied
@@ -219,10 +219,10 @@ class SparkRollout:
             )
         self.policy = policy
         self.sync(trainer)
-        dt = w.dtype if self.cfg.rollout_dtype == "model" else rollout_dtype(self.cfg.rollout_dtype, policy)
-        self.rollout = rollout_copy(policy, dt, self.cfg.cpu_kernels)
-        sampling = sampling_config(trainer.args)
-        self.drafting = make_drafting(self.cfg.draft, policy, self.rollout, sampling.temperature, self.cfg.seed)
+        plan = RolloutPlan.settle(policy, self.cfg.rollout_dtype, self.cfg.cpu_kernels, self.cfg.draft)
+        temperature = sampling_config(trainer.args).temperature
+        self.generation = build_generation(plan, self.cfg.draft, policy, temperature, self.cfg.seed)
+        self.drafting = self.generation.drafting
         acc = trainer.accelerator
         if acc.num_processes > 1:
             self.world = World(acc.process_index, acc.num_processes, acc.device)
@@ -240,8 +240,8 @@ class SparkRollout:
             return False
         for n, p in mine:
             p.copy_(hf[n])
-        if self.rollout is not None:
-            self.rollout.refresh()
+        if self.generation is not None:
+            self.generation.refresh()
         self.synced = key
         return True
 
@@ -284,9 +284,7 @@ class SparkRollout:
         samples with its own generator, from (seed, process, call, g, j)."""
         seed = hash((self.cfg.seed, self.world.rank, self.calls)) & 0x7FFF_FFFF_FFFF_FFFF
         gens = [x for g in groups for x in response_generators(seed, 1, group_size, offset=self.prompts_seen + g)]
-        return self.drafting.engine.generate(
-            self.rollout.model, prompt_ids, sampling, eos, gens, group_size, sampler=self.rollout.sampler
-        )
+        return self.generation.generate(prompt_ids, sampling, eos, gens, group_size)
 
     def train_drafter(self, parts: list[Rollout]) -> dict:
         """The drafter's online step on this call's responses (see the module doc, step 5; nothing without a

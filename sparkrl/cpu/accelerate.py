@@ -20,7 +20,7 @@ with the batch: exact in distribution, not token-identical.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -98,15 +98,38 @@ SWAPS = {Linear: CpuLinear, RMSNorm: CpuRMSNorm, Attention: CpuAttention, MLP: C
 CHOICES = ("auto", "packed", "weight-major", "plain")
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels `accelerate` chose for a module under --cpu-kernels `choice` (a run's config, the budget's cost
+    model and the corpus caches record them)."""
+
+    choice: str = "plain"  # --cpu-kernels
+    packed: bool = False  # prepacked oneDNN weights
+    weight_major: bool = False  # weight-major products
+    float32_attention: bool = False  # a half-precision module attending in float32 over a float32 KV cache
+    compiled: str | None = None  # the compiled kernels' digest, where they serve (`native.digest`)
+
+    def key(self) -> dict:
+        """The kernels as the measurement caches' keys have always named them (`budget.CostModel.measure`)."""
+        compiled = {"native": self.compiled, "ops": self.compiled} if self.compiled else {}
+        attention = str(torch.float32 if self.float32_attention else None)
+        return {"packed": self.packed, "weight_major": self.weight_major, "attention": attention, **compiled}
+
+    def tags(self) -> list[str]:
+        """What of the CPU layer runs the module, in words (part of the corpus and feature caches' keys)."""
+        named = {"packed": self.packed, "float32 attention": self.float32_attention}
+        named |= {"native": bool(self.compiled), "compiled ops": bool(self.compiled)}
+        return [name for name, on in named.items() if on]
+
+
 @dataclass
 class Acceleration:
     """What `accelerate` made of a module: the module (the same object, its modules swapped), the sampler the
-    engine takes with it, and the kernels chosen (a run's config and the budget's cost model record them)."""
+    engine takes with it, and the kernels chosen."""
 
     model: nn.Module
     sampler: Sampler = SAMPLER
-    kernels: dict = field(default_factory=dict)  # packed, weight_major, attention (its dtype), and the compiled
-    # kernels' digest as native and ops where they serve
+    kernels: Kernels = Kernels()
 
 
 def accelerate(module: nn.Module, choice: str = "auto", float32_attention: bool = False) -> Acceleration:
@@ -130,12 +153,7 @@ def accelerate(module: nn.Module, choice: str = "auto", float32_attention: bool 
     use_weight_major(module, weight_major)
     use_native(module, compiled)
     use_float32_attention(module, float32_attention)
-    kernels = {
-        "packed": packed,
-        "weight_major": weight_major,
-        "attention": str(torch.float32 if float32_attention else None),
-        **({"native": native.digest(), "ops": native.digest()} if compiled else {}),
-    }
+    kernels = Kernels(choice, packed, weight_major, float32_attention, native.digest() if compiled else None)
     return Acceleration(module, COMPILED_SAMPLER if compiled else SAMPLER, kernels)
 
 

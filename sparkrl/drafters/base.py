@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from sparkrl.drafters.eagle3_format import is_eagle3_folder, read_eagle3
+from sparkrl.engine.seams import DraftModel
 from sparkrl.errors import UserError
 from sparkrl.model.kvcache import KVCache
 from sparkrl.model.transformer import Linear, ModelArgs, dense
@@ -35,7 +36,7 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
     return (min(2, top), num_layers // 2, max(num_layers - 3, 0))
 
 
-class SharedHeadDrafter(nn.Module):
+class SharedHeadDrafter(nn.Module, DraftModel):
     """Base of the drafters: `stack` (a `model.Stack`), `fc` (fused policy features -> d), the draft
     vocabulary `vocab_ids`, and the policy's embedding and head, shared (not trained here)."""
 

@@ -11,11 +11,12 @@ import torch
 
 from sparkrl.drafters.tree import propose
 from sparkrl.engine.records import DraftStep
+from sparkrl.engine.seams import DraftModel
 from sparkrl.model.kvcache import KVCache
 from sparkrl.model.transformer import Transformer
 
 
-class SelfDrafter:
+class SelfDrafter(DraftModel):
     kind = "self"
     feature_layers = ()
     root_logits = True

@@ -17,6 +17,8 @@ node attends to its own ancestors there. The caller rolls the region back after 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from sparkrl.config import TreeShape
@@ -57,11 +59,11 @@ def build_tree(
     logq = torch.log_softmax(z.float(), -1)  # (B, Vd)
     score, tok = logq.topk(min(k, logq.shape[-1]), dim=-1)  # (B, F)
     F = score.shape[1]
-    rec_tok, rec_score, rec_parent, rec_depth = [ids[tok]], [score], [torch.full((B, F), -1, device=dev)], [1]
-    front_id = torch.arange(F, device=dev).expand(B, F)  # recorded ids of the frontier
+    rec = _Recorded()
+    front_id = rec.add(ids[tok], score, torch.full((B, F), -1, device=dev), 1)  # recorded ids of the frontier
     front_feat = a[:, None].expand(B, F, a.shape[-1])
     front_anc = torch.zeros(B, F, 0, dtype=torch.bool, device=dev)  # ancestors in the speculative region
-    n_rec, n_ctx = F, 1
+    n_ctx = 1
     # a node at depth d ranks below its d - 1 ancestors, so a tree of n nodes never reaches below depth n:
     # levels past that are not drafted (the budget's small trees cost less; the kept nodes are the same)
     going = None  # with shape.stop: the rows whose frontier is still likely enough to draft below
@@ -71,37 +73,68 @@ def build_tree(
             if not bool(going.any()):  # host sync: every row stopped
                 break
         P = cache.pending
-        step = _expand(drafter, cache, rec_tok[-1], front_feat, front_anc, level)
+        step = _expand(drafter, cache, rec.tok[-1], front_feat, front_anc, level)
         zs = correct(step.z, step.h)  # (B, F, Vd)
         expanded.append((front_id, n_ctx, going))
         ctx_h.append(step.h)
         ctx_z.append(zs)
         n_ctx += F
-        cs, ci = torch.log_softmax(zs, -1).topk(k, dim=-1)  # (B, F, k)
-        cum = (rec_score[-1][:, :, None] + cs).flatten(1)  # (B, F*k)
-        score, sel = cum.topk(k, dim=-1)  # (B, k) next frontier
-        if going is not None:  # a stopped row records no nodes below (each row's tree is its own, whatever the batch)
-            score = score.masked_fill(~going[:, None], float("-inf"))
-        slot = sel // k  # frontier slot of each child's parent
-        rec_tok.append(ids[ci.flatten(1).gather(1, sel)])
-        rec_score.append(score)
-        rec_parent.append(front_id.gather(1, slot))
-        rec_depth.append(level)
-        front_id = n_rec + torch.arange(k, device=dev).expand(B, k)
-        n_rec += k
+        score, slot, child = _best_children(zs, rec.score[-1], k, going)
+        front_id = rec.add(ids[child], score, front_id.gather(1, slot), level)
         front_feat = step.a.gather(1, slot[..., None].expand(-1, -1, step.a.shape[-1]))
         front_anc = _child_ancestors(front_anc, slot, P, F)
         F = k
-    tree, keep = _select(
-        torch.cat(rec_tok, 1),
-        torch.cat(rec_score, 1),
-        torch.cat(rec_parent, 1),
-        torch.cat([torch.full_like(s, d, dtype=torch.long) for s, d in zip(rec_score, rec_depth)], 1),
-        root,
-        nodes or shape.nodes,
-    )
-    node = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), _node_contexts(expanded, n_rec, keep, dev)], 1)
+    tree, keep = rec.select(root, nodes or shape.nodes)
+    node = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), _node_contexts(expanded, rec.n, keep, dev)], 1)
     return Proposal(tree, None, Contexts(ctx_h, ctx_z, node, rejected_children=True))
+
+
+@dataclasses.dataclass
+class _Recorded:
+    """The nodes a tree is chosen from, level by level: policy ids (B, F), cumulative draft log-probabilities
+    (B, F), recorded ids of their parents (B, F; -1: the root) and the level's depth; n: how many in all."""
+
+    tok: list = dataclasses.field(default_factory=list)
+    score: list = dataclasses.field(default_factory=list)
+    parent: list = dataclasses.field(default_factory=list)
+    depth: list = dataclasses.field(default_factory=list)
+    n: int = 0
+
+    def add(self, tok: torch.Tensor, score: torch.Tensor, parent: torch.Tensor, depth: int) -> torch.Tensor:
+        """Record a level of F nodes; returns their recorded ids (B, F)."""
+        B, F = score.shape
+        self.tok.append(tok)
+        self.score.append(score)
+        self.parent.append(parent)
+        self.depth.append(depth)
+        ids = self.n + torch.arange(F, device=score.device).expand(B, F)
+        self.n += F
+        return ids
+
+    def select(self, root: torch.Tensor, nodes: int) -> tuple[Tree, torch.Tensor]:
+        """The tree of the `nodes` best recorded nodes below `root` (`_select`), and their recorded ids (B, n)."""
+        return _select(
+            torch.cat(self.tok, 1),
+            torch.cat(self.score, 1),
+            torch.cat(self.parent, 1),
+            torch.cat([torch.full_like(s, d, dtype=torch.long) for s, d in zip(self.score, self.depth)], 1),
+            root,
+            nodes,
+        )
+
+
+def _best_children(zs: torch.Tensor, score: torch.Tensor, k: int, going: torch.Tensor | None):
+    """The next frontier: of the children the frontier's F nodes propose (each its top-k tokens of its corrected
+    logits zs (B, F, Vd)), the k best by cumulative draft log-probability (the frontier's own: score (B, F)); a row
+    not `going` (`shape.stop`) gets -inf. Returns their scores (B, k), each one's parent's frontier slot (B, k) and
+    its token's index in the draft vocabulary (B, k)."""
+    cs, ci = torch.log_softmax(zs, -1).topk(k, dim=-1)  # (B, F, k)
+    cum = (score[:, :, None] + cs).flatten(1)  # (B, F*k)
+    best, sel = cum.topk(k, dim=-1)  # (B, k) next frontier
+    if going is not None:  # a stopped row records no nodes below (each row's tree is its own, whatever the batch)
+        best = best.masked_fill(~going[:, None], float("-inf"))
+    slot = sel // k  # frontier slot of each child's parent
+    return best, slot, ci.flatten(1).gather(1, sel)
 
 
 def _expand(drafter, cache, tokens: torch.Tensor, feat: torch.Tensor, anc: torch.Tensor, level: int):

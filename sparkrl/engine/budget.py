@@ -55,6 +55,7 @@ import torch
 from tqdm import tqdm
 
 from sparkrl.config import TreeShape
+from sparkrl.engine.seams import RoundBudget
 from sparkrl.machine import measurement_path
 
 ROWS = (1, 8, 64)  # row counts the cost model times; rounds over other counts are interpolated (a round's cost is
@@ -301,7 +302,7 @@ def smoothed(rounds: dict[Size, list[float]], sizes: list[Size] | None = None) -
     return {AR: list(rounds[AR]), **{s: fit[i].tolist() for i, s in enumerate(want)}}
 
 
-class FixedBudget:
+class FixedBudget(RoundBudget):
     """The budget of `--budget fixed`: every round drafts the full shape; nothing is timed, learned or saved,
     and with no cost model there is no autoregressive estimate."""
 
@@ -327,7 +328,7 @@ class FixedBudget:
         return {}
 
 
-class Budget:
+class Budget(RoundBudget):
     """Chooses each round's tree size (nodes, depth), or an autoregressive round, from the number of
     active responses. The candidates are the sizes the cost model timed (`tree_sizes`).
 
@@ -411,7 +412,7 @@ class Budget:
 
     def autoregressive_estimate(self, stats) -> float:
         """Seconds an autoregressive rollout would have taken for what a speculative one (its
-        `rollout.RoundStats`) committed: its autoregressive rounds as timed, and for every drafted round
+        `records.RoundStats`) committed: its autoregressive rounds as timed, and for every drafted round
         with B active responses and AAL a, a autoregressive steps of B rows (cost model)."""
         return stats.ar_s + sum(a * self.seconds(B, AR) for B, a in stats.active_aal)
 

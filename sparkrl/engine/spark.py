@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from sparkrl.engine.seams import DraftAdapter
 from sparkrl.errors import UserError
 
 
@@ -142,7 +143,7 @@ class Projection(nn.Module):
             self.A.copy_(ck["A"])
 
 
-class Spark:
+class Spark(DraftAdapter):
     """One rollout's corrections B_g and the feedback that updates them.
 
     Engine protocol per round: `select(rows)` (owners of the active responses) -> `correct(z, h)` at

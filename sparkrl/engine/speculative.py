@@ -7,12 +7,12 @@ the drafter adapter sees the verified round (SPARK's feedback; nothing by defaul
 path is committed in the policy's cache, the drafter's tree is rolled back, and the policy's
 features at the accepted tokens feed the drafter (its "catch-up" forward, which also yields the
 next round's first draft level). No extra policy forward is spent on features: they are taps of the
-verification forward. A budget may choose an autoregressive round instead (`rollout.decode_one_token`);
+verification forward. A budget may choose an autoregressive round instead (`autoregressive.decode_one_token`);
 the drafter then catches up on that backlog at the next drafted round.
 
 The steps, as gpt-fast keeps prefill / decode_one_token / speculative_decode apart:
 `Speculation.start` (prefills, first token), `autoregressive_round`, `speculative_round`; each round
-returns a `rollout.Round` record that `RoundStats` sums.
+returns a `records.Round` record that `RoundStats` sums.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ import time
 import torch
 
 from sparkrl.config import SamplingConfig, TreeShape
+from sparkrl.engine.autoregressive import Batch, decode_one_token, generate, prefill
 from sparkrl.engine.budget import AR, FixedBudget, Timings, round_work
 from sparkrl.engine.records import HIT, MISS, UNDRAFTED, Acceptance, DraftState, Proposal, Round, RoundStats
-from sparkrl.engine.rollout import Batch, decode_one_token, generate, prefill
 from sparkrl.engine.sampling import SAMPLER, Sampler
+from sparkrl.engine.seams import DraftAdapter, DraftModel, RolloutEngine, RoundBudget
 from sparkrl.engine.verify import PathLogits, accept_chain, accept_tree
 from sparkrl.model.kvcache import KVCache
 from sparkrl.model.transformer import Transformer, pad_right
@@ -35,9 +36,9 @@ PATH_ROWS = 6  # LM-head rows of one acceptance-walk call (`verify.PathLogits`):
 # of up to 6-8 rows costs about what one row costs
 
 
-class NoAdaptation:
+class NoAdaptation(DraftAdapter):
     """The drafter adapter when nothing adapts the drafter during the rollout (SPARK off): proposals
-    use the drafter's own logits. `spark.Spark` implements the same protocol."""
+    use the drafter's own logits."""
 
     needs_targets = False
 
@@ -194,20 +195,11 @@ class Speculation:
     def speculative_round(self, nodes: int, depth: int | None = None) -> tuple[Round, Proposal, Acceptance]:
         """Draft `nodes` nodes per active row (a tree at most `depth` deep, default the shape's), verify them
         in one policy forward, accept exactly, commit."""
-        policy, drafter, shape, sampling = self.policy, self.drafter, self.shape, self.sampling
+        policy, drafter, shape = self.policy, self.drafter, self.shape
         t1 = time.perf_counter()
         if self.backlog:
             self.state = catch_up(drafter, self.dcache, *self.backlog.pop())
-        dev = self.state.root.device
-        if self.chain:  # from the generators: one per test, one for the residual, one per draft token
-            u = torch.stack(
-                [
-                    torch.rand(2 * shape.depth + 1, generator=self.generators[r], dtype=torch.float64)
-                    for r in self.batch.active
-                ]
-            ).to(dev)  # (B, 2D + 1)
-        else:
-            u = self.batch.uniforms(shape.depth + 1, dev)  # (B, 1 + D): the positions the round may commit
+        u = self._uniforms()
         self.adapter.select(self.batch.active)
         drafted = shape if depth in (None, shape.depth) else dataclasses.replace(shape, depth=depth)
         prop = drafter.propose(
@@ -215,7 +207,7 @@ class Speculation:
             self.state,
             drafted,
             nodes,
-            sampling.temperature,
+            self.sampling.temperature,
             u[:, shape.depth + 1 :] if self.chain else None,
             self.adapter.correct,
         )
@@ -226,30 +218,7 @@ class Speculation:
         ancestors = tree.ancestor_mask()
         out = policy(tree.tokens, self.pcache, tree_mask=ancestors, depth=tree.depth, taps=self.taps)
         t3 = time.perf_counter()
-        if self.chain:  # every chain node's target is needed; q over the policy's vocabulary
-            node_logits = policy.logits(out.hidden)  # (B, 1+D, V)
-            q = torch.zeros(*prop.q.shape[:2], node_logits.shape[-1], device=node_logits.device)
-            q.index_copy_(2, drafter.vocab_ids, prop.q)
-            acc = accept_chain(
-                tree.tokens[:, 1:],
-                q,
-                node_logits,
-                sampling.temperature,
-                sampling.top_p,
-                u[:, : shape.depth + 1],
-                self.vocab,
-            )
-        else:  # the LM head runs on the nodes the acceptance walk visits, and the drafter's best below them
-            acc = accept_tree(
-                tree,
-                PathLogits(policy.logits, out.hidden, tree, PATH_ROWS, ancestors),
-                sampling.temperature,
-                sampling.top_p,
-                u,
-                shape.depth,
-                self.vocab,
-                self.sampler,
-            )
+        acc = self._accept(prop, out, ancestors, u)
         n_acc = acc.n_accepted
         kept = torch.cat([torch.zeros_like(acc.path[:, :1]), acc.path.clamp(min=0)], 1)  # (B, 1+D) root + path
         self.pcache.commit(kept, n_acc + 1)
@@ -264,6 +233,47 @@ class Speculation:
         self.state = catch_up(drafter, self.dcache, new, drafter.features(feats), n_acc + 1)
         t5 = time.perf_counter()
         return Round(counts, True, (t2 - t1) + (t5 - t4), t3 - t2, t_accept, (nodes, drafted.depth)), prop, acc
+
+    def _uniforms(self) -> torch.Tensor:
+        """A drafted round's uniforms: for a chain (B, 2D + 1) from the generators, one per test, one for the
+        residual, one per draft token; else (B, 1 + D), keyed by the positions the round may commit."""
+        shape, dev = self.shape, self.state.root.device
+        if self.chain:
+            return torch.stack(
+                [
+                    torch.rand(2 * shape.depth + 1, generator=self.generators[r], dtype=torch.float64)
+                    for r in self.batch.active
+                ]
+            ).to(dev)  # (B, 2D + 1)
+        return self.batch.uniforms(shape.depth + 1, dev)  # (B, 1 + D)
+
+    def _accept(self, prop: Proposal, out, ancestors: torch.Tensor, u: torch.Tensor) -> Acceptance:
+        """Exact acceptance of the proposal against the verify forward `out` (ancestors: the tree's mask in it)."""
+        policy, shape, sampling, tree = self.policy, self.shape, self.sampling, prop.tree
+        if self.chain:  # every chain node's target is needed; q over the policy's vocabulary
+            node_logits = policy.logits(out.hidden)  # (B, 1+D, V)
+            q = torch.zeros(*prop.q.shape[:2], node_logits.shape[-1], device=node_logits.device)
+            q.index_copy_(2, self.drafter.vocab_ids, prop.q)
+            return accept_chain(
+                tree.tokens[:, 1:],
+                q,
+                node_logits,
+                sampling.temperature,
+                sampling.top_p,
+                u[:, : shape.depth + 1],
+                self.vocab,
+            )
+        # the LM head runs on the nodes the acceptance walk visits, and the drafter's best below them
+        return accept_tree(
+            tree,
+            PathLogits(policy.logits, out.hidden, tree, PATH_ROWS, ancestors),
+            sampling.temperature,
+            sampling.top_p,
+            u,
+            shape.depth,
+            self.vocab,
+            self.sampler,
+        )
 
     def _commit(self, tree, acc: Acceptance, new: torch.Tensor) -> list[int]:
         """Each row's accepted tokens and bonus token (new (B, 1+D)) into the batch, tagged HIT (an
@@ -346,14 +356,23 @@ def time_rounds(
         for size in sizes:
             out.rounds[size].append(timed[size][1:] if size == AR else timed[size])  # AR's first warmed up
         h = hidden[torch.arange(context - B, context) % context]  # (B, d) the text's last B positions
-        level, u = [], torch.rand(B, generator=torch.Generator().manual_seed(B), dtype=torch.float64)
-        for _ in range(reps[B] + 1):
-            t = time.perf_counter()
-            sampler.nucleus(policy.logits(h), sampling.temperature, sampling.top_p, u)
-            level.append(time.perf_counter() - t)
-            progress(round_work(B, AR))
-        out.level.append(min(level[1:]))
+        out.level.append(_time_level(policy, h, sampling, sampler, reps[B], progress))
     return out
+
+
+def _time_level(
+    policy: Transformer, h: torch.Tensor, sampling: SamplingConfig, sampler: Sampler, repeats: int, progress
+) -> float:
+    """What one more accepted level costs on B rows (`time_rounds`): the LM head on the policy's states h (B, d),
+    the nucleus and a sample, timed `repeats` + 1 times (the first warms up); the fastest, in seconds."""
+    B = h.shape[0]
+    level, u = [], torch.rand(B, generator=torch.Generator().manual_seed(B), dtype=torch.float64)
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        sampler.nucleus(policy.logits(h), sampling.temperature, sampling.top_p, u)
+        level.append(time.perf_counter() - t)
+        progress(round_work(B, AR))
+    return min(level[1:])
 
 
 @torch.no_grad()
@@ -371,7 +390,7 @@ def generate_speculative(
     spark=None,
     sampler: Sampler = SAMPLER,
 ):
-    """Exact speculative sampling; same contract and outputs as `rollout.generate`.
+    """Exact speculative sampling; same contract and outputs as `autoregressive.generate`.
 
     shape: what the drafter proposes each round. budget: what chooses each round's tree size (nodes, depth), or
     an autoregressive step, from the number of active responses (`budget.Budget`; by default `FixedBudget`, the
@@ -379,7 +398,7 @@ def generate_speculative(
     rounds' feedback, its A gradient left for the caller; by default `NoAdaptation`).
     The committed tokens follow the policy's sampling distribution exactly, whatever the drafter
     proposes and whatever the budget chooses. With point-mass proposals (trees, blocks) they are the
-    tokens `rollout.generate` gives with the same generators, up to float noise in the logits: the
+    tokens `autoregressive.generate` gives with the same generators, up to float noise in the logits: the
     drafter, SPARK and the budget change how fast a rollout is made, not what it is. Sampled chains
     draw per-round uniforms from the generators, so their realisation depends on the proposals.
     """
@@ -408,33 +427,16 @@ def generate_speculative(
     return eng.batch.rollout(prompts, group_size, t0, stats)
 
 
-class Autoregressive:
-    """Rollouts without a drafter: `rollout.generate`, behind the same call as `Speculative`'s."""
-
-    def generate(
-        self,
-        policy: Transformer,
-        prompts: list[list[int]],
-        sampling: SamplingConfig,
-        eos_ids: tuple[int, ...],
-        generators: list[torch.Generator],
-        group_size: int = 1,
-        progress=None,
-        sampler: Sampler = SAMPLER,
-    ):
-        return generate(policy, prompts, sampling, eos_ids, generators, group_size, progress, sampler)
-
-
 @dataclasses.dataclass
-class Speculative:
+class Speculative(RolloutEngine):
     """Speculative rollouts with a drafter (`generate_speculative`): the drafter, the shape it proposes, the
     budget choosing each round's size (`budget.Budget`, or `FixedBudget`: the full shape) and the adapter
     correcting its proposals (`spark.Spark`, or `NoAdaptation`)."""
 
-    drafter: object
+    drafter: DraftModel
     shape: TreeShape
-    budget: object
-    adapter: object
+    budget: RoundBudget
+    adapter: DraftAdapter
 
     def generate(
         self,

@@ -12,12 +12,14 @@ Sampled chains (the drafter drew x ~ q): accept with probability min(1, p(x) / q
 sample from normalise(max(p - q, 0)) (Leviathan et al. 2023).
 
 Randomness: every response brings its own row of uniforms `u`: one per level for point masses, keyed
-by the position that level commits (`rollout.Batch.uniforms`), and for chains a fixed amount per round
+by the position that level commits (`autoregressive.Batch.uniforms`), and for chains a fixed amount per round
 from its own generator, so what a response commits never depends on the rest of the batch.
 `p` is always the processed target distribution of `sampling.target_probs`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -39,6 +41,67 @@ def _first_child(tree: Tree, cur: torch.Tensor, active: torch.Tensor, x: torch.T
     match = is_child & (tree.tokens == x[:, None])
     first = torch.where(match, node_ids, N).min(-1).values
     return first, is_child & (node_ids < first[:, None])
+
+
+@dataclasses.dataclass
+class _Walk:
+    """The acceptance walk of B rows over their trees, in progress: the node each row stands at (B,), whether it
+    still walks (B,), its accepted nodes (B, max_depth; -1 past n_acc), how many (B,), its bonus token and the node
+    it stopped at (B,), the children tried and rejected (B, N); and per level, the nodes visited (B,), the committed
+    tokens' log-probabilities (B,) and, with a vocabulary, the target p on it (B, Vd)."""
+
+    cur: torch.Tensor
+    active: torch.Tensor
+    path: torch.Tensor
+    n_acc: torch.Tensor
+    bonus: torch.Tensor
+    last: torch.Tensor
+    rejected: torch.Tensor
+    visited: list = dataclasses.field(default_factory=list)
+    logps: list = dataclasses.field(default_factory=list)
+    targets: list = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def start(cls, B: int, N: int, max_depth: int, dev) -> _Walk:
+        """Every row at its root, walking."""
+        return cls(
+            cur=torch.zeros(B, dtype=torch.long, device=dev),
+            active=torch.ones(B, dtype=torch.bool, device=dev),
+            path=torch.full((B, max_depth), -1, dtype=torch.long, device=dev),
+            n_acc=torch.zeros(B, dtype=torch.long, device=dev),
+            bonus=torch.zeros(B, dtype=torch.long, device=dev),
+            last=torch.zeros(B, dtype=torch.long, device=dev),
+            rejected=torch.zeros(B, N, dtype=torch.bool, device=dev),
+        )
+
+    def advance(self, tree: Tree, x: torch.Tensor, level: int, node_ids: torch.Tensor) -> None:
+        """Each walking row moves to the first child of its node carrying its committed token x (B,); a row whose
+        node has no such child stops there, x its bonus token."""
+        N = tree.tokens.shape[1]
+        first, tried = _first_child(tree, self.cur, self.active, x, node_ids)
+        moved = first < N
+        nxt = torch.where(moved, first, self.cur)
+        self.rejected |= tried
+        stop = self.active & ~moved
+        self.bonus = torch.where(stop, x, self.bonus)
+        self.last = torch.where(stop, self.cur, self.last)
+        if level < self.path.shape[1]:  # below the deepest level there is no child to move to
+            self.path[moved, level] = nxt[moved]
+        self.n_acc += moved.long()
+        self.active = moved
+        self.cur = nxt
+
+    def acceptance(self, with_targets: bool) -> Acceptance:
+        return Acceptance(
+            self.path,
+            self.n_acc,
+            self.bonus,
+            self.last,
+            torch.stack(self.visited, 1),
+            self.rejected,
+            torch.stack(self.logps, 1),
+            torch.stack(self.targets, 1) if with_targets else None,
+        )
 
 
 def accept_tree(
@@ -63,54 +126,27 @@ def accept_tree(
     B, N = tree.tokens.shape
     dev = tree.tokens.device
     u = u.to(dev)
-    cur = torch.zeros(B, dtype=torch.long, device=dev)
-    active = torch.ones(B, dtype=torch.bool, device=dev)
-    path = torch.full((B, max_depth), -1, dtype=torch.long, device=dev)
-    n_acc = torch.zeros(B, dtype=torch.long, device=dev)
-    bonus = torch.zeros(B, dtype=torch.long, device=dev)
-    last = torch.zeros(B, dtype=torch.long, device=dev)
+    walk = _Walk.start(B, N, max_depth, dev)
     node_ids = torch.arange(N, device=dev)
     at = logits if callable(logits) else (lambda r, nodes: logits[r, nodes])
-    visited, targets, logps = [], [], []
-    rejected = torch.zeros(B, N, dtype=torch.bool, device=dev)
     walking = torch.arange(B, device=dev)  # the rows still walking (all at level 0)
     for level in range(max_depth + 1):
-        lg = at(walking, cur[walking])  # (n, V)
+        lg = at(walking, walk.cur[walking])  # (n, V)
         # p on its nucleus (n, W), sparse, and the tokens committed here, sampled in token-id order: which token a
         # uniform picks depends on the row alone, not on how its probability ties were sorted (which can depend
         # on the batch)
         probs, ids, x_w, logp = sampler.nucleus(lg, temperature, top_p, u[walking, level])
-        visited.append(cur)
+        walk.visited.append(walk.cur)
         x = _spread(x_w, walking, B)  # (B,)
-        logps.append(_spread(logp, walking, B))
+        walk.logps.append(_spread(logp, walking, B))
         if vocab is not None:
             dense = torch.zeros(lg.shape, dtype=torch.float32, device=dev).scatter_(1, ids, probs)
-            targets.append(_spread(dense[:, vocab], walking, B))
-        first, tried = _first_child(tree, cur, active, x, node_ids)
-        moved = first < N
-        nxt = torch.where(moved, first, cur)
-        rejected |= tried
-        stop = active & ~moved
-        bonus = torch.where(stop, x, bonus)
-        last = torch.where(stop, cur, last)
-        if level < max_depth:
-            path[moved, level] = nxt[moved]
-        n_acc += moved.long()
-        active = moved
-        cur = nxt
-        walking = active.nonzero()[:, 0]  # host sync: which rows go on
+            walk.targets.append(_spread(dense[:, vocab], walking, B))
+        walk.advance(tree, x, level, node_ids)
+        walking = walk.active.nonzero()[:, 0]  # host sync: which rows go on
         if walking.numel() == 0:  # every row has its bonus token
             break
-    return Acceptance(
-        path,
-        n_acc,
-        bonus,
-        last,
-        torch.stack(visited, 1),
-        rejected,
-        torch.stack(logps, 1),
-        torch.stack(targets, 1) if vocab is not None else None,
-    )
+    return walk.acceptance(vocab is not None)
 
 
 class PathLogits:

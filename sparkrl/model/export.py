@@ -139,6 +139,24 @@ def _linked(same_as: Path, state: dict[str, torch.Tensor], target: Path) -> bool
     return True
 
 
+def _write_marker(folder: Path, source: Path, dtype: torch.dtype) -> None:
+    """The marker of a sparkrl export in `folder`, listing the files written there (all it holds so far)."""
+    files = sorted(os.listdir(folder))
+    (folder / MARKER).write_text(
+        json.dumps(
+            {
+                "format": "sparkrl-export",
+                "version": 1,
+                "source": str(source),
+                "dtype": _DTYPE_NAMES[dtype],
+                "files": files,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+
+
 def export_model(
     policy: Transformer, source: Path, out: Path, *, dtype: torch.dtype | None = None, same_as: Path | None = None
 ) -> Path:
@@ -170,20 +188,7 @@ def export_model(
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         for p in copies:
             shutil.copyfile(p, tmp / p.name)
-        files = sorted(os.listdir(tmp))
-        (tmp / MARKER).write_text(
-            json.dumps(
-                {
-                    "format": "sparkrl-export",
-                    "version": 1,
-                    "source": str(source),
-                    "dtype": _DTYPE_NAMES[dtype],
-                    "files": files,
-                },
-                indent=2,
-            )
-            + "\n"
-        )
+        _write_marker(tmp, source, dtype)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         if out.exists():
             # A folder cannot be renamed over a non-empty one: move the old export aside first.

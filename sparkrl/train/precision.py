@@ -1,11 +1,11 @@
 """Rollouts in the rollout dtype, training with the master weights (DESIGN "Precision").
 
 The policy's master weights (--dtype; float32 on a CPU) are what the optimizer steps. Rollouts run on a copy
-in the rollout dtype (`RolloutCopy`, refreshed in place after every update, no reallocation); so does the
-drafter. `rollout_copy` is the one place a rollout model is assembled: the copy, then the CPU layer's kernels
-(`cpu.accelerate`), which also give the sampler the engine takes. `--rollout-dtype auto` picks bfloat16 on
-CUDA, and on a CPU when the start-up measurement of this policy's decode steps says bfloat16 is faster there
-(`cpu.tuning.bf16_speedup`), float32 otherwise.
+in the rollout dtype (`InferenceCopy`, refreshed in place after every update, no reallocation); so does the
+drafter. `inference_copy` makes one: the copy, then the CPU layer's kernels (`cpu.accelerate`), which also give
+the sampler the engine takes (`train.generation` builds the copies a rollout needs). `--rollout-dtype auto`
+picks bfloat16 on CUDA, and on a CPU when the start-up measurement of this policy's decode steps says bfloat16 is
+faster there (`cpu.tuning.bf16_speedup`), float32 otherwise.
 
 Exactness is relative to the rollout model; the gap to the master weights is measured every step
 (`mismatch`) and can be corrected with truncated importance sampling (`grpo.grpo_loss`, --tis-cap).
@@ -17,15 +17,18 @@ import copy
 
 import torch
 
-from sparkrl.cpu.accelerate import accelerate
-from sparkrl.cpu.tuning import DTYPES, bf16_speedup, float32_attention
-from sparkrl.engine.sampling import SAMPLER
+from sparkrl.cpu.accelerate import Kernels, accelerate
+from sparkrl.cpu.tuning import DTYPES, bf16_speedup
+from sparkrl.engine.sampling import SAMPLER, Sampler
 from sparkrl.model.transformer import Transformer
 from sparkrl.train.sharding import full
 
 
 def rollout_dtype(choice: str, policy: Transformer) -> torch.dtype:
-    """The dtype rollouts run in for --rollout-dtype `choice` (auto: measured, see the module doc)."""
+    """The dtype rollouts run in for --rollout-dtype `choice` (auto: measured, see the module doc; model: the
+    policy's own, as the TRL adapter offers)."""
+    if choice == "model":
+        return policy.lm_head.weight.dtype
     if choice != "auto":
         return DTYPES[choice]
     w = policy.lm_head.weight
@@ -36,33 +39,40 @@ def rollout_dtype(choice: str, policy: Transformer) -> torch.dtype:
     return torch.bfloat16 if bf16_speedup(policy) > 1.05 else torch.float32
 
 
-def rollout_copy(
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16: how config.json records a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """torch.bfloat16 for 'bfloat16' (a dtype config.json recorded)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} names no torch dtype")
+    return dtype
+
+
+def inference_copy(
     module: torch.nn.Module,
     dtype: torch.dtype,
     cpu_kernels: str = "auto",
+    float32_attention: bool = False,
     head_float32: bool = False,
     separate: bool = False,
-    attention32: bool | None = None,
-) -> "RolloutCopy":
-    """`module`'s `RolloutCopy` in `dtype`, run on the kernels of --cpu-kernels `cpu_kernels` (`cpu.accelerate`).
-    attention32: whether a half-precision copy attends in float32 (None: `cpu.tuning.float32_attention`
-    decides; a run records the decision so its ranks and its resumption agree)."""
-    rc = RolloutCopy(module, dtype, separate=separate)
-    args = rc.model.args if isinstance(rc.model, Transformer) else None
-    f32 = (
-        float32_attention(cpu_kernels, dtype, next(module.parameters()).device, args)
-        if attention32 is None
-        else attention32
-    )
-    acc = accelerate(rc.model, cpu_kernels, f32)
-    rc.sampler, rc.kernels, rc.cpu_kernels = acc.sampler, acc.kernels, cpu_kernels
-    if head_float32 and dtype != torch.float32:  # a float32 copy of the master's head (refreshed with the rest)
-        rc.model.head32 = (full(module.lm_head.weight).detach().float().clone(),)
-    return rc
+) -> "InferenceCopy":
+    """`module`'s `InferenceCopy` in `dtype`, run on the kernels of --cpu-kernels `cpu_kernels` (`cpu.accelerate`).
+    float32_attention: a half-precision copy attends in float32 (`generation.RolloutPlan` settles it once for a
+    run). head_float32: a float32 copy of the master's head (refreshed with the rest)."""
+    ic = InferenceCopy(module, dtype, separate=separate)
+    acc = accelerate(ic.model, cpu_kernels, float32_attention)
+    ic.sampler, ic.kernels = acc.sampler, acc.kernels
+    if head_float32 and dtype != torch.float32:
+        ic.model.head32 = (full(module.lm_head.weight).detach().float().clone(),)
+    return ic
 
 
-class RolloutCopy:
-    """`module` (a policy or a drafter) as the rollout runs it: the module itself when the dtypes agree
+class InferenceCopy:
+    """`module` (a policy or a drafter) as sampling and drafting run it: the module itself when the dtypes agree
     (unless `separate`), else a copy in `dtype` that `refresh()` overwrites in place from the master
     weights. separate: always a copy, made before the master is sharded (`sharding.FullyShard`), whose
     refresh gathers each sharded parameter in turn (every rank calls it)."""
@@ -77,9 +87,8 @@ class RolloutCopy:
             memo = {id(s): s for s in shared}
             self.model = copy.deepcopy(module, memo).to(dtype).requires_grad_(False)
             self.model._shared = shared if shared else getattr(self.model, "_shared", ())
-        self.sampler = SAMPLER  # how the engine samples from it, and the kernels that run it (`rollout_copy`)
-        self.kernels: dict = {}
-        self.cpu_kernels = "plain"
+        self.sampler: Sampler = SAMPLER  # how the engine samples from it, and the kernels that run it
+        self.kernels = Kernels()  # (`inference_copy`)
 
     @property
     def copied(self) -> bool:

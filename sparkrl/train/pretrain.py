@@ -1,10 +1,8 @@
 """`sparkrl pretrain-draft`: a drafter trained before GRPO on the policy's own distributions.
 
-The corpus (made once, in `--out/corpus/`, reused on resume): worked solutions of the --data problems
-as the assistant turn after the GRPO prompt, responses the policy samples (rollout settings, rollout
-dtype) to math problems and chat prompts, and an optional local text corpus. A share of the problems
-is held out by a hash of the question (`data.held_out`) and never enters it; held-out sequences are
-scored every --eval-every steps. The draft vocabulary is the corpus's most frequent tokens.
+The corpus (`corpus`: made once, in `--out/corpus/`, reused on resume) holds worked solutions, the policy's
+responses and an optional local text corpus; a share of the problems is held out (`data.held_out`) and never enters it;
+held-out sequences are scored every --eval-every steps. The draft vocabulary is the corpus's most frequent tokens.
 
 Training runs the policy once per micro-batch (no grad, rollout dtype) for its features and target
 distributions (`features.policy_pass`; kept on disk and read back by later epochs and held-out scores)
@@ -17,7 +15,6 @@ function of the seed).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -25,71 +22,23 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
 
-from sparkrl.config import PretrainConfig, to_dict
+from sparkrl.config import DraftConfig, PretrainConfig, to_dict
 from sparkrl.drafters import KINDS, find_checkpoint, load_drafter
 from sparkrl.drafters.base import expected_length, policy_fingerprint, save_safetensors
 from sparkrl.drafters.eagle3 import relayout
-from sparkrl.engine.rollout import generate, response_generators
 from sparkrl.errors import UserError
 from sparkrl.machine import set_threads
 from sparkrl.model.weights import load_model
 from sparkrl.train.checkpoint import atomic_save
-from sparkrl.train.data import INSTRUCTION, Problem, chat_prompt_ids, held_out, load_problems
+from sparkrl.train.corpus import Seq, build_corpus, load_corpus_problems
+from sparkrl.train.corpus import prompt_text as prompt_text  # where `commands.trl_rollout` reads it
 from sparkrl.train.draft_train import DraftTrainer
 from sparkrl.train.features import FeatureStore, policy_pass
-from sparkrl.train.precision import RolloutCopy, rollout_copy, rollout_dtype
-
-CHAT_PROMPTS = [
-    "Explain how a rainbow forms.",
-    "Write a short poem about the sea.",
-    "What are three tips for studying well?",
-    "Describe your ideal weekend.",
-    "How does a bicycle stay upright?",
-    "Give me a recipe for pancakes.",
-    "Why is the sky blue?",
-    "Summarize the plot of a fairy tale you like.",
-    "What is photosynthesis?",
-    "How do I write a polite email to a teacher?",
-    "List some fun facts about octopuses.",
-    "Explain what a computer program is to a child.",
-    "What should I pack for a camping trip?",
-    "How do vaccines work?",
-    "Tell me a short story about a brave mouse.",
-    "What is the difference between weather and climate?",
-]
-CHUNK = 64  # prompts per generation call (and per resumable corpus file)
-EVAL_SEED = 1 << 20  # response generators of held-out prompts start here
-
-
-class Seq(NamedTuple):
-    """A corpus sequence: token ids, and where its answer starts (0 for plain text). Held-out scores
-    count the positions from the last prompt token on, the ones a rollout drafts from (as online
-    training's `trainer.response_batch`); training uses them too with --train-positions response."""
-
-    ids: list[int]
-    start: int
-
-
-def _corpus_from_file(path: str, tokenizer, max_tokens: int) -> list[Seq]:
-    p = Path(path)
-    if not p.exists():
-        raise UserError(f"--corpus {p} does not exist")
-    docs = []
-    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        text = json.loads(line).get("text", "") if p.suffix == ".jsonl" else line
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
-        if len(ids) >= 4:
-            docs.append(Seq(ids, 0))
-    if not docs:
-        raise UserError(f"--corpus {p} has no usable text (.txt: one document per line; .jsonl: a 'text' field)")
-    return docs
+from sparkrl.train.generation import Generation, RolloutPlan, build_generation
 
 
 def draft_vocabulary(counts, size: int, vocab_size: int, always: tuple[int, ...]) -> torch.Tensor:
@@ -101,125 +50,6 @@ def draft_vocabulary(counts, size: int, vocab_size: int, always: tuple[int, ...]
         used = set(vocab)
         vocab += [t for t in range(vocab_size) if t not in used][: size - len(vocab)]
     return torch.tensor(sorted(vocab))
-
-
-def prompt_text(p: Problem) -> str:
-    return f"{p.question}\n\n{INSTRUCTION}"
-
-
-def solution_ids(tok, p: Problem, eos: int, max_tokens: int) -> Seq:
-    """The GRPO prompt of a problem, its worked solution as the answer, EOS (what the policy would write)."""
-    prompt = chat_prompt_ids(tok, prompt_text(p))
-    return Seq((prompt + tok(p.solution, add_special_tokens=False)["input_ids"] + [eos])[:max_tokens], len(prompt))
-
-
-def kernel_tags(rollout: RolloutCopy) -> list[str]:
-    """What of the CPU layer ran a rollout copy, in words (part of the corpus and feature caches' keys)."""
-    k = rollout.kernels
-    return (
-        (["packed"] if k.get("packed") else [])
-        + (["float32 attention"] if k.get("attention") == str(torch.float32) else [])
-        + (["native"] if "native" in k else [])
-        + (["compiled ops"] if "ops" in k else [])
-    )
-
-
-def _generated(
-    rollout: RolloutCopy,
-    tok,
-    prompts: list[list[int]],
-    cfg: PretrainConfig,
-    eos_ids,
-    folder: Path,
-    name: str,
-    offset: int,
-) -> list[Seq]:
-    """Responses of the policy (its rollout copy) to `prompts`, CHUNK prompts per file in `folder`, named by a
-    hash of what made them: a restarted or resumed run reuses the files of the same prompts and settings."""
-    policy = rollout.model
-    seqs = []
-    bar = tqdm(total=len(prompts), desc=f"corpus ({name})", unit="prompt", file=sys.stderr)
-    for i in range(0, len(prompts), CHUNK):
-        chunk = prompts[i : i + CHUNK]
-        key = json.dumps(
-            [chunk, to_dict(cfg.sampling), cfg.seed, offset + i, cfg.model.model, str(policy.lm_head.weight.dtype)]
-            + kernel_tags(rollout)
-        )
-        # ^ a file is reused only for the same work
-        path = folder / f"{name}-{i // CHUNK:05d}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
-        if not path.exists():
-            r = generate(
-                policy,
-                chunk,
-                cfg.sampling,
-                eos_ids,
-                response_generators(cfg.seed, len(chunk), 1, offset=offset + i),
-                sampler=rollout.sampler,
-            )
-            atomic_save([p + t for p, t in zip(chunk, r.tokens)], path)
-        seqs += [Seq(ids, len(p)) for ids, p in zip(torch.load(path), chunk)]
-        bar.update(len(chunk))
-    bar.close()
-    return seqs
-
-
-def load_corpus_problems(cfg: PretrainConfig) -> tuple[list[Problem], list[Problem]]:
-    """(train, held-out) problems of every --data spec (comma-separated)."""
-    problems = [
-        p
-        for spec in cfg.data.data.split(",")
-        if spec.strip()
-        for p in load_problems(spec.strip(), cfg.data.default_size, cfg.seed).problems
-    ]
-    train = [p for p in problems if not held_out(p, cfg.holdout)]
-    test = [p for p in problems if held_out(p, cfg.holdout)]
-    if cfg.prompts == 0 and not cfg.corpus and not (cfg.solutions and any(p.solution for p in train)):
-        raise UserError(
-            "the corpus would be empty: pass --prompts N (the policy answers N prompts), --corpus FILE, or "
-            "--data with worked solutions (GSM8K, MATH with a 'solution' field)"
-        )
-    return train, test
-
-
-def build_corpus(
-    cfg: PretrainConfig, rollout: RolloutCopy, tok, eos_ids, problems: tuple[list[Problem], list[Problem]]
-) -> tuple[list[Seq], list[Seq], dict]:
-    """(train sequences, held-out sequences, tokens per source) from (train, held-out) problems
-    (`load_corpus_problems`)."""
-    folder = Path(cfg.out) / "corpus"
-    folder.mkdir(parents=True, exist_ok=True)
-    train_p, test_p = problems
-    limit = cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens
-    eos = tok.eos_token_id if tok.eos_token_id is not None else eos_ids[0]
-    rng = random.Random(cfg.seed)
-    sources = {}
-    train, test = [], []
-    if cfg.solutions:
-        sols = [p for p in train_p if p.solution]
-        if 0 < cfg.max_solutions < len(sols):
-            sols = random.Random(cfg.seed + 1).sample(sols, cfg.max_solutions)
-        train += [solution_ids(tok, p, eos, limit) for p in sols]
-        sols = [p for p in test_p if p.solution]
-        test += [solution_ids(tok, p, eos, limit) for p in rng.sample(sols, min(cfg.eval_sequences // 2, len(sols)))]
-        sources["solutions"] = sum(len(s.ids) for s in train)
-    n_chat = min(cfg.prompts // 4, 4 * len(CHAT_PROMPTS))  # a quarter, each chat prompt answered at most 4 times
-    texts = [prompt_text(p) for p in rng.sample(train_p, min(cfg.prompts - n_chat, len(train_p)))]
-    texts += [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(cfg.prompts - len(texts))]
-    prompts = [chat_prompt_ids(tok, t)[: cfg.data.max_prompt_tokens] for t in texts]
-    gen = _generated(rollout, tok, prompts, cfg, eos_ids, folder, "train", 0)
-    sources["policy responses"] = sum(len(s.ids) for s in gen)
-    train += gen
-    k = cfg.eval_sequences - len(test)
-    held = [
-        chat_prompt_ids(tok, prompt_text(p))[: cfg.data.max_prompt_tokens]
-        for p in rng.sample(test_p, min(k, len(test_p)))
-    ]
-    test += _generated(rollout, tok, held, cfg, eos_ids, folder, "heldout", EVAL_SEED)
-    if cfg.corpus:
-        extra = _corpus_from_file(cfg.corpus, tok, limit)
-        sources["--corpus"] = sum(len(s.ids) for s in extra)
-        train += extra
-    return train, test, sources
 
 
 def batch_plan(lengths: list[int], micro_batch: int, seed: int, epoch: int) -> list[list[int]]:
@@ -390,24 +220,24 @@ def relayout_init(cfg: PretrainConfig, drafter, policy, train: list[Seq], n: int
     return relayout(drafter.float(), emb[m], feats[m])
 
 
-def feature_store(cfg: PretrainConfig, rollout: RolloutCopy) -> FeatureStore | None:
+def feature_store(cfg: PretrainConfig, gen: Generation) -> FeatureStore | None:
     """--feature-cache: where the policy passes of sequences read more than once are kept (held-out ones always),
     keyed on what computes them."""
     if not cfg.feature_cache:
         return None
     tag = [
         cfg.model.model,
-        str(rollout.model.lm_head.weight.dtype),
-        bool(rollout.kernels.get("packed")),
+        str(gen.policy.model.lm_head.weight.dtype),
+        gen.policy.kernels.packed,
         cfg.model.cpu_kernels,
     ]
-    tag += [t for t in kernel_tags(rollout) if t != "packed"]
+    tag += [t for t in gen.policy.kernels.tags() if t != "packed"]
     return FeatureStore(Path(cfg.out) / "features", json.dumps(tag))
 
 
 class Pretraining:
     """A pretraining run in progress: the drafters' trainers, the policy pass that feeds them (`policy`: the
-    rollout copy), the held-out sequences, and where it stands (steps, tokens read, training seconds, the
+    inference copy), the held-out sequences, and where it stands (steps, tokens read, training seconds, the
     records of pretrain.jsonl), resumed from `resume` (state.pt) when given."""
 
     def __init__(
@@ -560,9 +390,10 @@ def pretrain(cfg: PretrainConfig) -> dict:
     set_threads(cfg.model.threads)
     lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
     master, tok = lm.model, lm.tokenizer
-    dt = rollout_dtype(cfg.model.rollout_dtype, master)
-    rollout = rollout_copy(master, dt, cfg.model.cpu_kernels, cfg.model.rollout_head == "float32")
-    policy = rollout.model  # what gives the drafters their features and targets
+    m = cfg.model
+    plan = RolloutPlan.settle(master, m.rollout_dtype, m.cpu_kernels, DraftConfig(), m.rollout_head == "float32")
+    gen = build_generation(plan, DraftConfig(), master, cfg.sampling.temperature, cfg.seed, trains=False)
+    policy = gen.policy.model  # what writes the corpus and gives the drafters their features and targets
     inits = (
         {
             kind: load_drafter(find_checkpoint(cfg.init, kind, master, "--init"), master.args, kind)
@@ -572,7 +403,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
         else {}
     )  # a wrong --init fails before the corpus is made
     check_layout(cfg, inits)
-    train, test, sources = build_corpus(cfg, rollout, tok, lm.eos_ids, problems)
+    train, test, sources = build_corpus(cfg, gen, tok, lm.eos_ids, problems)
     if resume is None:  # --draft-layout eagle3 carries a fused --init drafter over
         inits = {kind: relayout_init(cfg, d, policy, train) for kind, d in inits.items()}
     else:  # the drafters as saved (their layout, a carried one's included); `Pretraining` loads their state
@@ -584,7 +415,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     trainers = drafter_trainers(cfg, master, vocab_ids, inits)
     taps = tuple(sorted({i for t in trainers.values() for i in t.drafter.feature_layers}))  # one pass serves them all
     plans = [batch_plan([len(s.ids) for s in train], cfg.micro_batch, cfg.seed, e) for e in range(cfg.epochs)]
-    store = feature_store(cfg, rollout)
+    store = feature_store(cfg, gen)
     train_store = store if cfg.epochs > 1 else None  # training sequences are read again only in later epochs
     if train_store is not None:
         train_store.check_space(

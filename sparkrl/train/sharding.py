@@ -12,7 +12,7 @@ the ranks' gradients are *summed*: every sharded module gets a divide factor of 
 whole tensors, gathered one at a time onto rank 0's CPU, so resume and export do not depend on the sharding.
 
 Rollouts sample from a whole model on every rank, with no collective: under FSDP2 the rollout copy
-(`precision.RolloutCopy`) is a separate module refreshed one gathered parameter at a time, and the drafter
+(`precision.InferenceCopy`) is a separate module refreshed one gathered parameter at a time, and the drafter
 shares its embedding and head with that copy. The model must fit one device in the rollout dtype; FSDP2
 divides the rest (float32 master weights, gradients and AdamW state, 16 bytes a parameter, and the reference)
 by N.

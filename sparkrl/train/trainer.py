@@ -21,29 +21,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from sparkrl.config import RunConfig, to_dict
 from sparkrl.cpu.accelerate import accelerate
-from sparkrl.cpu.tuning import float32_attention
+from sparkrl.engine.autoregressive import response_generators
 from sparkrl.engine.records import Rollout, RoundStats
-from sparkrl.engine.rollout import response_generators
 from sparkrl.errors import UserError, enough_space
 from sparkrl.machine import RateWatch, set_threads
 from sparkrl.model.export import export_model
-from sparkrl.model.transformer import Transformer, pad_right
 from sparkrl.model.weights import load_model, resolve_model_path
-from sparkrl.train.assemble import Drafting, NoDrafting, make_drafting, serve_with_vllm
 from sparkrl.train.checkpoint import POLICY, list_checkpoints, load_latest, save_checkpoint, set_rng_state
 from sparkrl.train.data import build_prompts, load_problems
 from sparkrl.train.distributed import SINGLE, World
 from sparkrl.train.draft_train import row_generators
-from sparkrl.train.grpo import group_advantages, grpo_loss, mismatch
-from sparkrl.train.precision import rollout_copy, rollout_dtype
+from sparkrl.train.generation import Generation, RolloutPlan, build_generation
+from sparkrl.train.grpo import group_advantages
 from sparkrl.train.rewards import Grader
 from sparkrl.train.rundir import append_metrics, export_run, prepare_out_dir, truncate_steps, write_run_config
 from sparkrl.train.sharding import sharding
+from sparkrl.train.update import apply_update, policy_update
 from sparkrl.vllm.engine import model_len
 
 
@@ -79,140 +76,20 @@ def deferred_sigint():
             raise KeyboardInterrupt
 
 
-def response_batch(rollout: Rollout, rows: list[int], device) -> tuple[torch.Tensor, ...]:
-    """Responses `rows` of a rollout as one right-padded forward: tokens (b, L) prompt + response;
-    pos (b, R+1) the positions whose hidden states predict the R response tokens, plus one (the
-    drafter's last target); mask (b, R+1) which of them are real; targets (b, R) the response tokens."""
-    toks, _ = pad_right([rollout.prompt_of(r) + rollout.tokens[r] for r in rows])
-    L = toks.shape[1]
-    R = max(len(rollout.tokens[r]) for r in rows)
-    start = torch.tensor([len(rollout.prompt_of(r)) - 1 for r in rows])  # predicts the first response token
-    pos = (start[:, None] + torch.arange(R + 1)).clamp(max=L - 1)  # (b, R+1)
-    mask = torch.arange(R + 1)[None, :] < torch.tensor([len(rollout.tokens[r]) for r in rows])[:, None]
-    targets = toks.gather(1, (pos[:, :R] + 1).clamp(max=L - 1))
-    return toks.to(device), pos.to(device), mask.to(device), targets.to(device)
-
-
-def at_positions(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """t (b, L, d) at positions pos (b, K) -> (b, K, d)."""
-    return t.gather(1, pos[..., None].expand(-1, -1, t.shape[-1]))
-
-
-def _forward(model: Transformer, toks, pos, targets, temperature: float, autocast, taps: tuple = ()):
-    """A policy forward over right-padded responses (`response_batch`): the response tokens' log-probabilities
-    (b, R), the hidden states at `pos` (b, R+1, d) and, with taps (the drafter's feature layers), the logits
-    there and the tapped layers at `pos` (else None and {})."""
-    R = targets.shape[1]
-    with autocast:
-        out = model(toks, taps=taps)
-    h = at_positions(out.hidden, pos)  # (b, R+1, d)
-    if not taps:
-        return model.token_logprobs(h[:, :R], targets, temperature)[0], h, None, {}
-    # the drafter's loss reads the policy's logits at all R+1 positions (the last one's target is a dummy)
-    logp, logits = model.token_logprobs(h, F.pad(targets, (0, 1)), temperature, keep_logits=True)
-    return logp[:, :R], h, logits, {i: at_positions(t, pos) for i, t in out.taps.items()}
-
-
-def policy_update(
-    policy: Transformer,
-    ref: Transformer | None,
-    opt,
-    rollout: Rollout,
-    adv: torch.Tensor,
-    cfg: RunConfig,
-    drafting: Drafting | NoDrafting = NoDrafting(),
-    total: int | None = None,
-    draft_generators: list[torch.Generator] | None = None,
-) -> dict:
-    """Gradients of one GRPO update on a rollout, accumulated over micro-batches; `apply_update`
-    then steps the optimizer (the policy does not change here).
-
-    Each micro-batch's policy features (taps of this same forward, taken before the policy changes) also
-    feed the drafter's online loss (`Drafting.observe`; nothing without a drafter): no extra policy forward.
-
-    total: the response tokens of the whole step's batch, the divisor of the token-level mean (default:
-    this rollout's; a data-parallel rank passes the sum over all ranks, so its gradient and figures
-    are its share of the whole batch's). draft_generators: one per response, for the drafter loss's
-    randomness (`draft_train.row_generators`).
-    """
-    g, T = cfg.grpo, cfg.sampling.temperature
-    device = policy.lm_head.weight.device
-    rows = [r for r in range(len(rollout.tokens)) if rollout.tokens[r]]
-    total = sum(len(rollout.tokens[r]) for r in rows) if total is None else total
-    opt.zero_grad(set_to_none=True)
-    kl = clipped = 0.0
-    loss_sum = 0.0
-    gap = {"abs_sum": 0.0, "abs_max": 0.0, "kl_sum": 0.0}
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=g.train_dtype == "bfloat16")
-    for i in range(0, len(rows), g.micro_batch):
-        mb = rows[i : i + g.micro_batch]
-        toks, pos, mask, targets = response_batch(rollout, mb, device)
-        R = targets.shape[1]
-        rollout_logp = torch.tensor([rollout.logp[r] + [0.0] * (R - len(rollout.logp[r])) for r in mb])  # (b, R)
-        rollout_logp = rollout_logp.to(device)
-        ref_logp = None
-        if ref is not None:
-            with torch.no_grad():
-                ref_logp = _forward(ref, toks, pos, targets, T, autocast)[0]
-        logp, h, logits, tapped = _forward(policy, toks, pos, targets, T, autocast, drafting.feature_layers)
-        mask_r = mask[:, :R]
-        drafting.observe(
-            toks.gather(1, pos),
-            tapped,
-            h,
-            logits,
-            mask,
-            float(mask_r.sum()) / total,
-            [draft_generators[r] for r in mb] if draft_generators else None,
+def fitting_prompts(cfg: RunConfig, tokenizer, problems, main: bool):
+    """The problems' prompts within --max-prompt-tokens (`data.build_prompts`); none fitting is a user error."""
+    prompts = build_prompts(tokenizer, problems.problems, cfg.data.max_prompt_tokens, cfg.data.prompt_overflow)
+    note = (
+        f"; prompts over {cfg.data.max_prompt_tokens} tokens: {prompts.skipped} skipped, {prompts.truncated} truncated"
+    )
+    if not prompts.problems:
+        raise UserError(
+            f"no prompt fits --max-prompt-tokens {cfg.data.max_prompt_tokens} ({problems.summary()}"
+            f"{note}); raise it or use --prompt-overflow truncate"
         )
-        parts = grpo_loss(
-            logp,
-            logp.detach(),
-            ref_logp,
-            adv[mb].to(device),
-            mask_r,
-            g.clip_eps,
-            g.kl_beta,
-            total,
-            rollout_logp,
-            g.tis_cap,
-        )
-        parts.loss.backward()
-        loss_sum += parts.loss.item()
-        kl += parts.kl_sum
-        clipped += parts.clipped
-        m = mismatch(logp, rollout_logp, mask_r)
-        gap = {
-            "abs_sum": gap["abs_sum"] + m["abs_sum"],
-            "abs_max": max(gap["abs_max"], m["abs_max"]),
-            "kl_sum": gap["kl_sum"] + m["kl_sum"],
-        }
-    n = max(total, 1)
-    return {
-        "loss": loss_sum,
-        "kl": kl / n,
-        "clip_frac": clipped / n,
-        "rollout_logp_abs_mean": gap["abs_sum"] / n,
-        "rollout_logp_abs_max": gap["abs_max"],
-        "rollout_kl": gap["kl_sum"] / n,
-    }
-
-
-def apply_update(policy: Transformer, opt, max_grad_norm: float) -> dict:
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return {"grad_norm": float(grad_norm)}
-
-
-def settled(world: World, resolved: dict, decisions: dict) -> dict:
-    """Each named choice of a run (its rollout dtype and kernels): the one the run recorded (a resumed run
-    keeps what its start measured, whatever this machine would), else rank 0's `decisions[name]()`; every
-    rank gets rank 0's."""
-    got = {name: resolved.get(name) for name in decisions}
-    if world.is_main:
-        got = {name: decide() if got[name] is None else got[name] for name, decide in decisions.items()}
-    return dict(zip(got, world.broadcast(tuple(got.values()))))
+    if main:
+        print(f"sparkrl: {problems.summary()}{note}", file=sys.stderr)
+    return prompts
 
 
 class GRPORun:
@@ -233,20 +110,7 @@ class GRPORun:
         problems = load_problems(cfg.data.data, cfg.data.default_size, cfg.seed)
         set_threads(cfg.model.threads)  # after the inputs are checked: a bad one fails with one line
         self.lm = lm = load_model(cfg.model.model, cfg.model.device, cfg.model.dtype)
-        self.prompts = build_prompts(
-            lm.tokenizer, problems.problems, cfg.data.max_prompt_tokens, cfg.data.prompt_overflow
-        )
-        note = (
-            f"; prompts over {cfg.data.max_prompt_tokens} tokens: {self.prompts.skipped} skipped, "
-            f"{self.prompts.truncated} truncated"
-        )
-        if not self.prompts.problems:
-            raise UserError(
-                f"no prompt fits --max-prompt-tokens {cfg.data.max_prompt_tokens} ({problems.summary()}"
-                f"{note}); raise it or use --prompt-overflow truncate"
-            )
-        if world.is_main:
-            print(f"sparkrl: {problems.summary()}{note}", file=sys.stderr)
+        self.prompts = fitting_prompts(cfg, lm.tokenizer, problems, world.is_main)
         self.policy = policy = lm.model
         if world.is_main:  # before any rollout: a checkpoint (weights and AdamW's two moments) and the final export
             enough_space(
@@ -255,63 +119,48 @@ class GRPORun:
         self.ref = (
             None if cfg.grpo.kl_beta == 0 else shards.wrap(copy.deepcopy(policy).requires_grad_(False), frozen=True)
         )
-        # what samples, on which kernels: measured once by rank 0 (a resumed run keeps what its start chose)
-        k = cfg.model.cpu_kernels
-        dt = settled(
-            world,
-            resolved,
-            {"rollout_dtype": lambda: str(rollout_dtype(cfg.model.rollout_dtype, policy)).removeprefix("torch.")},
-        )["rollout_dtype"]
-        attention = settled(
-            world,
-            resolved,
-            {
-                "float32_attention": lambda: float32_attention(
-                    k, getattr(torch, dt), policy.lm_head.weight.device, policy.args
-                )
-            },
-        )
-        self.rollout = rollout_copy(
-            policy,
-            getattr(torch, dt),
-            k,
-            cfg.model.rollout_head == "float32",
-            separate=shards.sharded,
-            attention32=attention["float32_attention"],
-        )  # unsharded
-        packed = self.rollout.kernels["packed"]
-        if (
-            self.ref is not None
-            and packed
-            and not shards.sharded
-            and self.ref.lm_head.weight.dtype == getattr(torch, dt)
-        ):
-            accelerate(self.ref, "packed")  # no-grad forwards, as the rollout's; weights fixed: packed once
-        kernels = {
-            "packed_kernels": packed,
-            "weight_major_kernels": self.rollout.kernels["weight_major"],
-            "compiled_kernels": "native" in self.rollout.kernels,
-        }  # compiled: where they could be built
-        if world.is_main:
-            write_run_config(cfg, {**resolved, "rollout_dtype": dt, **attention, **kernels})
-        with world.main_first():  # rank 0 times the machine for the budget (cached), the others read its timing
-            self.drafting = make_drafting(cfg.draft, policy, self.rollout, cfg.sampling.temperature, cfg.seed)
-        if cfg.draft.engine == "vllm":  # vLLM generates; every refresh of a rollout copy puts its weights there
-            longest = model_len(self.prompts.prompt_ids, cfg.sampling.max_new_tokens, cfg.draft.tree_depth)
-            self.rollout = serve_with_vllm(
-                cfg.draft,
-                lm,
-                self.rollout,
-                self.drafting,
-                cfg.sampling.temperature,
-                longest,
-                getattr(torch, dt),
-                cfg.seed,
-            )
-        shards.wrap(policy)  # after the rollout copy and the drafter were made from the whole policy
+        self.generation = self.build_generation(resolved)  # from the whole policy, before it is sharded
+        self.drafting = self.generation.drafting
+        shards.wrap(policy)  # after the inference copy and the drafter were made from the whole policy
         self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
         self.order = DataOrder(len(self.prompts.problems), cfg.grpo.prompts_per_step, cfg.seed)
         self.grader = grader or Grader()
+
+    def build_generation(self, resolved: dict) -> Generation:
+        """What makes this run's rollouts (`generation.build_generation`), on a plan measured once by rank 0 (a
+        resumed run keeps what its start chose, `resolved`), recorded in config.json with the kernels it runs."""
+        cfg, world, policy, m = self.cfg, self.world, self.policy, self.cfg.model
+        plan = RolloutPlan.settle(
+            policy, m.rollout_dtype, m.cpu_kernels, cfg.draft, m.rollout_head == "float32", world, resolved
+        )
+        vllm_len = model_len(self.prompts.prompt_ids, cfg.sampling.max_new_tokens, cfg.draft.tree_depth)
+        with world.main_first():  # rank 0 times the machine for the budget (cached), the others read its timing
+            gen = build_generation(
+                plan,
+                cfg.draft,
+                policy,
+                cfg.sampling.temperature,
+                cfg.seed,
+                separate=self.shards.sharded,
+                lm=self.lm,
+                max_len=vllm_len if plan.engine == "vllm" else 0,
+            )
+        k = gen.policy.kernels
+        if (
+            self.ref is not None
+            and k.packed
+            and not self.shards.sharded
+            and self.ref.lm_head.weight.dtype == plan.dtype
+        ):
+            accelerate(self.ref, "packed")  # no-grad forwards, as the rollout's; weights fixed: packed once
+        if world.is_main:  # compiled: where they could be built
+            ran = {
+                "packed_kernels": k.packed,
+                "weight_major_kernels": k.weight_major,
+                "compiled_kernels": bool(k.compiled),
+            }
+            write_run_config(cfg, {**resolved, **plan.record(), **ran})
+        return gen
 
     def resume(self) -> int:
         """Load the latest checkpoint when resuming; returns the number of steps already done."""
@@ -327,7 +176,7 @@ class GRPORun:
             self.drafting.load_state_dict(ck, self.world)
             set_rng_state(ck["rng"])
             start = ck["step"]
-            self.rollout.refresh()
+            self.generation.refresh()
         if self.world.is_main:  # lines past the checkpoint will be written again
             truncate_steps(Path(self.cfg.out) / "metrics.jsonl", start)
             if self.cfg.draft.round_log:
@@ -367,10 +216,8 @@ class GRPORun:
         idx = self.order.batch(step)[mine.start : mine.stop]
         gens = response_generators(cfg.seed, len(idx), G, offset=step * cfg.grpo.prompts_per_step + mine.start)
         batch_prompts = [self.prompts.prompt_ids[i] for i in idx]
-        rollout = self.drafting.engine.generate(
-            self.rollout.model, batch_prompts, cfg.sampling, self.lm.eos_ids, gens, G, progress, self.rollout.sampler
-        )
-        self.drafting.bind(self.rollout.model if self.shards.sharded else self.policy)  # whole, not sharded
+        rollout = self.generation.generate(batch_prompts, cfg.sampling, self.lm.eos_ids, gens, G, progress)
+        self.drafting.bind(self.generation.policy.model if self.shards.sharded else self.policy)  # whole, unsharded
         texts = self.lm.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
         scores = [self.grader.score(t, self.prompts.problems[idx[r // G]].answer) for r, t in enumerate(texts)]
         rewards = torch.tensor([s.reward for s in scores])
@@ -391,7 +238,7 @@ class GRPORun:
         with deferred_sigint():
             self.shards.reduce_grads(self.policy)  # every rank's share of the batch: the whole batch's gradient
             upd.update(apply_update(self.policy, self.opt, cfg.grpo.max_grad_norm))
-            self.rollout.refresh()  # the rollout copy follows the master weights
+            self.generation.refresh()  # the inference copy follows the master weights
             upd.update(self.drafting.step(world))
             upd["train_s"] = time.perf_counter() - t0 - upd.get("draft_train_s", 0.0)
             upd.update(self.drafting.figures(rollout.stats))
@@ -528,20 +375,7 @@ def _train(run: GRPORun) -> Summary:
             summary.add(m)
             watch.observe(m["gen_tok_per_s"])
             bar.update(1)
-            drafting = (
-                {"tok_per_round": f"{m['aal']:.2f}", "drafted": f"{m['tree_rounds']}/{m['rounds']}"}
-                if "aal" in m
-                else {}
-            )
-            if "spark_share" in m:
-                drafting["spark"] = f"{m['spark_share']:.1%}"
-            bar.set_postfix(
-                reward=f"{m['reward_mean']:.3f}",
-                acc=f"{m['accuracy']:.2f}",
-                tok_s=f"{m['gen_tok_per_s']:.0f}",
-                **drafting,
-                refresh=True,
-            )
+            show(bar, m)
     except KeyboardInterrupt:
         bar.close()
         done = start + summary.steps_run
@@ -558,13 +392,31 @@ def _train(run: GRPORun) -> Summary:
     finally:
         run.grader.close()
     bar.close()
-    if main and run.shards.sharded:  # the last step's checkpoint holds the whole policy
-        export_run(cfg.out, str(Path(cfg.out) / "model"))
-    elif main:  # the last checkpoint holds these very weights when it is of the last step: linked, not copied
-        saved = list_checkpoints(cfg.out)
-        last = saved[-1] / POLICY if saved and saved_step == cfg.steps else None
-        export_model(run.policy, run.lm.path, Path(cfg.out) / "model", same_as=last)
+    if main:
+        export_final(run, saved_step)
     return summary
+
+
+def show(bar, m: dict) -> None:
+    """A step's figures beside the progress bar."""
+    drafting = (
+        {"tok_per_round": f"{m['aal']:.2f}", "drafted": f"{m['tree_rounds']}/{m['rounds']}"} if "aal" in m else {}
+    )
+    if "spark_share" in m:
+        drafting["spark"] = f"{m['spark_share']:.1%}"
+    reward, acc, rate = f"{m['reward_mean']:.3f}", f"{m['accuracy']:.2f}", f"{m['gen_tok_per_s']:.0f}"
+    bar.set_postfix(reward=reward, acc=acc, tok_s=rate, **drafting, refresh=True)
+
+
+def export_final(run: GRPORun, saved_step: int) -> None:
+    """The trained policy as a Hugging Face folder, OUT/model (rank 0)."""
+    cfg = run.cfg
+    if run.shards.sharded:  # the last step's checkpoint holds the whole policy
+        export_run(cfg.out, str(Path(cfg.out) / "model"))
+        return
+    saved = list_checkpoints(cfg.out)  # the last checkpoint holds these very weights when it is of the last step:
+    last = saved[-1] / POLICY if saved and saved_step == cfg.steps else None  # linked, not copied
+    export_model(run.policy, run.lm.path, Path(cfg.out) / "model", same_as=last)
 
 
 def check_data_parallel(cfg: RunConfig) -> None:

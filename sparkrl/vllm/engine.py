@@ -24,6 +24,7 @@ import torch
 from sparkrl.config import SamplingConfig
 from sparkrl.drafters.eagle3_format import export_draft
 from sparkrl.engine.records import Rollout, RoundStats
+from sparkrl.engine.seams import RolloutEngine
 from sparkrl.errors import UserError
 from sparkrl.model.export import ARCHITECTURES
 from sparkrl.model.transformer import ModelArgs
@@ -252,7 +253,7 @@ class VllmEngine:
         return VllmRollout(tokens, logps, reasons, gen_s, drafted, adapter)
 
 
-class VllmGeneration:
+class VllmGeneration(RolloutEngine):
     """`engine.speculative`'s `generate` contract on a `VllmEngine`, for the trainer: a `records.Rollout` whose
     log-probabilities are vLLM's and whose `RoundStats` hold vLLM's drafting counts (a round is one request's
     verification: `rounds` and `row_rounds` both count them). Request i is seeded from its group's first

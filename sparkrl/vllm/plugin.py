@@ -131,7 +131,15 @@ def hook_verification() -> None:
 
     if getattr(rs.rejection_sample, "_sparkrl", False):
         return
-    original, runner_init = rs.rejection_sample, gmr.GPUModelRunner.__init__
+    rejection_sample = _counted(rs.rejection_sample)
+    rejection_sample._sparkrl = True
+    rs.rejection_sample = rejection_sample
+    gmr.GPUModelRunner.__init__ = _verifying(gmr.GPUModelRunner.__init__)
+
+
+def _counted(original):
+    """vLLM's `rejection_sample` (`original`), which, called in a runner's verification, also counts the runner's
+    drafting and tells SPARK what was verified."""
 
     def rejection_sample(
         draft_token_ids,
@@ -163,6 +171,13 @@ def hook_verification() -> None:
             spark.verified(runner, draft_token_ids, list(num_draft_tokens), target_logits, accepted, sampling_metadata)
         return out
 
+    return rejection_sample
+
+
+def _verifying(runner_init):
+    """vLLM's `GPUModelRunner.__init__` (`runner_init`), after which a runner with a rejection sampler gets its
+    `Drafted`, its sampler's forward marks the runner as the one verifying (`_VERIFYING`), and SPARK attaches."""
+
     @functools.wraps(runner_init)
     def __init__(runner, *args, **kwargs):
         runner_init(runner, *args, **kwargs)
@@ -183,6 +198,4 @@ def hook_verification() -> None:
         sampler.forward = verify
         spark.attach(runner)
 
-    rejection_sample._sparkrl = True
-    rs.rejection_sample = rejection_sample
-    gmr.GPUModelRunner.__init__ = __init__
+    return __init__

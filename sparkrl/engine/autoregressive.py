@@ -1,4 +1,4 @@
-"""Rollouts: the batch bookkeeping both engines share, and autoregressive mode.
+"""Autoregressive mode, and the batch bookkeeping both engines share.
 
 Both modes (this file's `generate`, and `speculative.generate_speculative`) share the bookkeeping:
   * each distinct prompt is prefilled once and its KV cache rows are copied to its G responses;
@@ -10,7 +10,8 @@ Both modes (this file's `generate`, and `speculative.generate_speculative`) shar
     the tokens autoregressive sampling would, whatever the drafter proposed.
 
 Autoregressive mode: `prefill`, then `decode_one_token` (one policy forward per token) until every
-response has finished. The speculative engine takes the same step for its autoregressive rounds.
+response has finished (`generate`; `Autoregressive` is it behind the engines' one call). The speculative engine
+takes the same step for its autoregressive rounds.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from sparkrl.config import SamplingConfig
 from sparkrl.engine.records import UNDRAFTED, Rollout, RoundStats
 from sparkrl.engine.sampling import SAMPLER, Sampler, position_uniforms, response_keys
+from sparkrl.engine.seams import RolloutEngine
 from sparkrl.model.kvcache import KVCache
 from sparkrl.model.transformer import Output, Transformer, pad_right
 
@@ -174,3 +176,20 @@ def generate(
         batch.rounds += 1
         stats.policy_forwards += 1
     return batch.rollout(prompts, group_size, t0, stats)
+
+
+class Autoregressive(RolloutEngine):
+    """Rollouts without a drafter: `generate`, behind the same call as `speculative.Speculative`'s."""
+
+    def generate(
+        self,
+        policy: Transformer,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        eos_ids: tuple[int, ...],
+        generators: list[torch.Generator],
+        group_size: int = 1,
+        progress=None,
+        sampler: Sampler = SAMPLER,
+    ) -> Rollout:
+        return generate(policy, prompts, sampling, eos_ids, generators, group_size, progress, sampler)

@@ -1,10 +1,9 @@
-"""Objects from configs: the drafter, SPARK, the budget, the draft trainer and the rollout engine a
-`DraftConfig` asks for, behind one `Drafting` (or, for --draft none, `NoDrafting`, which does nothing).
+"""The drafting of speculative rollouts and its online training, from a `DraftConfig`: the drafter, SPARK's
+projection and rollout state, the budget and the draft trainer, behind one `Drafting` (or, for --draft none,
+`NoDrafting`, which does nothing). Both declare `OnlineDrafting`, what the trainer and the TRL adapter call.
 
-Used by the entry points (trainer, CLI commands, bench, TRL adapter); the engine and the library below never
-read configs of other components. A draft checkpoint is read once (`read_checkpoint`) and serves
-both the drafter and SPARK's projection A. The drafter's rollout copy runs on the policy's kernels
-(`precision.rollout_copy`, the one assembly path of a rollout model).
+`generation.build_generation` is the one caller that builds them (with the engine they run in); a draft
+checkpoint is read once (`resolve_checkpoint`) and serves both the drafter and SPARK's projection A.
 """
 
 from __future__ import annotations
@@ -13,24 +12,23 @@ import functools
 import sys
 import time
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from sparkrl.config import DraftConfig
 from sparkrl.drafters import KINDS, find_checkpoint, load_drafter
 from sparkrl.drafters.base import read_checkpoint
-from sparkrl.drafters.eagle3_format import eagle3_weights
 from sparkrl.engine.budget import Budget, CostModel, FixedBudget
 from sparkrl.engine.records import RoundStats
+from sparkrl.engine.seams import DraftModel, RoundBudget
 from sparkrl.engine.spark import Projection, Spark
-from sparkrl.engine.speculative import Autoregressive, NoAdaptation, Speculative, time_rounds
+from sparkrl.engine.speculative import time_rounds
 from sparkrl.model.transformer import Transformer
 from sparkrl.train.checkpoint import drafter_source
 from sparkrl.train.distributed import SINGLE, World
 from sparkrl.train.draft_train import DraftTrainer
-from sparkrl.train.precision import RolloutCopy, rollout_copy
-from sparkrl.vllm.engine import VllmEngine, VllmGeneration
-from sparkrl.vllm.spark import exported
+from sparkrl.train.precision import InferenceCopy
 
 
 def resolve_checkpoint(cfg: DraftConfig, policy: Transformer) -> tuple[str | None, dict | None]:
@@ -79,25 +77,52 @@ def make_spark(
     return proj, Spark.from_config(sc, proj.A, drafter.vocab_ids.numel(), temperature)
 
 
-def make_budget(cfg: DraftConfig, rollout: RolloutCopy, drafter) -> Budget | FixedBudget:
-    """The per-round speculation budget for the rollout policy `rollout` (`FixedBudget`: always the full proposal)."""
+def make_budget(cfg: DraftConfig, policy: InferenceCopy, drafter: DraftModel) -> RoundBudget:
+    """The per-round speculation budget for the policy's inference copy `policy` and the drafter's (`FixedBudget`:
+    always the full proposal)."""
     if cfg.budget == "fixed":
         return FixedBudget(cfg.shape())
     cost = CostModel.measure(
-        rollout.model,
+        policy.model,
         drafter,
         cfg.shape(),
-        functools.partial(time_rounds, sampler=rollout.sampler),
-        kernels=rollout.kernels,
+        functools.partial(time_rounds, sampler=policy.sampler),
+        kernels=policy.kernels.key(),
     )
     return Budget(cost, cfg.shape(), adaptive=cfg.budget == "adaptive")
 
 
-class NoDrafting:
+@runtime_checkable
+class OnlineDrafting(Protocol):
+    """What training calls on the drafting of its rollouts: the drafter follows the policy (`bind`), learns from
+    the policy features of each update (`observe`, `learn`, `step`), checkpoints and resumes, and reports."""
+
+    adapts: bool  # whether SPARK corrects the drafter during rollouts
+    feature_layers: tuple[int, ...]  # the policy layers whose hidden states the drafter's training reads
+
+    def bind(self, policy) -> None: ...
+
+    def observe(self, tokens, taps, hidden, logits, mask, weight: float, generators) -> None: ...
+
+    def learn(self, batches, world: World = SINGLE) -> dict: ...
+
+    def step(self, world: World = SINGLE) -> dict: ...
+
+    def drop_adaptation(self, world: World = SINGLE) -> None: ...
+
+    def budget_state(self) -> dict: ...
+
+    def state_dict(self, budgets: list[dict] | None = None) -> dict: ...
+
+    def load_state_dict(self, ck: dict, world: World = SINGLE) -> None: ...
+
+    def figures(self, stats: RoundStats) -> dict: ...
+
+
+class NoDrafting(OnlineDrafting):
     """Autoregressive rollouts (--draft none): `Drafting`'s calls, each doing nothing, as there is no drafter to
     bind, train, adapt, checkpoint or time."""
 
-    engine = Autoregressive()
     adapts = False  # SPARK corrects no drafter
     feature_layers: tuple[int, ...] = ()
 
@@ -130,18 +155,17 @@ class NoDrafting:
 
 
 @dataclass
-class Drafting:
-    """Speculative rollouts and the drafter's online training: the drafter (master weights, trained), its
-    rollout copy (`precision.RolloutCopy`, in the rollout policy's dtype and bound to it), SPARK's projection
-    and state (None without --spark), the budget, the engine and the drafter's trainer (learning A too,
-    unless --spark-frozen-a)."""
+class Drafting(OnlineDrafting):
+    """The drafter and its online training: the drafter (master weights, trained), its inference copy
+    (`precision.InferenceCopy`, in the rollout dtype and bound to the policy's copy; under vLLM it also puts its
+    weights there), SPARK's projection and rollout state (None without --spark; under vLLM, the state in vLLM's
+    drafter), the budget and the drafter's trainer (learning A too, unless --spark-frozen-a)."""
 
-    drafter: object
-    rollout: RolloutCopy
+    drafter: DraftModel
+    copy: InferenceCopy
     projection: Projection | None
     spark: Spark | None
-    budget: Budget | FixedBudget
-    engine: Speculative
+    budget: RoundBudget
     trainer: DraftTrainer
 
     @property
@@ -172,10 +196,10 @@ class Drafting:
         return self.step(world)
 
     def step(self, world: World = SINGLE) -> dict:
-        """The draft optimizer step, with SPARK's A gradient of the rollout, then the drafter's rollout copy
+        """The draft optimizer step, with SPARK's A gradient of the rollout, then the drafter's inference copy
         refreshed; returns the step's figures (`DraftTrainer.step`: draft_*, draft_train_s)."""
         figures = self.trainer.step(self.spark.take_grad(world.sum) if self.spark is not None else None, world)
-        self.rollout.refresh()
+        self.copy.refresh()
         return figures
 
     def drop_adaptation(self, world: World = SINGLE) -> None:
@@ -209,89 +233,16 @@ class Drafting:
         if "budget" in ck:
             ranks = ck.get("budget_of_ranks", [])
             self.budget.load_state_dict(ranks[world.rank] if len(ranks) == world.size else ck["budget"])
-        self.rollout.refresh()
+        self.copy.refresh()
 
     def figures(self, stats: RoundStats) -> dict:
         """The budget's figures of a rollout for metrics.jsonl (`Budget.figures`: the autoregressive estimate)."""
         return self.budget.figures(stats)
 
 
-def make_drafting(
-    cfg: DraftConfig, policy: Transformer, rollout: RolloutCopy, temperature: float, seed: int = 0
-) -> Drafting | NoDrafting:
-    """The drafter, SPARK, the budget, the engine and the draft trainer, with the draft checkpoint read once.
-    policy: the master weights (what the drafter trains against); rollout: the policy's rollout copy
-    (`rollout_copy`: what samples), whose dtype and kernels the drafter's rollout copy, the cost model and the
-    budget follow."""
-    if cfg.draft == "none":
-        return NoDrafting()
-    resolved = resolve_checkpoint(cfg, policy)  # once: the shipped-drafter lookup reads a file and the policy
-    drafter = make_drafter(cfg, policy, seed, resolved)
-    copy = rollout_copy(
-        drafter,
-        rollout.model.lm_head.weight.dtype,
-        rollout.cpu_kernels,
-        attention32=rollout.kernels.get("attention") == str(torch.float32),
-    )
-    copy.model.bind(rollout.model)
-    projection, spark = make_spark(cfg, policy, drafter, temperature, resolved)
-    budget = make_budget(cfg, rollout, copy.model)
+def draft_trainer(cfg: DraftConfig, drafter: DraftModel, projection: Projection | None) -> DraftTrainer:
+    """The drafter's online trainer (and A's, unless --spark-frozen-a)."""
     sc = cfg.spark_config
-    trainer = DraftTrainer(
+    return DraftTrainer(
         drafter, cfg.draft_lr, projection=projection, projection_lr=sc.spark_lr, learn_projection=not sc.spark_frozen_a
     )
-    return Drafting(
-        drafter,
-        copy,
-        projection,
-        spark,
-        budget,
-        Speculative(copy.model, cfg.shape(), budget, spark or NoAdaptation()),
-        trainer,
-    )
-
-
-class Served:
-    """A rollout copy (`precision.RolloutCopy`) whose `refresh` also puts the new weights into the vLLM engine that
-    serves them (--engine vllm): after every policy update, and after every draft step for the drafter."""
-
-    def __init__(self, copy: RolloutCopy, push):
-        self.copy, self.push = copy, push
-
-    def __getattr__(self, name):  # the copy's model, kernels, sampler...
-        return getattr(self.copy, name)
-
-    def refresh(self) -> None:
-        self.copy.refresh()
-        self.push()
-
-
-def serve_with_vllm(
-    cfg: DraftConfig,
-    lm,
-    rollout: RolloutCopy,
-    drafting: Drafting | NoDrafting,
-    temperature: float,
-    max_len: int,
-    dtype: torch.dtype,
-    seed: int = 0,
-) -> Served:
-    """--engine vllm: one vLLM engine for the run, serving the policy `lm` (and the drafter, exported to it), which
-    `drafting.engine` then generates with; returns the policy's rollout copy that also refreshes vLLM (the drafter's
-    becomes one too)."""
-    policy, drafter = lm.model, drafting.drafter if isinstance(drafting, Drafting) else None
-    projection = drafting.projection if drafter is not None else None
-    engine = VllmEngine.serving(
-        lm, drafter, dtype, cfg.tree_depth, max_len, seed, temperature, spark=exported(projection, cfg.spark_config)
-    )
-    drafting.engine = VllmGeneration(engine, cfg.tree_depth if drafter is not None else 0)
-    if drafter is not None:
-        if projection is not None:  # SPARK's state lives in vLLM's drafter, which accumulates A's gradient there
-            drafting.spark = engine.spark().spark
-        drafting.rollout = Served(
-            drafting.rollout,
-            lambda: engine.load_drafter(
-                eagle3_weights(drafting.drafter, policy, dtype), None if projection is None else projection.A
-            ),
-        )
-    return Served(rollout, lambda: engine.load_policy(policy.weights()))

@@ -8,51 +8,24 @@ Every field has a docstring under it; `cli.py` turns the fields into flags (`max
 is declared and checked once, before any model is loaded: a `Literal[...]` type is its set of
 allowed values, `at_least` / `above` its numeric bound; the rest (checks that relate fields) is in
 each class's `validate`. A field that sets another config's field takes that field's default
-(`same_as`, or the class attribute: `GRPOConfig.lr`).
+(`same_as`, or the class attribute: `GRPOConfig.lr`). `fields` holds that machinery: the field declarations, the
+checks, flag names and the conversion from and to dicts (`build`, `to_dict`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import typing
-from dataclasses import dataclass, field
-from functools import cache
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from sparkrl.config.fields import Checked, above, at_least, option, require, same_as
+from sparkrl.config.fields import build as build
+from sparkrl.config.fields import choices as choices
+from sparkrl.config.fields import flag as flag
+from sparkrl.config.fields import to_dict as to_dict
 from sparkrl.errors import UserError
-
-
-def require(ok: bool, msg: str) -> None:
-    """A user error with `msg` unless `ok`."""
-    if not ok:
-        raise UserError(msg)
-
-
-def option(default, **meta):
-    """A field with CLI metadata: required=True (its flag must be given), trl=NAME (`train` also takes TRL
-    GRPOConfig's name for it, --NAME), train_only=True (not a
-    flag of `generate`), positional=True (an argument, not a flag)."""
-    return field(default=default, metadata=meta)
-
-
-def at_least(low, default, why: str = "", flag_name: str = "", **meta):
-    """A field whose value must be >= low (`why`: the reason, shown in the error; `flag_name`: the
-    flag that sets it, when not the field's own)."""
-    return field(default=default, metadata={"bound": (">=", low, why), "flag": flag_name, **meta})
-
-
-def above(low, default, why: str = "", **meta):
-    """A field whose value must be > low."""
-    return field(default=default, metadata={"bound": (">", low, why), "flag": "", **meta})
-
-
-def same_as(cls, name: str):
-    """A field that sets field `name` of `cls` from another config (`DraftConfig`'s tree fields are
-    `TreeShape`'s): its default and help text are that field's, and `cls` checks the value."""
-    return field(default=cls.__dataclass_fields__[name].default, metadata={"same_as": (cls, name)})
 
 
 def block_size():
@@ -64,48 +37,6 @@ def block_size():
 RolloutDtype = Literal["auto", "float32", "bfloat16"]
 CpuKernels = Literal["auto", "packed", "weight-major", "plain"]
 BudgetKind = Literal["auto", "adaptive", "fixed"]
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-@cache
-def choices(cls) -> dict[str, tuple]:
-    """{field name: allowed values} of the `Literal[...]` fields of a config class."""
-    hints = typing.get_type_hints(cls)
-    return {
-        f.name: typing.get_args(hints[f.name])
-        for f in dataclasses.fields(cls)
-        if typing.get_origin(hints[f.name]) is Literal
-    }
-
-
-class Checked:
-    """Base of the config classes: checks every field's declared choices and bounds, then `validate`."""
-
-    def __post_init__(self):
-        allowed = choices(type(self))
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name in allowed:
-                require(
-                    v in allowed[f.name],
-                    f"{flag(f.name)} must be one of {', '.join(map(str, allowed[f.name]))}, got {v!r}",
-                )
-            if "bound" in f.metadata:
-                op, low, why = f.metadata["bound"]
-                ok = v >= low if op == ">=" else v > low
-                require(
-                    ok,
-                    f"{f.metadata['flag'] or flag(f.name)} must be {op} {low}"
-                    + (f" ({why})" if why else "")
-                    + f", got {v}",
-                )
-        self.validate()
-
-    def validate(self) -> None:
-        """Checks that relate several fields (none by default)."""
 
 
 @dataclass(frozen=True)
@@ -528,21 +459,3 @@ class PretrainConfig(Checked):
 
     def kinds(self) -> list[str]:
         return [k.strip() for k in self.draft.split(",") if k.strip()]
-
-
-# --- dataclass <-> flat dict --------------------------------------------------------------------
-
-
-def build(cls, flat: dict):
-    """Construct a nested config from {field name: value}; missing names keep their defaults."""
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.default):
-            kwargs[f.name] = build(type(f.default), flat)
-        elif f.name in flat:
-            kwargs[f.name] = flat[f.name]
-    return cls(**kwargs)
-
-
-def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
