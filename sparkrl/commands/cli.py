@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import re
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -189,7 +190,16 @@ def _add_flags(parser: argparse.ArgumentParser, cls) -> None:
             group.add_argument(flag, *([f"--{trl}"] if trl else []), type=typ, metavar=f.name.upper(), **kw)
 
 
+# A negative number in any notation (-3, -.5, -3e-5, -1E+2, -inf): argparse's own pattern misses the exponent forms,
+# and then reads `--lr -3e-5` as a flag without its value instead of passing -3e-5 on to the flag's own check.
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf(inity)?$", re.IGNORECASE)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_NUMBER
+
     def error(self, message):  # one line, no usage dump
         raise UserError(f"{message} (see {self.prog} --help)")
 

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from sparkrl.drafters.eagle3_format import is_eagle3_folder, read_eagle3
@@ -28,6 +27,7 @@ from sparkrl.engine.seams import DraftModel
 from sparkrl.errors import UserError
 from sparkrl.model.kvcache import KVCache
 from sparkrl.model.transformer import Linear, ModelArgs, dense
+from sparkrl.model.weights import save_tensors
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
@@ -145,7 +145,7 @@ def save_safetensors(
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in ck["state"].items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{path.name}")
-    save_file(tensors, str(tmp), metadata={"sparkrl_drafter": json.dumps(meta)})
+    save_tensors(tensors, tmp, metadata={"sparkrl_drafter": json.dumps(meta)})
     tmp.chmod(0o644)  # readable like any other file of a package
     tmp.replace(path)
 

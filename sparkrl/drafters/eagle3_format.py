@@ -32,11 +32,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from sparkrl.errors import UserError
 from sparkrl.model.transformer import ModelArgs, Transformer
-from sparkrl.model.weights import load_state_dict
+from sparkrl.model.weights import load_state_dict, save_tensors
 
 MARKER = "sparkrl_draft.json"
 WEIGHTS = "model.safetensors"
@@ -133,7 +132,7 @@ def export_draft(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
     try:
-        save_file(eagle3_weights(drafter, policy, dtype), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        save_tensors(eagle3_weights(drafter, policy, dtype), tmp / WEIGHTS, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(eagle3_config(drafter, policy_config, dtype), indent=2) + "\n")
         (tmp / MARKER).write_text(
             json.dumps(

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from sparkrl.errors import UserError
 from sparkrl.model.transformer import ModelArgs, Transformer
+from sparkrl.model.weights import save_tensors
 
 MARKER = "sparkrl_export.json"
 WEIGHTS = "model.safetensors"
@@ -184,7 +184,7 @@ def export_model(
     try:
         state = _state(policy, dtype)
         if not (same_as and _linked(Path(same_as), state, tmp / WEIGHTS)):
-            save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+            save_tensors(state, tmp / WEIGHTS, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         for p in copies:
             shutil.copyfile(p, tmp / p.name)

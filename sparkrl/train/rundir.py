@@ -1,12 +1,15 @@
 """A GRPO run's folder: config.json (the resolved settings; a resumed run must match them), metrics.jsonl
-(one line per step), the trimming of lines a resumed run writes again, and the exports of its latest
-checkpoint: the policy as a Hugging Face model folder, the drafter as vLLM's EAGLE-3 checkpoint."""
+(one line per step) and its picture metrics.png, the trimming of lines a resumed run writes again, the folder
+left as it was found by a start that fails (`kept_as_found`), and the exports of its latest checkpoint: the
+policy as a Hugging Face model folder, the drafter as vLLM's EAGLE-3 checkpoint."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -156,3 +159,68 @@ def truncate_steps(path: Path, step: int) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text("".join(l + "\n" for l in keep))
     os.replace(tmp, path)
+
+
+@contextmanager
+def kept_as_found(out: str | Path, main: bool = True):
+    """Leave the folder `out` as it was found when what runs inside fails (a start that fails before its first
+    step: missing or garbage data, a bad model or drafter): what it added is removed, a config.json it rewrote is
+    restored, and a folder it made (with the parents it made) is removed. main: whether this rank writes."""
+    out = Path(out)
+    made = out
+    while not made.parent.exists():
+        made = made.parent
+    found = out.is_dir()
+    before = {p.name: p.read_bytes() if p.name == "config.json" else None for p in out.iterdir()} if found else {}
+    try:
+        yield
+    except BaseException:
+        if main and not found and made.exists():
+            shutil.rmtree(made, ignore_errors=True)
+        elif main and out.is_dir():
+            for p in out.iterdir():
+                if p.name not in before:
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                elif before[p.name] is not None:
+                    p.write_bytes(before[p.name])
+        raise
+
+
+# metrics.jsonl's figures that metrics.png draws, with their titles; a run without drafting has no AAL
+PLOTTED = {
+    "reward_mean": "reward",
+    "accuracy": "accuracy",
+    "format": "format rate",
+    "kl": "KL to the reference",
+    "gen_tok_per_s": "generation tokens/s",
+    "aal": "AAL (tokens per round)",
+}
+
+
+def plot_metrics(out: str | Path) -> Path | None:
+    """OUT/metrics.png: each of `PLOTTED` that the run logs, per step, from OUT/metrics.jsonl (written to a
+    temporary file, then renamed over the last one). None when there is no step yet."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    path = out / "metrics.jsonl"
+    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+    shown = [k for k in PLOTTED if any(k in r for r in rows)]
+    if not shown:
+        return None
+    fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3), squeeze=False)
+    for ax, key in zip(axes[0], shown):
+        steps = [r["step"] for r in rows if key in r]
+        ax.plot(steps, [r[key] for r in rows if key in r], marker="o", ms=3)
+        ax.set(title=PLOTTED[key], xlabel="step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{out.name}: {len(rows)} steps", fontsize=10)
+    fig.tight_layout()
+    tmp = out / ".metrics.png.tmp"
+    fig.savefig(tmp, dpi=90, format="png")
+    plt.close(fig)
+    os.replace(tmp, out / "metrics.png")
+    return out / "metrics.png"

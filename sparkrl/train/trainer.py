@@ -38,7 +38,15 @@ from sparkrl.train.draft_train import row_generators
 from sparkrl.train.generation import Generation, RolloutPlan, build_generation
 from sparkrl.train.grpo import group_advantages
 from sparkrl.train.rewards import Grader
-from sparkrl.train.rundir import append_metrics, export_run, prepare_out_dir, truncate_steps, write_run_config
+from sparkrl.train.rundir import (
+    append_metrics,
+    export_run,
+    kept_as_found,
+    plot_metrics,
+    prepare_out_dir,
+    truncate_steps,
+    write_run_config,
+)
 from sparkrl.train.sharding import sharding
 from sparkrl.train.update import apply_update, policy_update
 from sparkrl.vllm.engine import model_len
@@ -203,6 +211,7 @@ class GRPORun:
         state = self.state(budgets)  # a sharded policy's tensors are gathered from every rank
         if self.world.is_main:
             save_checkpoint(self.cfg.out, m["step"], state, self.cfg.keep_checkpoints)
+            plot_metrics(self.cfg.out)  # the picture of the steps the checkpoint holds
         self.world.barrier()
         return True
 
@@ -336,14 +345,17 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> Summary:
     """
     world = World.from_env(cfg.model.device, cfg.grpo.prompts_per_step)  # SINGLE outside torchrun
     try:
-        return _train(GRPORun(cfg, grader, world))
+        with kept_as_found(cfg.out, world.is_main):  # a start that fails leaves --out as it was
+            run = GRPORun(cfg, grader, world)
+            start = run.resume()
+        return _train(run, start)
     finally:
         world.close()
 
 
-def _train(run: GRPORun) -> Summary:
+def _train(run: GRPORun, start: int) -> Summary:
     cfg, main = run.cfg, run.world.is_main
-    start = saved_step = run.resume()
+    saved_step = start
     if cfg.resume and main:
         print(
             f"sparkrl: resuming {cfg.out} from step {start}"
@@ -382,6 +394,7 @@ def _train(run: GRPORun) -> Summary:
         if main:  # other ranks may be gone: no collective here, rank 0's budget estimates only
             if done > saved_step and not run.shards.sharded:  # a sharded policy needs every rank: its last one stands
                 save_checkpoint(cfg.out, done, run.state(), cfg.keep_checkpoints)
+                plot_metrics(cfg.out)
                 saved_step = done
             print(
                 f"sparkrl: interrupted; checkpoint at step {saved_step} in {cfg.out}/checkpoints; continue with "
@@ -393,6 +406,7 @@ def _train(run: GRPORun) -> Summary:
         run.grader.close()
     bar.close()
     if main:
+        plot_metrics(cfg.out)
         export_final(run, saved_step)
     return summary
 

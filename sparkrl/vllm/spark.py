@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from sparkrl.engine.spark import Spark
+from sparkrl.model.weights import save_tensors
 
 FILE = "sparkrl/spark.safetensors"  # in an exported EAGLE-3 drafter folder: A (d, r) and SPARK's settings (in a
 # folder of its own: vLLM loads every .safetensors file at the top as the drafter's weights)
@@ -59,7 +59,7 @@ def write_projection(folder: Path, A: torch.Tensor, **settings) -> Path:
     assert not unknown, f"unknown SPARK settings {unknown}"
     path = Path(folder) / FILE
     path.parent.mkdir(exist_ok=True)
-    save_file(
+    save_tensors(
         {"A": A.detach().float().contiguous().cpu()},
         str(path),
         metadata={"sparkrl_spark": json.dumps({**SETTINGS, **settings})},
