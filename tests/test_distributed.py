@@ -92,7 +92,7 @@ def _rank(rank: int, size: int, port: int, flat: dict) -> None:
     )
     torch.set_num_threads(1)
     runs, loop = [], trainer_mod._train  # keep the run, to read the weights this rank ends with
-    trainer_mod._train = lambda run: (runs.append(run), loop(run))[1]
+    trainer_mod._train = lambda run, start: (runs.append(run), loop(run, start))[1]
     grader = RecordingGrader()
     train(build(RunConfig, flat), grader=grader)
     out, run = Path(flat["out"]), runs[0]

@@ -209,3 +209,21 @@ def test_train_with_vllm_follows_the_policy_it_trains(vllm_model_dir, tmp_path, 
         assert all(x["spark_contexts"] > 0 and x["spark_rows"] > 0 and 0 < x["spark_share"] < 1 for x in m)
         A = load_latest(tmp_path / "run")["draft"]["drafter"]["spark"]["A"]
         assert not torch.allclose(A, Projection.for_policy(load_model(str(vllm_model_dir)).model, 4).A)
+
+
+@pytest.mark.slow
+def test_generate_with_vllm_prints_json_alone_on_stdout_and_no_traceback(tmp_path):
+    """`generate --engine vllm --json` can be piped: every stdout line is one JSON object; vLLM's own lines go to
+    stderr (warnings only), without the chat-template warm-up's traceback or the weight-dtype lines."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    argv = ["generate", "--model", "default", "--prompt", "What is 12 + 7?", "--engine", "vllm", "--json"]
+    argv += ["--max-new-tokens", "8", "--rollout-dtype", "bfloat16", "--n", "2"]
+    p = subprocess.run([sys.executable, "-m", "sparkrl", *argv], capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert len(lines) == 2 and all(json.loads(line)["token_ids"] for line in lines), p.stdout[:3000]
+    assert "Traceback" not in p.stderr and "Attempted to load weight" not in p.stderr, p.stderr[-3000:]
+    assert "vLLM" in p.stderr  # sparkrl's own figures line

@@ -13,6 +13,7 @@ seconds for the default model on a CPU), which is why an engine lives as long as
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -31,6 +32,10 @@ from sparkrl.model.transformer import ModelArgs
 from sparkrl.vllm.spark import write_projection
 
 ENV = {
+    # vLLM logs to stdout at INFO by default: stdout is sparkrl's output (generate --json pipes it), so vLLM's
+    # lines go to stderr, warnings and errors only (set VLLM_LOGGING_LEVEL=INFO to see its start-up)
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+    "VLLM_LOGGING_LEVEL": "WARNING",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_CPU_KVCACHE_SPACE": "2",
@@ -66,6 +71,17 @@ class VllmRollout:
         return [a / n for a in self.drafted.get("per_position", [])]
 
 
+class KnownNoise(logging.Filter):
+    """Drops the two warnings vLLM gives for what sparkrl does on purpose: the chat-template warm-up's traceback
+    (sparkrl tokenizes itself, so the engine starts without a tokenizer: skip_tokenizer_init) and one line per
+    weight read from a float32 model folder into a half-precision engine (a cast the engine is asked for)."""
+
+    MESSAGES = ("Chat template warmup failed", "Attempted to load weight %s with dtype %s into parameter")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.MESSAGES)
+
+
 def vllm_module():
     """The vllm package, or a one-line error saying how to get it."""
     for k, v in ENV.items():
@@ -74,6 +90,9 @@ def vllm_module():
         import vllm
     except ImportError as e:
         raise UserError(f"--engine vllm needs vLLM ({e}); install sparkrl[vllm] (scripts/setup.sh does)") from None
+    for handler in logging.getLogger("vllm").handlers:  # vLLM's loggers propagate to its own handlers
+        if not any(isinstance(f, KnownNoise) for f in handler.filters):
+            handler.addFilter(KnownNoise())
     return vllm
 
 
