@@ -191,6 +191,7 @@ def test_two_ranks_make_the_update_of_one_process(autoregressive_runs):
         "checkpoints",
         "config.json",
         "metrics.jsonl",
+        "metrics.png",
         "model",
         "rank-0-2.json",
         "rank-1-2.json",
