@@ -5,26 +5,32 @@ that reads safetensors) and `state.pt` (everything else a run needs to continue 
 the optimizer states, RNG states, the drafter and its optimizer, SPARK's carried corrections, the
 budget's estimates (every rank's, in a data-parallel run), the run config). A step is written into a
 `.tmp-*` folder, fsynced, then renamed; a kill during the write leaves only that temporary, which the
-next start removes (`remove_stale`). The data position, every response's sampling generator and the
-drafter loss's generators are derived from (seed, step), so they need no state of their own. In a
-data-parallel run rank 0 writes the checkpoint and every rank resumes from it.
+next start removes (`remove_stale`). Each checkpoint records its files' sizes and SHA-256 sums (`checksums.json`,
+written with them); a resumed run checks them (`damage`) and falls back to the newest intact checkpoint, naming
+the damaged file, or stops with one line when none is intact (`load_latest`). The data position, every response's
+sampling generator and the drafter loss's generators are derived from (seed, step), so they need no state of their
+own. In a data-parallel run rank 0 writes the checkpoint and every rank resumes from it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from sparkrl.errors import UserError
 from sparkrl.model.weights import readable, save_tensors
 
 _PREFIX = "step-"
-POLICY, STATE = "policy.safetensors", "state.pt"
+POLICY, STATE, SUMS = "policy.safetensors", "state.pt", "checksums.json"
 
 
 def checkpoint_dir(out: str | Path) -> Path:
@@ -46,6 +52,42 @@ def list_checkpoints(out: str | Path) -> list[Path]:
         and (p / POLICY).exists()
     ]
     return sorted(steps, key=lambda p: int(p.name[len(_PREFIX) :]))
+
+
+def step_folders(out: str | Path) -> list[Path]:
+    """Every checkpoints/step-N folder of a run, oldest first, complete or not (`damage` tells)."""
+    d = checkpoint_dir(out)
+    folders = [p for p in d.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)] if d.is_dir() else []
+    return sorted((p for p in folders if p.name[len(_PREFIX) :].isdigit()), key=lambda p: int(p.name[len(_PREFIX) :]))
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with a checkpoint folder, in words that name the file (None: intact). A folder written
+    before checksums were recorded is checked for its files only."""
+    for name in (POLICY, STATE):
+        if not (folder / name).is_file():
+            return f"{folder / name} is missing"
+    if not (folder / SUMS).is_file():
+        return None
+    try:
+        recorded = json.loads((folder / SUMS).read_text())
+    except (OSError, ValueError):
+        return f"{folder / SUMS} cannot be read"
+    for name, want in recorded.items():
+        size = (folder / name).stat().st_size
+        if size != want["bytes"]:
+            return f"{folder / name} holds {size} of the {want['bytes']} bytes written"
+        if sha256(folder / name) != want["sha256"]:
+            return f"{folder / name} differs from what was written (its SHA-256 sum)"
+    return None
 
 
 def checkpoints_at(path: str | Path) -> list[Path]:
@@ -121,6 +163,10 @@ def save_checkpoint(out: str | Path, step: int, state: dict, keep: int) -> Path:
         readable(tmp / STATE)
         for f in (POLICY, STATE):
             _fsync(tmp / f)
+        sums = {f: {"bytes": (tmp / f).stat().st_size, "sha256": sha256(tmp / f)} for f in (POLICY, STATE)}
+        (tmp / SUMS).write_text(json.dumps(sums, indent=1))
+        readable(tmp / SUMS)
+        _fsync(tmp / SUMS)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         old = None
         if path.exists():  # the same step again: move the old one aside (a .tmp-, so a kill leaves it to clean)
@@ -147,5 +193,20 @@ def load_checkpoint(path: str | Path, with_policy: bool = True) -> dict:
 
 
 def load_latest(out: str | Path) -> dict | None:
-    files = list_checkpoints(out)
-    return load_checkpoint(files[-1]) if files else None
+    """The newest intact checkpoint of a run (None: it has none). A damaged newer one is named and passed over;
+    when none is intact, one line says which file is damaged and what to do."""
+    damaged = []
+    for folder in reversed(step_folders(out)):
+        if (why := damage(folder)) is None:
+            if damaged:
+                print(
+                    f"sparkrl: {damaged[0]}: resuming from {folder.name}, the newest intact checkpoint", file=sys.stderr
+                )
+            return load_checkpoint(folder)
+        damaged.append(why)
+    if damaged:
+        raise UserError(
+            f"{damaged[0]}, and no older checkpoint is intact (--keep-checkpoints 2 keeps one to fall back to): "
+            "restore the file, or start again with a new --out"
+        )
+    return None

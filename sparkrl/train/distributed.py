@@ -19,6 +19,7 @@ so when one rank dies the others stop instead of waiting forever.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from contextlib import contextmanager
@@ -26,6 +27,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from sparkrl.engine.records import Rollout, RoundStats
 from sparkrl.errors import UserError
 
 TIMEOUT = datetime.timedelta(minutes=30)  # longer than a rank may wait for the slowest one's rollout
@@ -151,3 +153,43 @@ class World:
 
 SINGLE = World()
 """One process, no process group: every collective is the identity."""
+
+
+# How the ranks' update figures combine: each rank's share of a whole-batch token mean (policy_update
+# divides by the whole batch's tokens) is summed; maxima and times take the largest; the rest (the
+# gradient norm, the drafter's statistics) are the same on every rank.
+_SHARES = {"loss", "kl", "clip_frac", "rollout_logp_abs_mean", "rollout_kl"}
+_LARGEST = {"rollout_logp_abs_max", "train_s", "draft_train_s", "gen_ar_estimate_s"}
+
+
+def gather_step(world: World, rollout: Rollout, scores: list, upd: dict) -> tuple[Rollout, list, dict]:
+    """A step's rollout, scores and update figures over all ranks, in the whole batch's response order,
+    on every rank: what one process would have had, but for the rounds (each rank's engine ran its own,
+    so they add up) and the times (the slowest rank's). In one process, the arguments themselves."""
+    if world.size == 1:
+        return rollout, scores, upd
+    parts = world.gather((dataclasses.replace(rollout, logp=[]), scores, upd))  # no figure needs the log-probs
+    rollouts, scores, upds = zip(*parts)
+    upd = {k: _combine(k, [u[k] for u in upds]) for k in upds[0]}
+    return merge_rollouts(rollouts), [s for part in scores for s in part], upd
+
+
+def _combine(key: str, values: list[float]) -> float:
+    return sum(values) if key in _SHARES else max(values) if key in _LARGEST else values[0]
+
+
+def merge_rollouts(parts: list[Rollout]) -> Rollout:
+    """The ranks' rollouts of a step as one (rank order is the batch's order); see `gather_step`."""
+    cat = lambda name: [x for p in parts for x in getattr(p, name)]
+    stats = RoundStats.merge([p.stats for p in parts], concurrent=True)
+    return Rollout(
+        cat("prompt_ids"),
+        parts[0].group_size,
+        cat("tokens"),
+        cat("finish_reason"),
+        max(p.gen_s for p in parts),
+        stats,
+        cat("outcome"),
+        cat("round_of"),
+        cat("logp"),
+    )

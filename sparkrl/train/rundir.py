@@ -22,7 +22,7 @@ from sparkrl.drafters.eagle3_format import export_draft
 from sparkrl.errors import UserError, writable_dir
 from sparkrl.model.export import export_model
 from sparkrl.model.weights import load_model
-from sparkrl.train.checkpoint import STATE, checkpoints_at, list_checkpoints, load_checkpoint, remove_stale
+from sparkrl.train.checkpoint import STATE, checkpoints_at, load_checkpoint, remove_stale, step_folders
 from sparkrl.vllm.spark import settings_of, write_projection
 
 # Settings that may change between a run and its resumption (they do not change the maths).
@@ -48,7 +48,7 @@ def prepare_out_dir(cfg: RunConfig) -> dict:
             f"{out}/checkpoints holds step-N.pt files of an older sparkrl, which this one does not read; "
             "continue that run with the sparkrl that wrote it, or choose a new --out"
         )
-    has_ckpt = bool(list_checkpoints(out))
+    has_ckpt = bool(step_folders(out))
     if has_ckpt and not cfg.resume:
         raise UserError(
             f"{out} already holds checkpoints of a run; pass --resume to continue it, or choose a new --out"

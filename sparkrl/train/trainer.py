@@ -12,7 +12,6 @@ batch's token count, so every rank makes the update one process would make on th
 from __future__ import annotations
 
 import copy
-import dataclasses
 import signal
 import sys
 import time
@@ -26,14 +25,14 @@ from tqdm import tqdm
 from sparkrl.config import RunConfig, to_dict
 from sparkrl.cpu.accelerate import accelerate
 from sparkrl.engine.autoregressive import response_generators
-from sparkrl.engine.records import Rollout, RoundStats
+from sparkrl.engine.records import Rollout
 from sparkrl.errors import UserError, enough_space
 from sparkrl.machine import RateWatch, set_threads
 from sparkrl.model.export import export_model
 from sparkrl.model.weights import load_model, resolve_model_path
 from sparkrl.train.checkpoint import POLICY, list_checkpoints, load_latest, save_checkpoint, set_rng_state
 from sparkrl.train.data import build_prompts, load_problems
-from sparkrl.train.distributed import SINGLE, World
+from sparkrl.train.distributed import SINGLE, World, gather_step
 from sparkrl.train.draft_train import row_generators
 from sparkrl.train.generation import Generation, RolloutPlan, build_generation
 from sparkrl.train.grpo import group_advantages
@@ -50,6 +49,8 @@ from sparkrl.train.rundir import (
 from sparkrl.train.sharding import sharding
 from sparkrl.train.update import apply_update, policy_update
 from sparkrl.vllm.engine import model_len
+
+DIVERGING = 3  # refused (non-finite) updates in a row that stop a run
 
 
 class DataOrder:
@@ -133,6 +134,7 @@ class GRPORun:
         self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
         self.order = DataOrder(len(self.prompts.problems), cfg.grpo.prompts_per_step, cfg.seed)
         self.grader = grader or Grader()
+        self.diverged = 0  # steps in a row whose update was refused
 
     def build_generation(self, resolved: dict) -> Generation:
         """What makes this run's rollouts (`generation.build_generation`), on a plan measured once by rank 0 (a
@@ -210,6 +212,8 @@ class GRPORun:
         budgets = self.world.gather(self.drafting.budget_state())
         state = self.state(budgets)  # a sharded policy's tensors are gathered from every rank
         if self.world.is_main:
+            if not all(torch.isfinite(t).all() for t in state["policy"].values()):  # never written, never exported
+                raise UserError(f"step {m['step']}: the policy's weights are not finite; lower --lr and start again")
             save_checkpoint(self.cfg.out, m["step"], state, self.cfg.keep_checkpoints)
             plot_metrics(self.cfg.out)  # the picture of the steps the checkpoint holds
         self.world.barrier()
@@ -259,7 +263,26 @@ class GRPORun:
                     rollout.append_round_log(cfg.draft.round_log, step=step + 1, spark=self.drafting.adapts)
             on_commit(m)
         self.last_rollout = rollout
+        self.refuse_diverging(m)
         return m
+
+    def refuse_diverging(self, m: dict) -> None:
+        """One line for a refused (non-finite) update; a run refused DIVERGING steps in a row stops."""
+        self.diverged = self.diverged + 1 if m.get("refused") else 0
+        if not self.diverged:
+            return
+        lr, fix = self.cfg.grpo.lr, "lower --lr, or --max-grad-norm"
+        if self.diverged >= DIVERGING:
+            raise UserError(
+                f"step {m['step']}: the policy update was not finite {self.diverged} steps in a row (gradient norm "
+                f"{m['grad_norm']}) at --lr {lr:g}; the run stops, its checkpoints hold finite weights: {fix}"
+            )
+        if self.world.is_main:
+            print(
+                f"sparkrl: step {m['step']}: the policy update was not finite (gradient norm {m['grad_norm']}) and "
+                f"was refused, the weights unchanged; if it goes on: {fix} (now {lr:g})",
+                file=sys.stderr,
+            )
 
 
 def step_metrics(step: int, rollout: Rollout, scores: list, upd: dict) -> dict:
@@ -448,43 +471,3 @@ def check_data_parallel(cfg: RunConfig) -> None:
             "--spark-carry carries each rank's corrections by batch position, which differs from one "
             "process's; run that ablation in one process"
         )
-
-
-# How the ranks' update figures combine: each rank's share of a whole-batch token mean (policy_update
-# divides by the whole batch's tokens) is summed; maxima and times take the largest; the rest (the
-# gradient norm, the drafter's statistics) are the same on every rank.
-_SHARES = {"loss", "kl", "clip_frac", "rollout_logp_abs_mean", "rollout_kl"}
-_LARGEST = {"rollout_logp_abs_max", "train_s", "draft_train_s", "gen_ar_estimate_s"}
-
-
-def gather_step(world: World, rollout: Rollout, scores: list, upd: dict) -> tuple[Rollout, list, dict]:
-    """A step's rollout, scores and update figures over all ranks, in the whole batch's response order,
-    on every rank: what one process would have had, but for the rounds (each rank's engine ran its own,
-    so they add up) and the times (the slowest rank's). In one process, the arguments themselves."""
-    if world.size == 1:
-        return rollout, scores, upd
-    parts = world.gather((dataclasses.replace(rollout, logp=[]), scores, upd))  # no figure needs the log-probs
-    rollouts, scores, upds = zip(*parts)
-    upd = {k: _combine(k, [u[k] for u in upds]) for k in upds[0]}
-    return merge_rollouts(rollouts), [s for part in scores for s in part], upd
-
-
-def _combine(key: str, values: list[float]) -> float:
-    return sum(values) if key in _SHARES else max(values) if key in _LARGEST else values[0]
-
-
-def merge_rollouts(parts: list[Rollout]) -> Rollout:
-    """The ranks' rollouts of a step as one (rank order is the batch's order); see `gather_step`."""
-    cat = lambda name: [x for p in parts for x in getattr(p, name)]
-    stats = RoundStats.merge([p.stats for p in parts], concurrent=True)
-    return Rollout(
-        cat("prompt_ids"),
-        parts[0].group_size,
-        cat("tokens"),
-        cat("finish_reason"),
-        max(p.gen_s for p in parts),
-        stats,
-        cat("outcome"),
-        cat("round_of"),
-        cat("logp"),
-    )

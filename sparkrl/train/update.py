@@ -139,7 +139,13 @@ def micro_batch_update(
 
 
 def apply_update(policy: Transformer, opt, max_grad_norm: float) -> dict:
+    """Clip the gradient to `max_grad_norm` and step, unless it is not finite (a diverging update: a loss or a
+    gradient overflowed): then the step is refused, the weights and the optimizer's state untouched, and the
+    figures say so (refused: 1)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
+    if not torch.isfinite(grad_norm):
+        opt.zero_grad(set_to_none=True)
+        return {"grad_norm": float(grad_norm), "refused": 1}
     opt.step()
     opt.zero_grad(set_to_none=True)
     return {"grad_norm": float(grad_norm)}
