@@ -67,3 +67,27 @@ def test_a_diverging_run_refuses_its_updates_then_stops_with_finite_checkpoints(
     for folder in step_folders(out):
         assert all(torch.isfinite(t).all() for t in load_checkpoint(folder)["policy"].values())
     assert not (out / "model").exists()  # nothing exported
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_the_last_checkpoint_resumes(tiny_model_dir, tmp_path, monkeypatch):
+    import sparkrl.train.checkpoint as checkpoint
+
+    out = tmp_path / "r"
+    _run(tiny_model_dir, out, steps=1)
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 1000)  # a full disk
+    with pytest.raises(UserError, match="no room for checkpoint step 2 .* intact: free space, then --resume"):
+        _run(tiny_model_dir, out, steps=2, resume=True)
+    assert [f.name for f in step_folders(out)] == ["step-000001"] and damage(step_folders(out)[0]) is None
+    monkeypatch.undo()  # room again
+    _run(tiny_model_dir, out, steps=2, resume=True)
+    assert [f.name for f in step_folders(out)] == ["step-000002"]
+
+
+def test_an_error_naming_a_full_disk_is_one(tmp_path):
+    import errno
+
+    from sparkrl.train.checkpoint import disk_full
+
+    assert disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert disk_full(Exception("Error while serializing: I/O error: No space left on device (os error 28)"))
+    assert not disk_full(OSError(errno.EACCES, "Permission denied"))

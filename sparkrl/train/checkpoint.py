@@ -14,6 +14,7 @@ own. In a data-parallel run rank 0 writes the checkpoint and every rank resumes 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -145,11 +146,36 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
+def tensor_bytes(obj) -> int:
+    """The bytes of the tensors in a (nested) checkpoint state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    return sum(tensor_bytes(v) for v in obj) if isinstance(obj, (list, tuple)) else 0
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether an error is a full disk (an OSError, or safetensors' own error naming it)."""
+    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e)
+
+
 def save_checkpoint(out: str | Path, step: int, state: dict, keep: int) -> Path:
     """Write DIR/checkpoints/step-N/ (state["policy"] as safetensors, the rest as state.pt) and drop
-    all but the `keep` newest."""
+    all but the `keep` newest. A disk without room for it is refused in one line before anything is written
+    (torch.save's own error on a full disk names no cause)."""
     d = checkpoint_dir(out)
     d.mkdir(parents=True, exist_ok=True)
+    need, free = tensor_bytes(state) + (1 << 20), free_bytes(d)
+    if free < need:
+        raise UserError(
+            f"no room for checkpoint step {step} in {d}: it needs {need / 1e9:.3f} GB and {free / 1e9:.3f} GB are "
+            "free; the checkpoints written before are intact: free space, then --resume"
+        )
     path = d / f"{_PREFIX}{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=d, prefix=".tmp-"))
     try:

@@ -158,7 +158,7 @@ SINGLE = World()
 # How the ranks' update figures combine: each rank's share of a whole-batch token mean (policy_update
 # divides by the whole batch's tokens) is summed; maxima and times take the largest; the rest (the
 # gradient norm, the drafter's statistics) are the same on every rank.
-_SHARES = {"loss", "kl", "clip_frac", "rollout_logp_abs_mean", "rollout_kl"}
+_SHARES = {"loss", "kl", "clip_frac", "rollout_logp_abs_mean", "rollout_kl", "reward_timeouts"}
 _LARGEST = {"rollout_logp_abs_max", "train_s", "draft_train_s", "gen_ar_estimate_s"}
 
 

@@ -125,6 +125,7 @@ class _Verifier:
         self.timeout_s = timeout_s
         self.proc = None
         self.conn = None
+        self.timeouts = 0  # checks that ran past the bound (scored 0)
 
     def _start(self):
         ctx = mp.get_context("spawn")
@@ -142,6 +143,7 @@ class _Verifier:
         if self.conn.poll(timeout):
             return self.conn.recv()
         self.close()  # stuck: kill it; the next check starts a fresh worker
+        self.timeouts += 1
         return False
 
     def close(self):
@@ -183,6 +185,11 @@ class Grader:
         pred = last_boxed(response)
         acc = pred is not None and self.equivalent(pred, answer)
         return Score(float(acc), float(format_ok(response)))
+
+    @property
+    def timeouts(self) -> int:
+        """Checks so far that ran past the worker's time bound, each scored 0."""
+        return self._verifier.timeouts
 
     def close(self):
         self._verifier.close()

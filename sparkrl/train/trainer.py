@@ -12,6 +12,8 @@ batch's token count, so every rank makes the update one process would make on th
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import signal
 import sys
 import time
@@ -30,7 +32,7 @@ from sparkrl.errors import UserError, enough_space
 from sparkrl.machine import RateWatch, set_threads
 from sparkrl.model.export import export_model
 from sparkrl.model.weights import load_model, resolve_model_path
-from sparkrl.train.checkpoint import POLICY, list_checkpoints, load_latest, save_checkpoint, set_rng_state
+from sparkrl.train.checkpoint import POLICY, disk_full, list_checkpoints, load_latest, save_checkpoint, set_rng_state
 from sparkrl.train.data import build_prompts, load_problems
 from sparkrl.train.distributed import SINGLE, World, gather_step
 from sparkrl.train.draft_train import row_generators
@@ -232,7 +234,9 @@ class GRPORun:
         rollout = self.generation.generate(batch_prompts, cfg.sampling, self.lm.eos_ids, gens, G, progress)
         self.drafting.bind(self.generation.policy.model if self.shards.sharded else self.policy)  # whole, unsharded
         texts = self.lm.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
+        timeouts = getattr(self.grader, "timeouts", 0)
         scores = [self.grader.score(t, self.prompts.problems[idx[r // G]].answer) for r, t in enumerate(texts)]
+        timeouts = getattr(self.grader, "timeouts", 0) - timeouts  # responses whose check ran past its bound
         rewards = torch.tensor([s.reward for s in scores])
         t0 = time.perf_counter()
         total = int(world.sum(torch.tensor(rollout.num_tokens)))  # the loss is a token mean over the whole step's batch
@@ -248,6 +252,7 @@ class GRPORun:
             total,
             draft_gens,
         )
+        upd["reward_timeouts"] = timeouts
         with deferred_sigint():
             self.shards.reduce_grads(self.policy)  # every rank's share of the batch: the whole batch's gradient
             upd.update(apply_update(self.policy, self.opt, cfg.grpo.max_grad_norm))
@@ -305,6 +310,7 @@ def step_metrics(step: int, rollout: Rollout, scores: list, upd: dict) -> dict:
         "gen_tok_per_s": rollout.num_tokens / max(rollout.gen_s, 1e-9),
         "response_len_mean": rollout.num_tokens / len(rollout.tokens),
         "truncated_frac": rollout.finish_reason.count("length") / len(rollout.tokens),
+        "token_hash": hashlib.sha256(json.dumps(rollout.tokens).encode()).hexdigest()[:16],  # the step's responses
         **upd,
         **stats,
     }
@@ -372,6 +378,13 @@ def train(cfg: RunConfig, grader: Grader | None = None) -> Summary:
             run = GRPORun(cfg, grader, world)
             start = run.resume()
         return _train(run, start)
+    except Exception as e:
+        if not disk_full(e):
+            raise
+        raise UserError(
+            f"no space left on the device of {cfg.out} ({e}): the checkpoints written before are intact (a "
+            "checkpoint is renamed into place only once whole); free space, then --resume"
+        ) from None
     finally:
         world.close()
 
