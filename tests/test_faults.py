@@ -91,3 +91,11 @@ def test_an_error_naming_a_full_disk_is_one(tmp_path):
     assert disk_full(OSError(errno.ENOSPC, "No space left on device"))
     assert disk_full(Exception("Error while serializing: I/O error: No space left on device (os error 28)"))
     assert not disk_full(OSError(errno.EACCES, "Permission denied"))
+
+
+@pytest.mark.parametrize("lr", ["inf", "nan", "1e38"])
+def test_a_learning_rate_adamw_cannot_hold_is_refused_before_the_run(tmp_path, lr):
+    from sparkrl.commands.cli import parse
+
+    with pytest.raises(UserError, match="--lr must be"):
+        parse(["train", "--out", str(tmp_path / "r"), "--lr", lr])

@@ -186,6 +186,10 @@ class GRPOConfig(Checked):
     the policy's weights, gradients and optimizer state, and the reference, over the ranks: for a policy
     whose training state does not fit one device; its rollout copy still must)."""
 
+    def validate(self):
+        # AdamW divides the rate by 1 - beta1 (0.1 at its first step) in float32: past this it overflows
+        require(self.lr < 3.4e37, f"--lr must be finite and below 3.4e37, got {self.lr}")
+
 
 @dataclass(frozen=True)
 class SparkConfig(Checked):
