@@ -163,7 +163,7 @@ def assert_same_run(a, b, exact: bool = False, atol: float = 1e-5):
     assert [m["step"] for m in ma] == [m["step"] for m in mb]
     for x, y in zip(ma, mb):
         for k, v in x.items():
-            close = pytest.approx(y[k], rel=1e-4, abs=1e-5 if k in NOISE else 1e-7)
+            close = y[k] if isinstance(v, str) else pytest.approx(y[k], rel=1e-4, abs=1e-5 if k in NOISE else 1e-7)
             if not (k.endswith("_s") or k in PER_RANK | TIME_SHARES or ((v == y[k]) if exact else (v == close))):
                 bad.append(f"step {x['step']} {k}: {v} != {y[k]}")
     assert not bad, "\n".join(bad)
