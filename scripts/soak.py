@@ -183,7 +183,7 @@ def full_disks(model: Path, root: Path, trials: int) -> dict:
         try:
             r = sparkrl([*argv, "--out", str(mnt / "r")])
             before = newest_checkpoint(mnt / "r")
-            lines = [line for line in r.stderr.splitlines() if line.startswith("sparkrl: error")]
+            lines = errors(r.stderr)
             intact = before > 0 and _intact(mnt / "r")
             subprocess.run(["mount", "-o", f"remount,size={room * 20}", str(mnt)], check=True)
             resumed = sparkrl([*argv, "--out", str(mnt / "r"), "--resume"])
@@ -196,6 +196,11 @@ def full_disks(model: Path, root: Path, trials: int) -> dict:
             subprocess.run(["umount", str(mnt)])
             shutil.rmtree(mnt, ignore_errors=True)
     return out
+
+
+def errors(stderr: str) -> list[str]:
+    """The error lines a command printed, each a line of its own (not after a progress bar's carriage return)."""
+    return [line for line in stderr.splitlines() if line.startswith("sparkrl: error")]
 
 
 def _intact(out: Path) -> bool:
@@ -281,18 +286,18 @@ def diverging(model: Path, root: Path) -> dict:
             all(torch.isfinite(t).all() for t in load_checkpoint(f)["policy"].values()) for f in step_folders(run)
         )
         exported = (run / "model").exists()
-        errors = [line for line in r.stderr.splitlines() if line.startswith("sparkrl: error")]
-        ok = r.returncode != 0 and finite and not exported and len(errors) == 1
+        said = errors(r.stderr)
+        ok = r.returncode != 0 and finite and not exported and len(said) == 1
         out["injected"] += 1
         out["survived"] += ok
-        out["lines"].append(errors[-1] if errors else r.stderr[-300:])
+        out["lines"].append(said[-1] if said else r.stderr[-300:])
         print(f"soak: diverging, --lr {lr}: exit {r.returncode}, finite checkpoints {finite}: {ok}", flush=True)
     return out
 
 
-def markdown(results: dict, command: str) -> str:
+def markdown(results: dict, commands: dict) -> str:
     lines = [
-        f"`{command}`",
+        *sorted({f"`{c}`" for c in commands.values()}),
         "",
         "| faults | injected | survived | finished steps lost | checkpoints lost | corpus files lost |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -314,34 +319,46 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=20, help="SIGKILLs during train --draft eagle3 --spark")
     ap.add_argument("--minutes", type=float, default=15, help="a bound on each kill part")
     ap.add_argument("--vllm", action="store_true", help="also 3 kills during train --engine vllm (slow starts)")
+    ap.add_argument("--only", default="", help="run only the parts whose names hold one of these comma-separated "
+                    "words (e.g. disks,diverging), keeping --out's other results")  # fmt: skip
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    results = {}
+    saved = json.loads((out / "soak.json").read_text()) if args.only and (out / "soak.json").exists() else {}
+    results, commands = saved.get("results", {}), saved.get("commands", {})
+    command = "python scripts/soak.py " + " ".join(sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="sparkrl-soak-") as tmp:
         root = Path(tmp)
         model = tiny_model(root / "tiny-model")
-        bound = lambda: time.perf_counter() + 60 * args.minutes
-        train = ["train", "--model", str(model), *TRAIN, "--draft-checkpoint", "fresh"]
-        parts = {
-            "kills: train --draft eagle3 --spark": (train + ["--draft", "eagle3", "--spark"], args.kills),
-            "kills: train --draft dflash": (train + ["--draft", "dflash", "--block-size", "4"], 5),
-            "kills: pretrain-draft": (["pretrain-draft", "--model", str(model), *PRETRAIN, "--draft", "eagle3"], 5),
-        }
-        if args.vllm:
-            vllm = ["--engine", "vllm", "--draft", "eagle3", "--draft-mode", "chain", "--rollout-dtype", "float32"]
-            parts["kills: train --engine vllm"] = (train + vllm, 3)
-        for name, (argv, count) in parts.items():
-            results[name] = kills(re.sub(r"\W+", "-", name.split(": ")[1]), argv, count, root, rng, bound())
-        results["full disks (tmpfs)"] = full_disks(model, root, 5)
-        results["damaged checkpoints"] = damaged_checkpoints(model, root)
-        results["hostile responses"] = hostile_responses()
-        results["diverging updates"] = diverging(model, root)
-    command = "python scripts/soak.py " + " ".join(sys.argv[1:])
-    (out / "soak.json").write_text(json.dumps({"command": command, "results": results}, indent=2))
-    (out / "soak.md").write_text(markdown(results, command))
-    print(markdown(results, command))
+        for name, run in parts(args, model, root, rng).items():
+            if not args.only or any(word in name for word in args.only.split(",")):
+                results[name], commands[name] = run(), command
+    (out / "soak.json").write_text(json.dumps({"commands": commands, "results": results}, indent=2))
+    (out / "soak.md").write_text(markdown(results, commands))
+    print(markdown(results, commands))
+
+
+def parts(args, model: Path, root: Path, rng: random.Random) -> dict:
+    """Each part of the soak by name, as a call that runs it."""
+    bound = lambda: time.perf_counter() + 60 * args.minutes
+    train = ["train", "--model", str(model), *TRAIN, "--draft-checkpoint", "fresh"]
+    killed = {
+        "kills: train --draft eagle3 --spark": (train + ["--draft", "eagle3", "--spark"], args.kills),
+        "kills: train --draft dflash": (train + ["--draft", "dflash", "--block-size", "4"], 5),
+        "kills: pretrain-draft": (["pretrain-draft", "--model", str(model), *PRETRAIN, "--draft", "eagle3"], 5),
+    }
+    if args.vllm:
+        vllm = ["--engine", "vllm", "--draft", "eagle3", "--draft-mode", "chain", "--rollout-dtype", "float32"]
+        killed["kills: train --engine vllm"] = (train + vllm, 3)
+    slug = lambda name: re.sub(r"\W+", "-", name.split(": ")[1])
+    out = {name: (lambda n=name, a=argv, c=count: kills(slug(n), a, c, root, rng, bound())) for name, (argv, count)
+           in killed.items()}  # fmt: skip
+    out["full disks (tmpfs)"] = lambda: full_disks(model, root, 5)
+    out["damaged checkpoints"] = lambda: damaged_checkpoints(model, root)
+    out["hostile responses"] = hostile_responses
+    out["diverging updates"] = lambda: diverging(model, root)
+    return out
 
 
 if __name__ == "__main__":

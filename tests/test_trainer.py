@@ -44,6 +44,7 @@ def test_train_writes_contract_files(tiny_model_dir, tmp_path):
     assert m[0]["grad_norm"] > 0  # the parity reward gives non-zero advantages
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-000002"]
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step-000002").iterdir()) == [
+        "checksums.json",
         "policy.safetensors",
         "state.pt",
     ]

@@ -439,6 +439,7 @@ def _train(run: GRPORun, start: int) -> Summary:
             )
         raise SystemExit(130)
     finally:
+        bar.close()  # an error's line then starts a line of its own
         run.grader.close()
     bar.close()
     if main:

@@ -77,6 +77,7 @@ class KnownNoise(logging.Filter):
     weight read from a float32 model folder into a half-precision engine (a cast the engine is asked for)."""
 
     MESSAGES = ("Chat template warmup failed", "Attempted to load weight %s with dtype %s into parameter")
+    LOGGERS = ("vllm.renderers.base", "vllm.model_executor.models.utils")  # where vLLM 0.32 logs them
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(self.MESSAGES)
@@ -90,9 +91,10 @@ def vllm_module():
         import vllm
     except ImportError as e:
         raise UserError(f"--engine vllm needs vLLM ({e}); install sparkrl[vllm] (scripts/setup.sh does)") from None
-    for handler in logging.getLogger("vllm").handlers:  # vLLM's loggers propagate to its own handlers
-        if not any(isinstance(f, KnownNoise) for f in handler.filters):
-            handler.addFilter(KnownNoise())
+    for name in KnownNoise.LOGGERS:  # a logger's own filter sees each record it makes, whatever handles it later
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, KnownNoise) for f in logger.filters):
+            logger.addFilter(KnownNoise())
     return vllm
 
 
