@@ -297,7 +297,7 @@ def diverging(model: Path, root: Path) -> dict:
 
 def markdown(results: dict, commands: dict) -> str:
     lines = [
-        *sorted({f"`{c}`" for c in commands.values()}),
+        ";\n".join(sorted({f"`{c}`" for c in commands.values()})),
         "",
         "| faults | injected | survived | finished steps lost | checkpoints lost | corpus files lost |",
         "| --- | --- | --- | --- | --- | --- |",
