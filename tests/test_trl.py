@@ -268,3 +268,8 @@ def test_every_response_of_a_call_has_its_own_randomness(tmp_path, tok):
     out = rollout([PROMPTS[0]] * 2 + [PROMPTS[1]] + [PROMPTS[0]] * 3, trainer)
     c = out["completion_ids"]
     assert c[0] != c[3] and c[1] != c[4] and len({tuple(x) for x in c}) == 6
+
+
+def test_the_adapter_refuses_vllms_engine_in_one_line():
+    with pytest.raises(UserError, match="the TRL adapter generates with sparkrl's engine"):
+        TRLConfig(draft=DraftConfig(draft="none", engine="vllm"))

@@ -355,6 +355,13 @@ class TRLConfig(Checked):
     seed: int = 0
     """Seed of the per-response sampling generators (combined with the process index and the call number)."""
 
+    def validate(self):
+        require(
+            self.draft.engine == "sparkrl",
+            "the TRL adapter generates with sparkrl's engine (engine='sparkrl'); to generate with vLLM, serve an "
+            "exported drafter with TRL's own vLLM server (docs/trl.md)",
+        )
+
 
 @dataclass(frozen=True)
 class PretrainConfig(Checked):
