@@ -273,3 +273,12 @@ def test_every_response_of_a_call_has_its_own_randomness(tmp_path, tok):
 def test_the_adapter_refuses_vllms_engine_in_one_line():
     with pytest.raises(UserError, match="the TRL adapter generates with sparkrl's engine"):
         TRLConfig(draft=DraftConfig(draft="none", engine="vllm"))
+
+
+def test_trl_treats_sparkrls_vllm_as_available_with_a_warning_only():
+    """TRL 1.16 supports vLLM 0.22-0.31; beside sparkrl's 0.32 it warns and goes on (docs/trl.md)."""
+    pytest.importorskip("vllm")
+    from trl.import_utils import is_vllm_available
+
+    with pytest.warns(UserWarning, match="TRL currently supports vLLM versions"):
+        assert is_vllm_available()
