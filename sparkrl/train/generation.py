@@ -159,16 +159,26 @@ def build_generation(
         return served_generation(plan, cfg, lm, copy, temperature, max_len, seed)
     if plan.draft == "none":
         return Generation(plan, copy, NoDrafting(), Autoregressive())
-    master = policy if trains else copy.model
+    drafter, draft_copy, projection, spark = drafter_parts(
+        plan, cfg, policy if trains else copy.model, copy, temperature, seed
+    )
+    budget = make_budget(cfg, copy, draft_copy.model)
+    drafting = Drafting(drafter, draft_copy, projection, spark, budget, draft_trainer(cfg, drafter, projection))
+    engine = Speculative(draft_copy.model, cfg.shape(), budget, spark or NoAdaptation())
+    return Generation(plan, copy, drafting, engine)
+
+
+def drafter_parts(
+    plan: RolloutPlan, cfg: DraftConfig, master: Transformer, copy: InferenceCopy, temperature: float, seed: int
+) -> tuple:
+    """The --draft drafter made for `master` (trained there), its inference copy bound to the policy's `copy`, and
+    SPARK's projection and rollout state (None, None without --spark), the draft checkpoint read once."""
     resolved = resolve_checkpoint(cfg, master)  # once: the shipped-drafter lookup reads a file and the policy
     drafter = make_drafter(cfg, master, seed, resolved)
     draft_copy = inference_copy(drafter, plan.dtype, plan.cpu_kernels, plan.float32_attention)
     draft_copy.model.bind(copy.model)
     projection, spark = make_spark(cfg, master, drafter, temperature, resolved)
-    budget = make_budget(cfg, copy, draft_copy.model)
-    drafting = Drafting(drafter, draft_copy, projection, spark, budget, draft_trainer(cfg, drafter, projection))
-    engine = Speculative(draft_copy.model, cfg.shape(), budget, spark or NoAdaptation())
-    return Generation(plan, copy, drafting, engine)
+    return drafter, draft_copy, projection, spark
 
 
 def served_generation(
@@ -179,19 +189,15 @@ def served_generation(
     rollout state is the one in vLLM's drafter, which accumulates A's gradient there."""
     if lm is None or max_len < 1:
         raise ValueError("--engine vllm serves a loaded model's folder: build_generation needs lm and max_len")
-    policy, drafter, projection = lm.model, None, None
-    if plan.draft != "none":
-        resolved = resolve_checkpoint(cfg, policy)
-        drafter = make_drafter(cfg, policy, seed, resolved)
-        projection, _ = make_spark(cfg, policy, drafter, temperature, resolved)
+    policy, drafter, draft_copy, projection = lm.model, None, None, None
+    if plan.draft != "none":  # SPARK's rollout state is vLLM's own (below)
+        drafter, draft_copy, projection, _ = drafter_parts(plan, cfg, policy, copy, temperature, seed)
     spark = exported(projection, cfg.spark_config)
     engine = VllmEngine.serving(lm, drafter, plan.dtype, cfg.tree_depth, max_len, seed, temperature, spark=spark)
     served = Served(copy, lambda: engine.load_policy(policy.weights()))
     generation = VllmGeneration(engine, cfg.tree_depth if drafter is not None else 0)
     if drafter is None:
         return Generation(plan, served, NoDrafting(), generation)
-    draft_copy = inference_copy(drafter, plan.dtype, plan.cpu_kernels, plan.float32_attention)
-    draft_copy.model.bind(copy.model)
     push = lambda: engine.load_drafter(
         eagle3_weights(drafter, policy, plan.dtype), None if projection is None else projection.A
     )
