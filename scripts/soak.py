@@ -28,13 +28,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = re.compile(r"(_s|_seconds|_per_s|_share|time|wall)$")  # metric names that hold timings
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+# vLLM-CPU's attention wants a head_dim of 32 or more (TINY's is 8): the vLLM kills run on this shape
+TINY_VLLM = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+)
 TRAIN = ["--steps", "6", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "32", "--lr", "1e-3"]
 TRAIN += ["--default-size", "20", "--micro-batch", "4", "--budget", "fixed", "--tree-depth", "2"]
 PRETRAIN = ["--prompts", "8", "--max-new-tokens", "8", "--draft-vocab", "64", "--micro-batch", "4", "--epochs", "2"]
 PRETRAIN += ["--eval-sequences", "4", "--eval-every", "2", "--checkpoint-every", "1", "--warmup", "2", "--lr", "1e-3"]
 
 
-def tiny_model(folder: Path) -> Path:
+def tiny_model(folder: Path, shape: dict = TINY) -> Path:
     """A tiny Llama as a Hugging Face folder with SmolLM2's tokenizer (sparkrl's default model's), taught for a
     minute to answer the default problems in the rewarded format, so that its responses earn rewards that differ
     within a group: its updates move it (a random model's rewards are all 0, its GRPO updates none)."""
@@ -45,7 +49,7 @@ def tiny_model(folder: Path) -> Path:
     from sparkrl.train.data import INSTRUCTION, chat_prompt_ids, load_problems
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=512, **TINY)
+    cfg = LlamaConfig(vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=512, **shape)
     model = LlamaForCausalLM(cfg)
     src = resolve_model_path("default")
     folder.mkdir(parents=True)
@@ -123,6 +127,7 @@ def kill_at_random(argv: list[str], out: Path, rng: random.Random, during_write:
         "checkpoint_before": before,
         "after": after,
         "corpus": lost_corpus,
+        "seconds": time.perf_counter() - t0,
     }
 
 
@@ -140,8 +145,9 @@ def kills(name: str, argv: list[str], count: int, root: Path, rng: random.Random
         events = []
         while injected < count and time.perf_counter() < deadline:
             e = kill_at_random(argv, run, rng, during_write=injected % 3 == 2, longest=longest)
-            if not e["killed"]:
-                break  # the run ended before the kill: compare it, and start another
+            if not e["killed"]:  # the run ended before the kill: compare it, and start another; kill times are
+                longest = min(longest, e["seconds"])  # drawn within this length (a first start can be slower)
+                break
             injected += 1
             events.append(e)
         finished = sparkrl([*argv, "--out", str(run), *resuming(argv, run)])
@@ -349,8 +355,9 @@ def parts(args, model: Path, root: Path, rng: random.Random) -> dict:
         "kills: pretrain-draft": (["pretrain-draft", "--model", str(model), *PRETRAIN, "--draft", "eagle3"], 5),
     }
     if args.vllm:
+        served = tiny_model(root / "tiny-model-vllm", TINY_VLLM)
         vllm = ["--engine", "vllm", "--draft", "eagle3", "--draft-mode", "chain", "--rollout-dtype", "float32"]
-        killed["kills: train --engine vllm"] = (train + vllm, 3)
+        killed["kills: train --engine vllm"] = ([*train[:2], str(served), *train[3:], *vllm], 3)
     slug = lambda name: re.sub(r"\W+", "-", name.split(": ")[1])
     out = {name: (lambda n=name, a=argv, c=count: kills(slug(n), a, c, root, rng, bound())) for name, (argv, count)
            in killed.items()}  # fmt: skip
