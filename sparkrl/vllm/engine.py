@@ -75,14 +75,20 @@ class VllmRollout:
 
 
 class KnownNoise(logging.Filter):
-    """Drops the two warnings vLLM gives for what sparkrl does on purpose: the chat-template warm-up's traceback
-    (sparkrl tokenizes itself, so the engine starts without a tokenizer: skip_tokenizer_init) and one line per
-    weight read from a float32 model folder into a half-precision engine (a cast the engine is asked for)."""
+    """Drops the warnings vLLM gives for what sparkrl does on purpose: the chat-template warm-up's traceback
+    (sparkrl tokenizes itself, so the engine starts without a tokenizer: skip_tokenizer_init); one line per weight
+    read from a float32 model folder into a half-precision engine (a cast the engine is asked for); and, at every
+    in-place weight update, one line per layer the update sends nothing to: the rotary embedding (no weights), an
+    output head tied to the embedding (repacked by `load_policy`) and the drafter's embedding (the target's)."""
 
     MESSAGES = ("Chat template warmup failed", "Attempted to load weight %s with dtype %s into parameter")
-    LOGGERS = ("vllm.renderers.base", "vllm.model_executor.models.utils")  # where vLLM 0.32 logs them
+    UNSENT = ("RotaryEmbedding", "ParallelLMHead", "VocabParallelEmbedding")
+    LOGGERS = ("vllm.renderers.base", "vllm.model_executor.models.utils",
+               "vllm.model_executor.model_loader.reload.layerwise")  # where vLLM 0.32 logs them  # fmt: skip
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "%s: Failed to load weights":
+            return not (record.args and record.args[0] in self.UNSENT)
         return not str(record.msg).startswith(self.MESSAGES)
 
 

@@ -9,9 +9,8 @@
 // feed 24 dot-product instructions. Each thread takes whole groups, so the weights stream from memory
 // once per product; every output's sum runs in the same order whatever the number of rows. Outputs past
 // N (the zero padding of the last group) are not written. y is rounded to bfloat16 to nearest even.
-// Its rows do not depend on the batch (what `--cpu-kernels auto` needs); per call it is faster than oneDNN's
-// prepacked bfloat16 products (torch 2.13) only at one row, and 1.6-2.3x slower at 8 rows and 5-8x at 64 for
-// the default model's shapes (docs/experiments/bf16-products.md).
+// Its rows do not depend on the batch (what `--cpu-kernels auto` needs); its speed per call beside torch's
+// products is measured by bench/roofline.py (docs/experiments/bf16-products.md has the history).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
