@@ -274,7 +274,8 @@ def test_generate_with_vllm_prints_json_alone_on_stdout_and_no_traceback(tmp_pat
 
 @pytest.mark.parametrize("cuda,spark,eager", [(False, False, True), (True, False, False), (True, True, True)])
 def test_cuda_graphs_on_a_gpu_unless_spark_drafts_in_vllm(tmp_path, cuda, spark, eager):
-    """enforce_eager only where vLLM needs it (the CPU build) or where SPARK's hooks are not verified (GPU graphs)."""
+    """enforce_eager only where vLLM needs it (the CPU build) or where SPARK's hooks are not verified (GPU graphs);
+    SPARK's engine schedules its steps in order (no async scheduling)."""
     from sparkrl.model.transformer import ModelArgs
     from sparkrl.vllm.engine import engine_options
     from sparkrl.vllm.spark import write_projection
@@ -286,3 +287,4 @@ def test_cuda_graphs_on_a_gpu_unless_spark_drafts_in_vllm(tmp_path, cuda, spark,
     args = ModelArgs("llama", 8, 8, 16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
     opts = engine_options(tmp_path, args, "float32", draft, 3, 64, 0, 1.0, cuda)
     assert opts["enforce_eager"] is eager and opts["speculative_config"]["method"] == "eagle3"
+    assert opts.get("async_scheduling", True) is not spark  # SPARK's steps in order; else vLLM's default

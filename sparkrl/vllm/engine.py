@@ -126,12 +126,15 @@ def engine_options(
 ) -> dict:
     """`vllm.LLM`'s arguments for `VllmEngine`. CUDA graphs (enforce_eager off) on a GPU, the main reason vLLM is fast
     there, unless SPARK drafts inside vLLM: its hooks correct the drafter's logits between vLLM's steps and are not
-    yet verified with captured graphs, so that engine runs eagerly (and says so). The CPU build runs eagerly."""
+    yet verified with captured graphs or with async scheduling (vLLM's GPU default for EAGLE methods, under which a
+    draft can start before the last verification's outcome is read), so that engine runs eagerly and in order (and
+    says so). The CPU build runs eagerly."""
     spark = draft_dir is not None and (Path(draft_dir) / SPARK_FILE).exists()
     eager = not cuda or spark
     if cuda and spark:
         print(
-            "sparkrl: SPARK inside vLLM runs without CUDA graphs (its hooks are not verified with them)",
+            "sparkrl: SPARK inside vLLM runs without CUDA graphs and without async scheduling (its hooks are "
+            "verified with neither)",
             file=sys.stderr,
         )
     spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": spec_tokens}
@@ -148,6 +151,8 @@ def engine_options(
         max_num_batched_tokens=max(max_model_len, 16384),
         hf_overrides={"architectures": [ARCHITECTURES[args.arch]]},
         **({"speculative_config": spec} if draft_dir else {}),
+        # SPARK's update reads each verification's outcome before the next draft: scheduled steps in order
+        **({"async_scheduling": False} if spark else {}),
         logprobs_mode="raw_logprobs" if temperature in (0, 1) else "processed_logprobs",
     )
 
