@@ -16,6 +16,7 @@ read bandwidth, or the FLOPs at the ceiling, whichever is longer. Writes rooflin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -103,17 +104,15 @@ def decode_steps(model, sampler, prompts, G: int, steps: int, profile: bool):
     warm = 2
     for i in range(warm):
         nxt, _, _ = decode_one_token(model, cache, nxt, sampling, u[1 + i], sampler=sampler)
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
-    if prof:
-        prof.__enter__()
-    t0 = time.perf_counter()
-    for i in range(warm, steps):
-        nxt, _, _ = decode_one_token(model, cache, nxt, sampling, u[1 + i], sampler=sampler)
-        nxt.tolist()  # the engine's host sync each step
-    per_step = (time.perf_counter() - t0) / (steps - warm)
-    if not prof:
+    profiling = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    with profiling if profile else contextlib.nullcontext() as prof:
+        t0 = time.perf_counter()
+        for i in range(warm, steps):
+            nxt, _, _ = decode_one_token(model, cache, nxt, sampling, u[1 + i], sampler=sampler)
+            nxt.tolist()  # the engine's host sync each step
+        per_step = (time.perf_counter() - t0) / (steps - warm)
+    if prof is None:
         return per_step, None
-    prof.__exit__(None, None, None)
     parts = {name: 0.0 for name in PARTS}
     for e in prof.key_averages():
         for name, ops in PARTS.items():
@@ -122,11 +121,10 @@ def decode_steps(model, sampler, prompts, G: int, steps: int, profile: bool):
     return per_step, parts
 
 
-def floor(args, weight_bytes: int, kv_elem: int, B: int, ctx: int, bw: float, ceiling: float) -> dict:
-    """The step's floor: its bytes (weights once, each row's keys and values) at the read bandwidth, its FLOPs
-    at the products' ceiling; and the KV bytes if a group's prompt were read once for its G responses."""
+def floor(args, params: int, weight_bytes: int, kv_elem: int, B: int, ctx: int, bw: float, ceiling: float) -> dict:
+    """The step's floor: its bytes (the weights once, each row's keys and values) at the read bandwidth, or its
+    FLOPs (each weight's multiply-add per row, attention's over the context) at the products' ceiling."""
     kv = args.num_layers * B * ctx * 2 * args.num_kv_heads * args.head_dim * kv_elem
-    params = weight_bytes / 2  # bfloat16 weights: 2 bytes a parameter
     flops = 2 * params * B + 4 * args.num_layers * B * ctx * args.num_heads * args.head_dim
     return {"weight_bytes": weight_bytes, "kv_bytes": kv, "flops": flops, "bytes_s": (weight_bytes + kv) / bw,
             "flops_s": flops / ceiling, "floor_s": max((weight_bytes + kv) / bw, flops / ceiling)}  # fmt: skip
@@ -187,9 +185,10 @@ def main() -> None:
     lm, dc = load_model("default"), DraftConfig(draft="none")
     gen = build_generation(RolloutPlan.settle(lm.model, a.dtype, "auto", dc), dc, lm.model, 1.0, trains=False)
     model, sampler = gen.policy.model, gen.policy.sampler
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed" not in n)
+    read = [p for n, p in model.named_parameters() if "embed" not in n]  # a step reads one row of the embedding
     if model.args.tie_word_embeddings:
-        weight_bytes += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+        read.append(model.lm_head.weight)  # and all of it as the head
+    params, weight_bytes = sum(p.numel() for p in read), sum(p.numel() * p.element_size() for p in read)
     kv_elem = model.new_cache(1, 1).kv.element_size()
     rows = []
     with torch.no_grad():
@@ -200,7 +199,7 @@ def main() -> None:
                 wall, _ = decode_steps(model, sampler, prompts, B // P, a.steps, profile=False)
                 _, parts = decode_steps(model, sampler, prompts, B // P, a.steps, profile=True)
                 split = {k: v * 1e3 for k, v in parts.items()} | {"rest": (wall - sum(parts.values())) * 1e3}
-                f = floor(model.args, weight_bytes, kv_elem, B, ctx, limits["read_GBps"] * 1e9, ceiling)
+                f = floor(model.args, params, weight_bytes, kv_elem, B, ctx, limits["read_GBps"] * 1e9, ceiling)
                 row = {"responses": B, "context": ctx, "step_ms": wall * 1e3, "tok_per_s": B / wall,
                        "split_ms": split, "floor": f, "of_floor": f["floor_s"] / wall,
                        "floor_tok_per_s": B / f["floor_s"]}  # fmt: skip

@@ -96,26 +96,26 @@ MEMPOLICY_SYSCALLS = {"x86_64": (239, 238), "aarch64": (236, 237)}  # (get_mempo
 NODE_BITS = 1024  # the node mask's width: more NUMA nodes than any machine has
 
 
-def memory_policy() -> tuple[int, bytes] | None:
-    """This process's NUMA memory policy (mode, node mask) from get_mempolicy(2); None where it cannot be read (not
-    Linux on x86-64 or ARM64, or a kernel without NUMA)."""
+def _mempolicy(which: int, *args) -> bool:
+    """The memory-policy system call `which` (0: get_mempolicy, 1: set_mempolicy) with `args`; whether it ran and
+    succeeded (False where it does not exist: not Linux on x86-64 or ARM64, or a kernel without NUMA)."""
     calls = MEMPOLICY_SYSCALLS.get(platform.machine()) if sys.platform.startswith("linux") else None
-    if calls is None:
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
+    return calls is not None and ctypes.CDLL(None, use_errno=True).syscall(calls[which], *args) == 0
+
+
+def memory_policy() -> tuple[int, bytes] | None:
+    """This process's NUMA memory policy (mode, node mask) from get_mempolicy(2); None where it cannot be read."""
     mode, mask = ctypes.c_int(0), (ctypes.c_ulong * (NODE_BITS // 64))()
-    if libc.syscall(calls[0], ctypes.byref(mode), mask, ctypes.c_ulong(NODE_BITS), None, ctypes.c_ulong(0)) != 0:
+    if not _mempolicy(0, ctypes.byref(mode), mask, ctypes.c_ulong(NODE_BITS), None, ctypes.c_ulong(0)):
         return None
     return mode.value, bytes(mask)
 
 
 def set_memory_policy(policy: tuple[int, bytes]) -> bool:
     """set_mempolicy(2) to a policy `memory_policy` read; whether it took."""
-    calls = MEMPOLICY_SYSCALLS.get(platform.machine())
     mode, raw = policy
     mask = (ctypes.c_ulong * (NODE_BITS // 64)).from_buffer_copy(raw)
-    libc = ctypes.CDLL(None, use_errno=True)
-    return calls is not None and libc.syscall(calls[1], ctypes.c_int(mode), mask, ctypes.c_ulong(NODE_BITS)) == 0
+    return _mempolicy(1, ctypes.c_int(mode), mask, ctypes.c_ulong(NODE_BITS))
 
 
 @contextlib.contextmanager

@@ -441,7 +441,6 @@ def _train(run: GRPORun, start: int) -> Summary:
     finally:
         bar.close()  # an error's line then starts a line of its own
         run.grader.close()
-    bar.close()
     if main:
         plot_metrics(cfg.out)
         export_final(run, saved_step)

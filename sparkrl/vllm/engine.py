@@ -187,8 +187,8 @@ class VllmEngine:
         warm and more without it, which would otherwise land on the user's first request."""
         params = self.vllm.SamplingParams(max_tokens=4, temperature=1.0, logprobs=0, seed=0)
         self.llm.generate([{"prompt_token_ids": [0, 1, 2]}], params, use_tqdm=False)
-        if self.spark() is not None:
-            self.spark().clear()
+        if (spark := self.spark()) is not None:
+            spark.clear()
 
     @classmethod
     def serving(
