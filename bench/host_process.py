@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from sparkrl.commands.bench import machine
 from sparkrl.config import DraftConfig, SamplingConfig
 from sparkrl.engine.autoregressive import Autoregressive, response_generators
 from sparkrl.model.weights import load_model
@@ -105,9 +106,8 @@ def main() -> None:
         print(f"beside vLLM / alone, {k}: {v:.2f}x")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     command = "python bench/host_process.py " + " ".join(sys.argv[1:])
-    result = {"command": command, "commit": commit, "load": os.getloadavg(), "ratios": ratios, "runs": runs}
+    result = {"command": command, "machine": machine(), "load": os.getloadavg(), "ratios": ratios, "runs": runs}
     (out / "host_process.json").write_text(json.dumps(result, indent=1))
 
 

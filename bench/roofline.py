@@ -20,12 +20,12 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from sparkrl.commands.bench import machine as recorded_machine
 from sparkrl.config import DraftConfig, SamplingConfig
 from sparkrl.cpu import native
 from sparkrl.engine.autoregressive import decode_one_token, prefill
@@ -131,12 +131,12 @@ def floor(args, params: int, weight_bytes: int, kv_elem: int, B: int, ctx: int, 
 
 
 def machine() -> dict:
+    """What `sparkrl bench` records of the machine (commit, versions, threads), the processor's name and the vector
+    extensions the kernels' paths depend on, and the load before the run."""
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     name = next((ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("model name")), "?")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"cpu": name, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "avx512_bf16": "avx512_bf16" in flags, "avx512_vnni": "avx512_vnni" in flags,
-            "load_before": os.getloadavg(), "commit": commit, "torch": torch.__version__}  # fmt: skip
+    return recorded_machine() | {"cpu": name, "avx512_bf16": "avx512_bf16" in flags,
+                                 "avx512_vnni": "avx512_vnni" in flags, "load_before": os.getloadavg()}  # fmt: skip
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from sparkrl.commands.bench import machine
+
 LINE = re.compile(r"sparkrl: (\d+) tokens in ([\d.]+)s")
 
 
@@ -51,8 +53,7 @@ def main() -> None:
           f"start-up {med['vllm']['startup_s']:.1f}s vs {med['sparkrl']['startup_s']:.1f}s")  # fmt: skip
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"command": "python bench/single_request.py " + " ".join(sys.argv[1:]), "commit": commit,
+    result = {"command": "python bench/single_request.py " + " ".join(sys.argv[1:]), "machine": machine(),
               "load": os.getloadavg(), "median": med, "ratio": ratio, "runs": runs}  # fmt: skip
     (out / "single_request.json").write_text(json.dumps(result, indent=1))
 
