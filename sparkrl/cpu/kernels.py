@@ -82,12 +82,17 @@ class CpuLinear(Linear):
         """`native.linear`; a bfloat16 weight on a CPU with bfloat16 dot products repacked into pairs first
         (`native.pack_pairs`), kept and remade the first time the weight has changed (as `_pack`). w: this
         layer's weight or, from `linears`, its concatenation with others'."""
+        return native.linear(x, w, bias, pairs=self.pairs(w))
+
+    def pairs(self, w: torch.Tensor) -> torch.Tensor | None:
+        """`native.pack_pairs(w)` for a bfloat16 w on a CPU with bfloat16 dot products (else None), kept and remade
+        the first time w has changed (its version counter)."""
         if w.dtype != torch.bfloat16 or not native.bf16_dot():
-            return native.linear(x, w, bias)
+            return None
         p = self._pairs  # the weight itself is kept, not its id: a freed concatenation's id can come back
         if p is None or p[1] is not w or p[2] != w._version:
             self._pairs = p = (native.pack_pairs(w), w, w._version)
-        return native.linear(x, w, bias, pairs=p[0])
+        return p[0]
 
     def serves_weight_major(self, x: torch.Tensor) -> bool:
         """Whether `forward(x)` is a weight-major product: 1 to `WEIGHT_MAJOR_ROWS` rows, or to
@@ -116,9 +121,23 @@ def linears(x: torch.Tensor, *layers: CpuLinear) -> tuple[torch.Tensor, ...]:
     one tensor."""
     first, x = layers[0], dense(x)
     product = first.product(x)
-    flags = lambda l: (l.native, l.weight_major, l.packed, l.weight.dtype, l.bias is None)  # what picks the product
-    if len(layers) == 1 or not FUSE_LINEARS or product is None or any(flags(l) != flags(first) for l in layers[1:]):
+    if len(layers) == 1 or not FUSE_LINEARS or product is None or not fusable(layers):
         return tuple(l(x) for l in layers)
+    return product(x, *concatenated(layers)).split([l.out_features for l in layers], dim=-1)
+
+
+def fusable(layers: tuple[CpuLinear, ...]) -> bool:
+    """Whether `layers` pick one product (their kernels, dtype and bias alike), so `linears` can run them as one."""
+    flags = lambda l: (l.native, l.weight_major, l.packed, l.weight.dtype, l.bias is None)
+    return all(flags(l) == flags(layers[0]) for l in layers[1:])
+
+
+def concatenated(layers: tuple[CpuLinear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias (or None) of `layers` concatenated along their outputs, as `linears` runs them: kept on
+    the first layer and remade whenever a weight or bias is another tensor or has changed (its version)."""
+    first = layers[0]
+    if len(layers) == 1:
+        return first.weight, first.bias
     tensors = tuple(t for l in layers for t in (l.weight, l.bias) if t is not None)
     versions = tuple(t._version for t in tensors)
     f = first._fused
@@ -126,7 +145,17 @@ def linears(x: torch.Tensor, *layers: CpuLinear) -> tuple[torch.Tensor, ...]:
         w = torch.cat([l.weight.detach() for l in layers])
         b = None if first.bias is None else torch.cat([l.bias.detach() for l in layers])
         first._fused = f = (tensors, versions, w, b)
-    return product(x, f[2], f[3]).split([l.out_features for l in layers], dim=-1)
+    return f[2], f[3]
+
+
+def compiled(x: torch.Tensor, *layers: CpuLinear) -> list | None:
+    """[weight, bias, pairs] of `layers` (concatenated where there are several) as the compiled product runs
+    `linears(x, *layers)` on them; None where that product does not serve x (another kernel, gradients recorded)."""
+    first = layers[0]
+    if first.product(x) != first._compiled or (len(layers) > 1 and not (FUSE_LINEARS and fusable(layers))):
+        return None
+    w, b = concatenated(layers)
+    return [w, b, first.pairs(w)]
 
 
 def weight_major_linear(

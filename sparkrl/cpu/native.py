@@ -6,6 +6,8 @@
 * `rms_norm`, `rope`: one call each, rounding bfloat16 intermediates where torch's ops do (`csrc/decode_ops.cpp`).
 * `attention`: cached attention reading each key/value head once for all its query rows, the softmax's sums
   over the positions a row sees in cache order.
+* `decode_layer`: a decoder layer's cached forward (norms, products, RoPE, cache write, attention, residuals,
+  MLP) in one call of the kernels above, the same bits as the layer's modules give on them.
 * `nucleus`: the softmax, top-p nucleus, token and log-probability of a row of logits in one call.
 
 Why: speculative rollouts of point-mass drafts commit exactly the tokens autoregressive sampling gives with the
@@ -30,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("small_linear.cpp", "decode_ops.cpp", "bf16_pairs.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("small_linear.cpp", "decode_ops.cpp", "bf16_pairs.cpp", "decode_layer.cpp")]
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # -fopenmp: torch's thread pool (at::parallel_for)
 
@@ -81,7 +84,8 @@ def available() -> bool:
 
 def digest() -> str:
     """A hash of the kernels' sources and flags: cached timings of other kernels are not reused."""
-    return hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:12]
+    files = [*SOURCES, CSRC / "kernels.h"]
+    return hashlib.sha1(b"".join(p.read_bytes() for p in files) + " ".join(FLAGS).encode()).hexdigest()[:12]
 
 
 def serves(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -167,4 +171,27 @@ def nucleus(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Ten
     a sort of the vocabulary: only the tokens near the nucleus's edge are sorted."""
     return tuple(
         torch.ops.sparkrl_native.nucleus(logits.contiguous(), temperature, top_p, u.to(torch.float64).contiguous())
+    )
+
+
+def decode_layer(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+    mask: torch.Tensor,
+    span: int,
+    weights: list,
+    heads: int,
+    kv_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """`DecoderLayer.forward` with a cache, on the kernels above, in one call (`csrc/decode_layer.cpp`): x (B, T, d);
+    cos, sin (B, 1, T, D) in x's dtype; k_cache, v_cache one layer's `KVCache` buffers (written at `rows`, as
+    `KVCache.write`); mask (B, 1, T, span) and span as `attention` takes them; weights as
+    `CpuDecoderLayer.compiled_weights` lists them. Returns the layer's output (B, T, d)."""
+    return torch.ops.sparkrl_native.decode_layer(
+        x, cos.contiguous(), sin.contiguous(), k_cache, v_cache, rows, mask, span, weights, heads, kv_heads, eps
     )

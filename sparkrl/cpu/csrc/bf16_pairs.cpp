@@ -19,6 +19,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <cstdint>
 #include <cstring>
 
@@ -86,6 +88,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile
   }
 }
 
+}  // namespace
+
+namespace sparkrl_native {
+
 at::Tensor pairs_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(has_bf16_dot(), "pairs_linear: this CPU has no AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && wp.dim() == 5 &&
@@ -120,10 +126,11 @@ at::Tensor pairs_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, co
   return y;
 }
 
-}  // namespace
+}  // namespace sparkrl_native
+
 
 TORCH_LIBRARY_FRAGMENT(sparkrl_native, m) {
   m.def("has_bf16_dot() -> bool", [] { return has_bf16_dot(); });
   m.def("pack_pairs(Tensor w) -> Tensor", &pack_pairs);
-  m.def("pairs_linear(Tensor x, Tensor wp, int N, Tensor? bias) -> Tensor", &pairs_linear);
+  m.def("pairs_linear(Tensor x, Tensor wp, int N, Tensor? bias) -> Tensor", &sparkrl_native::pairs_linear);
 }

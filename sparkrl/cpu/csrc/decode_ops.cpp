@@ -16,6 +16,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -75,6 +77,10 @@ void norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, double eps
   }
 }
 
+}  // namespace
+
+namespace sparkrl_native {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && w.scalar_type() == dtype,
@@ -90,6 +96,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     norm_rows(x.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), rows, D, eps);
   return y;
 }
+
+}  // namespace sparkrl_native
+
+namespace {
 
 template <typename T>
 void rope_rows(const at::Tensor& x, const T* c, const T* s, T* y) {
@@ -113,6 +123,10 @@ void rope_rows(const at::Tensor& x, const T* c, const T* s, T* y) {
       }
 }
 
+}  // namespace
+
+namespace sparkrl_native {
+
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && cos.scalar_type() == dtype &&
@@ -129,6 +143,10 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
     rope_rows(x, cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>());
   return y;
 }
+
+}  // namespace sparkrl_native
+
+namespace {
 
 // 8 values from memory as float32 (a bfloat16 widened by a shift into the high half)
 inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
@@ -316,6 +334,10 @@ void attend_heads(const at::Tensor& q, const TI* kb, const TI* vb, const at::Ten
   });
 }
 
+}  // namespace
+
+namespace sparkrl_native {
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                      int64_t span, c10::ScalarType out_dtype) {
   const auto dtype = q.scalar_type();
@@ -343,6 +365,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     attend_heads(q, k.data_ptr<float>(), v.data_ptr<float>(), mask, out.data_ptr<float>(), Hk, span, cap);
   return out;
 }
+
+}  // namespace sparkrl_native
+
+namespace {
 
 
 // nucleus: the sampling after a decode step's LM head, per row of logits (N, V): x = logits / T - max, p =
@@ -563,8 +589,8 @@ std::vector<at::Tensor> nucleus(const at::Tensor& logits, double temperature, do
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sparkrl_native, m) {
-  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
-  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &sparkrl_native::rms_norm);
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &sparkrl_native::rope);
   m.def("nucleus(Tensor logits, float temperature, float top_p, Tensor u) -> Tensor[]", &nucleus);
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, int span, ScalarType out_dtype) -> Tensor", &attention);
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, int span, ScalarType out_dtype) -> Tensor", &sparkrl_native::attention);
 }
