@@ -1,13 +1,13 @@
 """This tree's autoregressive decode step against another commit's, in alternating processes.
 
 A change to the engine's kernels is measured against the code it replaces, not against a figure from another day:
-each round starts one process on a git worktree of --base and one on this tree (in alternating order), each times
-the default policy's decode step (`decode_one_token`, as a rollout runs it, in the rollout dtype and kernels the
-default picks) at every --responses x --contexts setting, and reports the tokens it sampled. Each tree builds its
-compiled kernels into its own folder. Per setting: the median step time of each tree over the rounds and the
-median of the rounds' ratios; the two trees must sample the same tokens from the same uniforms (a change that
-alters any output bit fails here). Writes against_commit.json and .png into --out; nothing else may run while
-it measures.
+each round starts one process on a git worktree of --base and one on this tree (in alternating order), each timing
+the default policy's decode step (`decode_child.py`: `decode_one_token` as a rollout runs it, in the rollout dtype
+and kernels the default picks) at every --responses x --contexts setting and reporting the tokens it sampled. Each
+tree builds its compiled kernels into its own folder. Per setting: the median step time of each tree over the rounds
+and the median of the rounds' ratios; the two trees must sample the same tokens from the same uniforms (a change that
+alters any output bit fails here). Writes against_commit.json and .png into --out; nothing else may run while it
+measures.
 
     .venv/bin/python bench/against_commit.py --base 16a1bd8 --out bench/results/against_commit
 """
@@ -25,43 +25,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CHILD = r"""
-import json, sys, time, torch
-from sparkrl.config import DraftConfig, SamplingConfig
-from sparkrl.engine.autoregressive import decode_one_token, prefill
-from sparkrl.model.weights import load_model
-from sparkrl.train.data import load_problems
-from sparkrl.train.generation import RolloutPlan, build_generation
-
-responses, contexts, n = json.loads(sys.argv[1])
-lm, dc = load_model("default"), DraftConfig(draft="none")
-gen = build_generation(RolloutPlan.settle(lm.model, "auto", "auto", dc), dc, lm.model, 1.0, trains=False)
-model, sampler = gen.policy.model, gen.policy.sampler
-ids = lm.tokenizer(" ".join(f"{p.question} {p.answer}" for p in load_problems("default").problems))["input_ids"]
-out = {}
-with torch.no_grad():
-    for ctx in contexts:
-        for B in responses:
-            P = max(1, B // 8)
-            prompts = [ids[i * 97 : i * 97 + ctx] for i in range(P)]
-            cache, logits, _ = prefill(model, prompts, ctx + n + 4, B // P)
-            u = torch.rand(n + 3, B, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-            sampling = SamplingConfig(1.0, 0.95, n)
-            nxt, _ = sampler.token(logits, 1.0, 0.95, u[0])
-            for i in range(2):
-                nxt, _, _ = decode_one_token(model, cache, nxt, sampling, u[1 + i], sampler=sampler)
-            toks, t0 = [], time.perf_counter()
-            for i in range(n):
-                nxt, _, _ = decode_one_token(model, cache, nxt, sampling, u[3 + i], sampler=sampler)
-                toks.append(nxt.tolist())
-            out[f"{B}x{ctx}"] = {"step_s": (time.perf_counter() - t0) / n, "tokens": toks}
-print("RESULT " + json.dumps(out))
-"""
+CHILD = Path(__file__).resolve().parent / "decode_child.py"  # run on each tree
 
 
 def run(tree: Path, ext: Path, settings: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree), TORCH_EXTENSIONS_DIR=str(ext))
-    p = subprocess.run([sys.executable, "-c", CHILD, settings], env=env, capture_output=True, text=True, cwd=tree)
+    p = subprocess.run([sys.executable, str(CHILD), settings], env=env, capture_output=True, text=True, cwd=tree)
     line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
     if p.returncode or line is None:
         raise SystemExit(f"the run on {tree} failed:\n{p.stderr[-3000:]}")
@@ -80,7 +49,8 @@ def main() -> None:
     git = lambda *args: subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     base_commit, this_commit = git("rev-parse", "--short", a.base).strip(), git("rev-parse", "--short", "HEAD").strip()
     dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
-    settings = json.dumps([[int(b) for b in a.responses.split(",")], [int(c) for c in a.contexts.split(",")], a.steps])
+    settings = json.dumps({"responses": [int(b) for b in a.responses.split(",")], "steps": a.steps,
+                           "contexts": [int(c) for c in a.contexts.split(",")]})  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="sparkrl-base-") as tmp:
         base = Path(tmp) / "tree"
         git("worktree", "add", "--detach", str(base), base_commit)
@@ -94,7 +64,7 @@ def main() -> None:
         finally:
             git("worktree", "remove", "--force", str(base))
     rows = []
-    for key in results["base"][0]:
+    for key in [k for k in results["base"][0] if "x" in k]:
         same = all(b[key]["tokens"] == t[key]["tokens"] for b, t in zip(results["base"], results["this"]))
         base_s = [b[key]["step_s"] for b in results["base"]]
         this_s = [t[key]["step_s"] for t in results["this"]]

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from roofline import context_prompts, machine  # noqa: E402
+from decode_child import context_ids  # noqa: E402
+from roofline import machine  # noqa: E402
 
 from sparkrl.config import DraftConfig, SamplingConfig  # noqa: E402
 from sparkrl.cpu import accelerate  # noqa: E402
@@ -66,7 +67,7 @@ def main() -> None:
         for ctx in map(int, a.contexts.split(",")):
             for B in map(int, a.responses.split(",")):
                 P = max(1, B // 8)
-                prompts = context_prompts(lm.tokenizer, P, ctx)
+                prompts = context_ids(lm.tokenizer, P, ctx)
                 times = {"one call": [], "modules": []}
                 for _ in range(a.rounds):
                     toks = {}

