@@ -92,10 +92,12 @@ def main() -> None:
     ap.add_argument("--contexts", default="128,1024")
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed per setting (after 2 untimed)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--gguf-dir", default=None, help="where the requantized GGUFs are kept (default: --out/gguf)")
+    ap.add_argument("--gguf-dir", default=None, help="where the requantized GGUFs are kept (default: sparkrl's cache)")
     a = ap.parse_args()
     out = Path(a.out)
-    paths = variants(Path(a.gguf_dir) if a.gguf_dir else out / "gguf")
+    from sparkrl.machine import cache_dir
+
+    paths = variants(Path(a.gguf_dir) if a.gguf_dir else cache_dir() / "models" / "gguf")
     contexts = [int(c) for c in a.contexts.split(",")]
     settings = json.dumps({"responses": [1], "contexts": contexts, "steps": a.steps})
     cmds = {f"llama.cpp {k}": [sys.executable, __file__, "--llama-child", str(v), settings] for k, v in paths.items()}
