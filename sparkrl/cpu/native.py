@@ -8,6 +8,8 @@
   over the positions a row sees in cache order.
 * `decode_layer`: a decoder layer's cached forward (norms, products, RoPE, cache write, attention, residuals,
   MLP) in one call of the kernels above, the same bits as the layer's modules give on them.
+* `quantize_rows`, `int8_linear`: 8-bit weights (one scale per output row) and activations (one per row, quantized
+  as they come in), exact int32 sums (`csrc/int8_linear.cpp`: AVX2's u8 x s8 products); not yet a rollout dtype.
 * `nucleus`: the softmax, top-p nucleus, token and log-probability of a row of logits in one call.
 
 Why: speculative rollouts of point-mass drafts commit exactly the tokens autoregressive sampling gives with the
@@ -33,7 +35,10 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("small_linear.cpp", "decode_ops.cpp", "bf16_pairs.cpp", "decode_layer.cpp")]
+SOURCES = [
+    CSRC / name
+    for name in ("small_linear.cpp", "decode_ops.cpp", "bf16_pairs.cpp", "decode_layer.cpp", "int8_linear.cpp")
+]
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # -fopenmp: torch's thread pool (at::parallel_for)
 
@@ -195,3 +200,19 @@ def decode_layer(
     return torch.ops.sparkrl_native.decode_layer(
         x, cos.contiguous(), sin.contiguous(), k_cache, v_cache, rows, mask, span, weights, heads, kv_heads, eps
     )
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric 8-bit quantization of each row of a float32 or bfloat16 CPU x (M, K) (`csrc/int8_linear.cpp`):
+    (q int8 (M, Kp), scale float32 (M,)) with x ~ q * scale, scale = max |x| / 127, q rounded to nearest even in
+    [-127, 127]; Kp = K rounded up to a multiple of 32, zero-padded. A weight quantized this way feeds `int8_linear`."""
+    q, s = torch.ops.sparkrl_native.quantize_rows(x.contiguous())
+    return q, s
+
+
+def int8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) float32 or bfloat16 times a weight quantized by `quantize_rows` (wq (N, Kp), ws (N,)): x's rows are
+    quantized the same way, the products summed exactly in int32, then scaled (float32) and rounded to x's dtype;
+    bias (N,) in x's dtype. A row's output never depends on the other rows."""
+    out = torch.ops.sparkrl_native.int8_linear(x.reshape(-1, x.shape[-1]).contiguous(), wq, ws, bias)
+    return out.view(*x.shape[:-1], wq.shape[0])
