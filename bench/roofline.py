@@ -35,7 +35,8 @@ from sparkrl.train.generation import RolloutPlan, build_generation
 
 GiB = 1 << 30
 PARTS = {  # profiler op name -> part of the step (every other op's time is in "rest")
-    "products": ("sparkrl_native::small_linear", "sparkrl_native::pairs_linear", "aten::addmm", "aten::mm",
+    "products": ("sparkrl_native::small_linear", "sparkrl_native::pairs_linear", "sparkrl_native::int8_linear",
+                 "aten::addmm", "aten::mm",
                  "aten::bmm", "mkldnn::_linear_pointwise"),
     "attention": ("sparkrl_native::attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::_scaled_dot_product_attention_math"),

@@ -12,7 +12,7 @@ from helpers import hf_model, ours_from_hf
 
 from sparkrl.cpu import accelerate as cpu_layer
 from sparkrl.cpu import native
-from sparkrl.cpu.accelerate import CpuDecoderLayer, accelerate
+from sparkrl.cpu.accelerate import CpuDecoderLayer, accelerate, use_int8
 from sparkrl.drafters.eagle3 import Eagle3Drafter, Eagle3Layer
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -20,8 +20,9 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="the compiled ker
 FAMILIES = ["llama", "llama-tied-bias", "qwen2", "qwen3"]  # plain, biased q/k/v/o, biased q/k/v, q/k norms
 
 
-def _model(family: str, dtype: torch.dtype):
-    return accelerate(ours_from_hf(hf_model(family)).to(dtype), "auto").model
+def _model(family: str, dtype: torch.dtype, int8: bool = False):
+    model = accelerate(ours_from_hf(hf_model(family)).to(dtype), "auto").model
+    return use_int8(model.model.layers) and model if int8 else model
 
 
 @pytest.fixture
@@ -51,12 +52,13 @@ def _rollout(model, tokens: torch.Tensor, tree_seed: int = 0):
     return out, cache.kv
 
 
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_one_call_gives_the_bits_the_modules_give(family, dtype, counted, monkeypatch):
+def test_one_call_gives_the_bits_the_modules_give(family, dtype, int8, counted, monkeypatch):
     """Prefill, a draft tree, a commit and decode steps: every hidden state and every cache entry the same bits
-    with the layer as one call and as its modules (each on the compiled kernels)."""
-    model = _model(family, dtype)
+    with the layer as one call and as its modules (each on the compiled kernels; int8: the 8-bit products)."""
+    model = _model(family, dtype, int8)
     tokens = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(1))
     fused, kv = _rollout(model, tokens)
     assert len(counted) == 4 * model.args.num_layers  # every cached forward of every layer was one call
@@ -81,12 +83,12 @@ def test_one_call_in_float32_matches_a_float64_reference(family, counted):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("dtype", [F32, BF16])
-def test_a_row_of_one_call_depends_only_on_its_own_tokens(dtype, threads, counted):
+@pytest.mark.parametrize("dtype,int8", [(F32, False), (BF16, False), (BF16, True)])
+def test_a_row_of_one_call_depends_only_on_its_own_tokens(dtype, int8, threads, counted):
     """A sequence's next token alone (one row, a one-token step) and as the first of three new tokens beside two other
     sequences (a verify forward: a longer span, more rows), at 1-3 threads: the same bits. What keeps speculative
     rollouts token-identical to AR ones."""
-    model = _model("llama-tied-bias", dtype)
+    model = _model("llama-tied-bias", dtype, int8)
     g = torch.Generator().manual_seed(3)
     prefix, others = torch.randint(0, 97, (1, 9), generator=g), torch.randint(0, 97, (2, 9), generator=g)
     chain = torch.randint(0, 97, (1, 2), generator=g)

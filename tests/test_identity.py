@@ -1,4 +1,4 @@
-"""Same seed, same tokens (the README's pairing promise) on the default model, in float32 and bfloat16 under
+"""Same seed, same tokens (the README's pairing promise) on the default model, in float32, bfloat16 and int8 under
 `--cpu-kernels auto`: greedy speculative rollouts (EAGLE3-style trees, DFlash-style blocks, each with and
 without SPARK) equal greedy autoregressive ones, and at temperature 1 the point-mass drafts commit the tokens AR
 sampling gives with the same generators. The shipped drafters accept often, so many verification forwards of
@@ -11,14 +11,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from sparkrl.config import DraftConfig, SamplingConfig, SparkConfig
 from sparkrl.engine.autoregressive import response_generators
 from sparkrl.model.weights import load_model
 from sparkrl.train.data import chat_prompt_ids
 from sparkrl.train.generation import RolloutPlan, build_generation
-from sparkrl.train.precision import dtype_name
 
 pytestmark = pytest.mark.slow
 KERNELS = "auto"  # the default; "packed" or "plain" (torch's kernels) fail here
@@ -37,13 +35,14 @@ def default_lm():
 
 @pytest.mark.parametrize(
     "dtype,temperature,top_p,n",
-    [(torch.bfloat16, 0.0, 1.0, 1), (torch.bfloat16, 1.0, 0.95, 2), (torch.float32, 0.0, 1.0, 1)],
+    [("bfloat16", 0.0, 1.0, 1), ("bfloat16", 1.0, 0.95, 2), ("float32", 0.0, 1.0, 1), ("int8", 1.0, 0.95, 2)],
 )
 def test_speculative_rollouts_are_the_autoregressive_tokens_on_the_default_model(
     default_lm, dtype, temperature, top_p, n
 ):
-    """Both drafters with SPARK on (its corrected proposals take the drafter's code path and more)."""
-    plan = RolloutPlan.settle(default_lm.model, dtype_name(dtype), KERNELS, DraftConfig())
+    """Both drafters with SPARK on (its corrected proposals take the drafter's code path and more); int8: the
+    policy copy's 8-bit products."""
+    plan = RolloutPlan.settle(default_lm.model, dtype, KERNELS, DraftConfig())
     build = lambda cfg: build_generation(
         replace(plan, draft=cfg.draft), cfg, default_lm.model, temperature, separate=True
     )  # a copy in `dtype` (the default model's master weights are float32)

@@ -1,13 +1,22 @@
 """The 8-bit kernels (`native.quantize_rows`, `native.int8_linear`, csrc/int8_linear.cpp): the quantizer against a
 float64 one, the product against float64 products of the quantized operands and, on integer operands, against exact
-integer products, and a row's output independent of its batch and of the thread count."""
+integer products, and a row's output independent of its batch and of the thread count. And the int8 rollout copy
+(--rollout-dtype int8): which layers it quantizes, that a refresh requantizes it, what it refuses."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from helpers import hf_model, ours_from_hf
 
+from sparkrl.config import DraftConfig
 from sparkrl.cpu import native
+from sparkrl.cpu.kernels import CpuLinear
+from sparkrl.errors import UserError
+from sparkrl.train.generation import RolloutPlan
+from sparkrl.train.precision import inference_copy
 
 F32, BF16 = torch.float32, torch.bfloat16
 pytestmark = pytest.mark.skipif(not native.available(), reason="the compiled kernels are not available here")
@@ -92,3 +101,38 @@ def test_a_row_of_the_int8_product_depends_on_nothing_else(dtype, threads):
         torch.set_num_threads(before)
     assert all(torch.equal(a[0], many[i]) for a, i in zip(alone, (0, 1, 548, 1099)))
     assert torch.equal(few, many[546:551])
+
+
+def test_an_int8_rollout_copy_quantizes_the_decoder_layers_and_follows_its_master():
+    """The decoder layers' products take 8-bit weights, the head stays in bfloat16; after an update of the master
+    weights a refresh gives what a fresh copy of the new weights gives (requantized, never stale)."""
+    master = ours_from_hf(hf_model("llama"))
+    ic = inference_copy(master, BF16, int8=True)
+    lin = [m for m in ic.model.modules() if isinstance(m, CpuLinear)]
+    assert ic.copied and ic.kernels.int8 and "int8" in ic.kernels.tags() and ic.kernels.key()["int8"]
+    assert all(m.int8 for m in lin if m is not ic.model.lm_head) and not ic.model.lm_head.int8
+    tokens = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(5))
+
+    def hidden(model):
+        with torch.no_grad():
+            cache = model.new_cache(2, 8)
+            return model(tokens, cache).hidden
+
+    before = hidden(ic.model)
+    with torch.no_grad():
+        for p in master.parameters():
+            p.mul_(1.1)  # an update
+    ic.refresh()
+    after = hidden(ic.model)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, hidden(inference_copy(copy.deepcopy(master), BF16, int8=True).model))
+
+
+def test_int8_rollouts_refuse_what_they_do_not_run_on():
+    policy = ours_from_hf(hf_model("llama"))
+    with pytest.raises(UserError, match="--rollout-dtype int8"):
+        RolloutPlan.settle(policy, "int8", "packed", DraftConfig())
+    plan = RolloutPlan.settle(policy, "int8", "auto", DraftConfig())
+    assert plan.int8 and plan.dtype == BF16 and plan.record()["rollout_dtype"] == "int8"
+    again = RolloutPlan.settle(policy, "auto", "auto", DraftConfig(), recorded=plan.record())  # a resumed run
+    assert again.int8 and again.dtype == BF16

@@ -34,7 +34,7 @@ def block_size():
 
 
 # Value sets that several configs take.
-RolloutDtype = Literal["auto", "float32", "bfloat16"]
+RolloutDtype = Literal["auto", "float32", "bfloat16", "int8"]
 CpuKernels = Literal["auto", "packed", "weight-major", "plain"]
 BudgetKind = Literal["auto", "adaptive", "fixed"]
 
@@ -100,7 +100,9 @@ class ModelConfig(Checked):
     rollout_dtype: RolloutDtype = "auto"
     """Dtype rollouts sample in (a copy of the policy, refreshed after every update): auto = bfloat16 on
     CUDA, and on a CPU where a measurement of decode steps at 1, 8 and 64 rows, each dtype on its --cpu-kernels
-    (once, cached), finds it faster; else float32."""
+    (once, cached), finds it faster; else float32. int8 (CPU, compiled kernels): a bfloat16 copy whose decoder
+    layers' products take 8-bit weights (one scale per output) and activations (one per token); rollouts are exact
+    samples of that copy, whose gap to the master weights is logged and corrected as bfloat16's is (--tis-cap)."""
     rollout_head: Literal["rollout", "float32"] = "rollout"
     """LM head of a half-precision rollout copy: in the rollout dtype, or float32 (the master's head weights
     in float32 on the upcast hidden states: logits without half-precision rounding; costs time)."""
@@ -125,6 +127,10 @@ class ModelConfig(Checked):
                 f"--device {self.device}: {why}; use --device cpu (or install a CUDA build of torch "
                 "on a machine with a GPU)"
             )
+        require(
+            dev.type == "cpu" or self.rollout_dtype != "int8",
+            "--rollout-dtype int8 runs on sparkrl's compiled CPU kernels, not built for CUDA: use bfloat16 on a GPU",
+        )
         require(
             not (dev.type == "cpu" and self.dtype == "float16"),
             "--dtype float16 on a CPU runs in slow software emulation (a policy update took 11x longer); use "

@@ -28,6 +28,7 @@ from torch import nn
 from sparkrl.cpu import kernels, native
 from sparkrl.cpu.kernels import CpuLinear, compiled, linears, pack, packable
 from sparkrl.engine.sampling import SAMPLER, Sampler
+from sparkrl.errors import UserError
 from sparkrl.model.transformer import MLP, Attention, DecoderLayer, Linear, RMSNorm, Transformer, dense
 
 
@@ -100,7 +101,9 @@ class CpuDecoderLayer(DecoderLayer):
             return None
         leaves = self.__dict__.get("_leaves") or self._find_leaves()
         tensors = [t for m in leaves for t in m._parameters.values() if t is not None]
-        flags = tuple((m.native, m.weight_major, m.packed) if isinstance(m, CpuLinear) else m.native for m in leaves)
+        flags = tuple(
+            (m.native, m.int8, m.weight_major, m.packed) if isinstance(m, CpuLinear) else m.native for m in leaves
+        )
         state = tuple((t.data_ptr(), t._version) for t in tensors)
         key = (x.dtype, x.device, cos.dtype, kernels.FUSE_LINEARS, self.self_attn.attn_dtype, flags, state)
         memo = self.__dict__.get("_memo")
@@ -185,16 +188,18 @@ class Kernels:
     weight_major: bool = False  # weight-major products
     float32_attention: bool = False  # a half-precision module attending in float32 over a float32 KV cache
     compiled: str | None = None  # the compiled kernels' digest, where they serve (`native.digest`)
+    int8: bool = False  # the decoder layers' products on 8-bit weights and activations (`use_int8`)
 
     def key(self) -> dict:
         """The kernels as the measurement caches' keys have always named them (`budget.CostModel.measure`)."""
         compiled = {"native": self.compiled, "ops": self.compiled} if self.compiled else {}
         attention = str(torch.float32 if self.float32_attention else None)
-        return {"packed": self.packed, "weight_major": self.weight_major, "attention": attention, **compiled}
+        int8 = {"int8": True} if self.int8 else {}
+        return {"packed": self.packed, "weight_major": self.weight_major, "attention": attention, **compiled, **int8}
 
     def tags(self) -> list[str]:
         """What of the CPU layer runs the module, in words (part of the corpus and feature caches' keys)."""
-        named = {"packed": self.packed, "float32 attention": self.float32_attention}
+        named = {"packed": self.packed, "float32 attention": self.float32_attention, "int8": self.int8}
         named |= {"native": bool(self.compiled), "compiled ops": bool(self.compiled)}
         return [name for name, on in named.items() if on]
 
@@ -246,6 +251,21 @@ def use_native(module: nn.Module, on: bool = True) -> nn.Module:
                 m._pairs = None  # the compiled product's repacked weight
         elif isinstance(m, (CpuRMSNorm, CpuAttention)):
             m.native = on
+    return module
+
+
+def use_int8(module: nn.Module, on: bool = True) -> nn.Module:
+    """Run every `CpuLinear` of `module` on 8-bit weights and activations (`native.int8_linear`: one scale per output
+    row of the weight, requantized whenever it changes; one per row of the input, quantized as it comes in), or
+    not. Only where the compiled kernels run: a clear error elsewhere."""
+    if on and not (next(module.parameters()).device.type == "cpu" and native.available()):
+        raise UserError("--rollout-dtype int8 runs on sparkrl's compiled CPU kernels, which this machine cannot "
+                        "run (a GPU, or no AVX2 / compiler): use --rollout-dtype bfloat16")  # fmt: skip
+    for m in module.modules():
+        if isinstance(m, CpuLinear):
+            m.int8 = on
+            if not on:
+                m._q = None
     return module
 
 

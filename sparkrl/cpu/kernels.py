@@ -43,9 +43,11 @@ class CpuLinear(Linear):
     packed = False  # prepacked oneDNN weights (`pack`)
     weight_major = False  # weight-major products (`use_weight_major`)
     native = False  # the compiled product of `sparkrl.cpu.native` (`use_native`)
+    int8 = False  # 8-bit weights and activations (`native.int8_linear`; `accelerate.use_int8`)
     _pack = None  # (prepacked weight, the weight's (tensor id, version) it was made from)
     _fused = None  # `linears`' concatenation of this layer's weight with others' (on the first layer)
     _pairs = None  # (`native.pack_pairs` of the weight the compiled product last took, that weight, its version)
+    _q = None  # ((int8 weight, scales) of the weight the 8-bit product last took, that weight, its version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -74,6 +76,8 @@ class CpuLinear(Linear):
         prepacked or plain `F.linear` serves, and always while gradients are recorded."""
         if torch.is_grad_enabled() or x.dtype != self.weight.dtype:
             return None
+        if self.int8 and native.serves(x, self.weight):
+            return self._int8
         if self.native and native.serves(x, self.weight):
             return self._compiled
         return weight_major_linear if self.serves_weight_major(x) else None
@@ -83,6 +87,19 @@ class CpuLinear(Linear):
         (`native.pack_pairs`), kept and remade the first time the weight has changed (as `_pack`). w: this
         layer's weight or, from `linears`, its concatenation with others'."""
         return native.linear(x, w, bias, pairs=self.pairs(w))
+
+    def _int8(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`native.int8_linear` on w quantized (`quantized`); w: this layer's weight or, from `linears`, its
+        concatenation with others'."""
+        return native.int8_linear(x, *self.quantized(w), bias)
+
+    def quantized(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """w as `native.quantize_rows` makes it (int8 values, one float32 scale per output), kept and remade the
+        first time w has changed (its version counter: an optimizer step or a refresh requantizes it)."""
+        q = self._q
+        if q is None or q[1] is not w or q[2] != w._version:
+            self._q = q = (native.quantize_rows(w.detach()), w, w._version)
+        return q[0]
 
     def pairs(self, w: torch.Tensor) -> torch.Tensor | None:
         """`native.pack_pairs(w)` for a bfloat16 w on a CPU with bfloat16 dot products (else None), kept and remade
@@ -107,6 +124,7 @@ class CpuLinear(Linear):
         state.pop("_pack", None)
         state.pop("_fused", None)
         state.pop("_pairs", None)
+        state.pop("_q", None)
         return state
 
 
@@ -128,7 +146,7 @@ def linears(x: torch.Tensor, *layers: CpuLinear) -> tuple[torch.Tensor, ...]:
 
 def fusable(layers: tuple[CpuLinear, ...]) -> bool:
     """Whether `layers` pick one product (their kernels, dtype and bias alike), so `linears` can run them as one."""
-    flags = lambda l: (l.native, l.weight_major, l.packed, l.weight.dtype, l.bias is None)
+    flags = lambda l: (l.native, l.int8, l.weight_major, l.packed, l.weight.dtype, l.bias is None)
     return all(flags(l) == flags(layers[0]) for l in layers[1:])
 
 
@@ -150,11 +168,16 @@ def concatenated(layers: tuple[CpuLinear, ...]) -> tuple[torch.Tensor, torch.Ten
 
 def compiled(x: torch.Tensor, *layers: CpuLinear) -> list | None:
     """[weight, bias, pairs] of `layers` (concatenated where there are several) as the compiled product runs
-    `linears(x, *layers)` on them; None where that product does not serve x (another kernel, gradients recorded)."""
+    `linears(x, *layers)` on them, or [int8 weight, bias, scales] as the 8-bit one does; None where neither serves
+    x (another kernel, gradients recorded)."""
     first = layers[0]
-    if first.product(x) != first._compiled or (len(layers) > 1 and not (FUSE_LINEARS and fusable(layers))):
+    product = first.product(x)
+    if product not in (first._compiled, first._int8) or (len(layers) > 1 and not (FUSE_LINEARS and fusable(layers))):
         return None
     w, b = concatenated(layers)
+    if product == first._int8:
+        q, scales = first.quantized(w)
+        return [q, b, scales]
     return [w, b, first.pairs(w)]
 
 

@@ -25,6 +25,7 @@ from sparkrl.engine.budget import FixedBudget
 from sparkrl.engine.records import Rollout
 from sparkrl.engine.seams import RolloutEngine
 from sparkrl.engine.speculative import NoAdaptation, Speculative
+from sparkrl.errors import UserError
 from sparkrl.model.transformer import Transformer
 from sparkrl.train.distributed import SINGLE, World
 from sparkrl.train.drafting import (
@@ -58,6 +59,8 @@ class RolloutPlan:
     """What generates (--engine)."""
     draft: Literal["none", "eagle3", "dflash"] = "none"
     """What drafts (--draft)."""
+    int8: bool = False
+    """8-bit products in the policy copy's decoder layers (--rollout-dtype int8; `dtype` is then bfloat16)."""
 
     @classmethod
     def settle(
@@ -74,20 +77,28 @@ class RolloutPlan:
         and the drafting settings. Rank 0 decides what `recorded` (a resumed run's config.json "resolved") does
         not hold, so a resumed run keeps what its start measured; every rank takes rank 0's decision."""
         recorded = recorded or {}
+        int8 = recorded.get("rollout_dtype", dtype_choice) == "int8"
+        if int8 and (draft.engine == "vllm" or cpu_kernels != "auto"):
+            raise UserError("--rollout-dtype int8 runs on sparkrl's engine and its compiled kernels: drop "
+                            "--engine vllm and --cpu-kernels, or use --rollout-dtype bfloat16")  # fmt: skip
         decided = None
         if world.is_main:
             named = recorded.get("rollout_dtype")
-            dtype = parse_dtype(named) if named else rollout_dtype(dtype_choice, policy, draft.engine)
+            if int8:
+                dtype = torch.bfloat16
+            else:
+                dtype = parse_dtype(named) if named else rollout_dtype(dtype_choice, policy, draft.engine)
             f32 = recorded.get("float32_attention")
             if f32 is None:
                 f32 = float32_attention(cpu_kernels, dtype, policy.lm_head.weight.device, policy.args)
             decided = (dtype, bool(f32))
         dtype, f32 = world.broadcast(decided)
-        return cls(dtype, f32, cpu_kernels, head_float32, draft.engine, draft.draft)
+        return cls(dtype, f32, cpu_kernels, head_float32, draft.engine, draft.draft, int8)
 
     def record(self) -> dict:
         """The plan's measured choices as config.json's "resolved" records them."""
-        return {"rollout_dtype": dtype_name(self.dtype), "float32_attention": self.float32_attention}
+        dtype = "int8" if self.int8 else dtype_name(self.dtype)
+        return {"rollout_dtype": dtype, "float32_attention": self.float32_attention}
 
 
 class Served:
@@ -154,7 +165,9 @@ def build_generation(
     (before the master is sharded: `sharding.FullyShard`). lm, max_len: with plan.engine 'vllm', the loaded model
     (`weights.LoadedModel`) whose folder vLLM serves and the longest sequence it holds (`vllm.engine.model_len`).
     """
-    copy = inference_copy(policy, plan.dtype, plan.cpu_kernels, plan.float32_attention, plan.head_float32, separate)
+    copy = inference_copy(
+        policy, plan.dtype, plan.cpu_kernels, plan.float32_attention, plan.head_float32, separate, plan.int8
+    )
     if plan.engine == "vllm":
         return served_generation(plan, cfg, lm, copy, temperature, max_len, seed)
     if plan.draft == "none":

@@ -15,10 +15,11 @@ Exactness is relative to the rollout model; the gap to the master weights is mea
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import torch
 
-from sparkrl.cpu.accelerate import Kernels, accelerate
+from sparkrl.cpu.accelerate import Kernels, accelerate, use_int8
 from sparkrl.cpu.tuning import DTYPES, bf16_speedup
 from sparkrl.engine.sampling import SAMPLER, Sampler
 from sparkrl.model.transformer import Transformer
@@ -64,13 +65,19 @@ def inference_copy(
     float32_attention: bool = False,
     head_float32: bool = False,
     separate: bool = False,
+    int8: bool = False,
 ) -> "InferenceCopy":
     """`module`'s `InferenceCopy` in `dtype`, run on the kernels of --cpu-kernels `cpu_kernels` (`cpu.accelerate`).
     float32_attention: a half-precision copy attends in float32 (`generation.RolloutPlan` settles it once for a
-    run). head_float32: a float32 copy of the master's head (refreshed with the rest)."""
-    ic = InferenceCopy(module, dtype, separate=separate)
+    run). head_float32: a float32 copy of the master's head (refreshed with the rest). int8: the decoder layers'
+    products on 8-bit weights and activations (`cpu.accelerate.use_int8`; the LM head, norms, attention and the KV
+    cache stay in `dtype`); the copy is then always separate from the master, whose refresh requantizes it."""
+    ic = InferenceCopy(module, dtype, separate=separate or int8)
     acc = accelerate(ic.model, cpu_kernels, float32_attention)
     ic.sampler, ic.kernels = acc.sampler, acc.kernels
+    if int8:
+        use_int8(ic.model.model.layers)
+        ic.kernels = replace(ic.kernels, int8=True)
     if head_float32 and dtype != torch.float32:
         ic.model.head32 = (full(module.lm_head.weight).detach().float().clone(),)
     return ic

@@ -24,14 +24,18 @@ enum : int64_t { LN1, QKV, QKV_B, QKV_P, Q_NORM, K_NORM, O, O_B, O_P, LN2, GATE_
 // step by); nothing is recorded, and next to nothing spent, while no profiler runs.
 #define KERNEL(name) RECORD_FUNCTION("sparkrl_native::" name, c10::ArrayRef<const c10::IValue>{})
 
-// `native.linear`: x (..., in) times the weight at w[i] (its bias at i + 1, its pairs at i + 2) -> (..., out)
+// `native.linear`: x (..., in) times the weight at w[i] (its bias at i + 1, its pairs at i + 2) -> (..., out); an
+// int8 weight (`native.int8_linear`) has its scales at i + 2
 at::Tensor product(const at::Tensor& x, const Weights& w, int64_t i) {
   const at::Tensor weight = *w.get(i);
   const c10::optional<at::Tensor> bias = w.get(i + 1), pairs = w.get(i + 2);
   const int64_t out = weight.size(0);
-  const at::Tensor x2 = x.reshape({-1, weight.size(1)}).contiguous();
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
   at::Tensor y;
-  if (pairs.has_value()) {
+  if (weight.scalar_type() == at::kChar) {  // 8-bit: the scales in the pairs' place (`kernels.compiled`)
+    KERNEL("int8_linear");
+    y = sparkrl_native::int8_linear(x2, weight, *pairs, bias);
+  } else if (pairs.has_value()) {
     KERNEL("pairs_linear");
     y = sparkrl_native::pairs_linear(x2, *pairs, out, bias);
   } else {
