@@ -23,18 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from decode_child import run_child
+
 ROOT = Path(__file__).resolve().parent.parent
-
-CHILD = Path(__file__).resolve().parent / "decode_child.py"  # run on each tree
-
-
-def run(tree: Path, ext: Path, settings: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree), TORCH_EXTENSIONS_DIR=str(ext))
-    p = subprocess.run([sys.executable, str(CHILD), settings], env=env, capture_output=True, text=True, cwd=tree)
-    line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if p.returncode or line is None:
-        raise SystemExit(f"the run on {tree} failed:\n{p.stderr[-3000:]}")
-    return json.loads(line.removeprefix("RESULT "))
 
 
 def main() -> None:
@@ -49,8 +40,8 @@ def main() -> None:
     git = lambda *args: subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     base_commit, this_commit = git("rev-parse", "--short", a.base).strip(), git("rev-parse", "--short", "HEAD").strip()
     dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
-    settings = json.dumps({"responses": [int(b) for b in a.responses.split(",")], "steps": a.steps,
-                           "contexts": [int(c) for c in a.contexts.split(",")]})  # fmt: skip
+    settings = {"responses": [int(b) for b in a.responses.split(",")], "steps": a.steps,
+                "contexts": [int(c) for c in a.contexts.split(",")]}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="sparkrl-base-") as tmp:
         base = Path(tmp) / "tree"
         git("worktree", "add", "--detach", str(base), base_commit)
@@ -59,7 +50,7 @@ def main() -> None:
             results = {"base": [], "this": []}
             for r in range(a.rounds):
                 for name in ("base", "this") if r % 2 == 0 else ("this", "base"):
-                    results[name].append(run(*trees[name], settings))
+                    results[name].append(run_child(settings, *trees[name]))
                     print(f"round {r + 1}/{a.rounds}: {name} done", file=sys.stderr, flush=True)
         finally:
             git("worktree", "remove", "--force", str(base))

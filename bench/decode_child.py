@@ -8,8 +8,11 @@ seconds per step and the tokens sampled (the same uniforms in every process).
 """
 
 import json
+import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -27,6 +30,22 @@ def context_ids(tokenizer, P: int, length: int) -> list[list[int]]:
     ids = tokenizer(text)["input_ids"]
     assert len(ids) >= length + P * 97, "the default problems hold too little text for this context"
     return [ids[i * 97 : i * 97 + length] for i in range(P)]
+
+
+def run_child(settings: dict, tree: Path | None = None, extensions: Path | None = None) -> dict:
+    """This script in a fresh process (on `tree`'s sparkrl, its compiled kernels built into `extensions`, where
+    given): its RESULT."""
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    if extensions is not None:
+        env["TORCH_EXTENSIONS_DIR"] = str(extensions)
+    cmd = [sys.executable, str(Path(__file__).resolve()), json.dumps(settings)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree)
+    line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if p.returncode or line is None:
+        raise SystemExit(f"the decode timing ({settings}, tree {tree}) failed:\n{p.stderr[-3000:]}")
+    return json.loads(line.removeprefix("RESULT "))
 
 
 def main() -> None:
