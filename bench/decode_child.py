@@ -7,6 +7,7 @@ seconds per step and the tokens sampled (the same uniforms in every process).
     python bench/decode_child.py '{"responses": [1], "contexts": [128], "steps": 16, "dtype": "auto"}'
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -30,6 +31,25 @@ def context_ids(tokenizer, P: int, length: int) -> list[list[int]]:
     ids = tokenizer(text)["input_ids"]
     assert len(ids) >= length + P * 97, "the default problems hold too little text for this context"
     return [ids[i * 97 : i * 97 + length] for i in range(P)]
+
+
+def time_steps(model, sampler, prompts, G: int, n: int, around=None) -> tuple[float, list[list[int]]]:
+    """Seconds per decode step over n steps after the prompts (each copied to G responses, 2 untimed steps first), and
+    the tokens of every timed step; `around`: a context manager the timed steps run in (a profiler)."""
+    cache, logits, _ = prefill(model, prompts, len(prompts[0]) + n + 4, G)
+    u = torch.rand(n + 3, len(prompts) * G, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    sampling = SamplingConfig(1.0, 0.95, n)
+    nxt, _ = sampler.token(logits, 1.0, 0.95, u[0])
+    for i in range(2):
+        nxt, _, _ = decode_one_token(model, cache, nxt, sampling, u[1 + i], sampler=sampler)
+    toks = []
+    with around if around is not None else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        for i in range(n):
+            nxt, _, _ = decode_one_token(model, cache, nxt, sampling, u[3 + i], sampler=sampler)
+            toks.append(nxt.tolist())  # the engine's host sync each step
+        step_s = (time.perf_counter() - t0) / n
+    return step_s, toks
 
 
 def run_child(settings: dict, tree: Path | None = None, extensions: Path | None = None) -> dict:
@@ -61,17 +81,8 @@ def main() -> None:
         for ctx in s["contexts"]:
             for B in s["responses"]:
                 P = max(1, B // 8)
-                cache, logits, _ = prefill(model, context_ids(lm.tokenizer, P, ctx), ctx + n + 4, B // P)
-                u = torch.rand(n + 3, B, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-                sampling = SamplingConfig(1.0, 0.95, n)
-                nxt, _ = sampler.token(logits, 1.0, 0.95, u[0])
-                for i in range(2):
-                    nxt, _, _ = decode_one_token(model, cache, nxt, sampling, u[1 + i], sampler=sampler)
-                toks, t0 = [], time.perf_counter()
-                for i in range(n):
-                    nxt, _, _ = decode_one_token(model, cache, nxt, sampling, u[3 + i], sampler=sampler)
-                    toks.append(nxt.tolist())  # the engine's host sync each step
-                out[f"{B}x{ctx}"] = {"step_s": (time.perf_counter() - t0) / n, "tokens": toks}
+                step_s, toks = time_steps(model, sampler, context_ids(lm.tokenizer, P, ctx), B // P, n)
+                out[f"{B}x{ctx}"] = {"step_s": step_s, "tokens": toks}
     out["dtype"] = str(model.lm_head.weight.dtype).removeprefix("torch.")
     print("RESULT " + json.dumps(out), flush=True)
 

@@ -18,36 +18,18 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_child import context_ids  # noqa: E402
+from decode_child import context_ids, time_steps  # noqa: E402
 from roofline import machine  # noqa: E402
 
-from sparkrl.config import DraftConfig, SamplingConfig  # noqa: E402
+from sparkrl.config import DraftConfig  # noqa: E402
 from sparkrl.cpu import accelerate  # noqa: E402
-from sparkrl.engine.autoregressive import decode_one_token, prefill  # noqa: E402
 from sparkrl.model.weights import load_model  # noqa: E402
 from sparkrl.train.generation import RolloutPlan, build_generation  # noqa: E402
-
-
-def steps(model, sampler, prompts, G: int, n: int) -> tuple[float, list[int]]:
-    """Seconds per decode step over n steps after 2 untimed ones, and the tokens of the last step."""
-    sampling = SamplingConfig(1.0, 0.95, n)
-    cache, logits, _ = prefill(model, prompts, len(prompts[0]) + n + 4, G)
-    B = len(prompts) * G
-    u = torch.rand(n + 3, B, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    nxt, _ = sampler.token(logits, 1.0, 0.95, u[0])
-    for i in range(2):
-        nxt, _, _ = decode_one_token(model, cache, nxt, sampling, u[1 + i], sampler=sampler)
-    t0 = time.perf_counter()
-    for i in range(n):
-        nxt, _, _ = decode_one_token(model, cache, nxt, sampling, u[3 + i], sampler=sampler)
-        toks = nxt.tolist()  # the engine's host sync each step
-    return (time.perf_counter() - t0) / n, toks
 
 
 def main() -> None:
@@ -73,7 +55,7 @@ def main() -> None:
                     toks = {}
                     for name, on in (("one call", True), ("modules", False)):
                         accelerate.FUSE_LAYERS = on
-                        t, toks[name] = steps(model, sampler, prompts, B // P, a.steps)
+                        t, toks[name] = time_steps(model, sampler, prompts, B // P, a.steps)
                         times[name].append(t)
                     assert toks["one call"] == toks["modules"], "the two paths gave other tokens"
                 accelerate.FUSE_LAYERS = True

@@ -16,7 +16,6 @@ read bandwidth, or the FLOPs at the ceiling, whichever is longer. Writes rooflin
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -24,12 +23,11 @@ import time
 from pathlib import Path
 
 import torch
-from decode_child import context_ids
+from decode_child import context_ids, time_steps
 
 from sparkrl.commands.bench import machine as recorded_machine
-from sparkrl.config import DraftConfig, SamplingConfig
+from sparkrl.config import DraftConfig
 from sparkrl.cpu import native
-from sparkrl.engine.autoregressive import decode_one_token, prefill
 from sparkrl.model.weights import load_model
 from sparkrl.train.generation import RolloutPlan, build_generation
 
@@ -88,28 +86,15 @@ def products(rows=(1, 8, 64, 256, 1088), n: int = 1536, k: int = 576) -> dict:
 def decode_steps(model, sampler, prompts, G: int, steps: int, profile: bool):
     """Decode `steps` tokens after the prompts (each copied to G responses); (seconds per step, the profile's
     kernel seconds per step by part, or None)."""
-    sampling = SamplingConfig(1.0, 0.95, steps)
-    cache, logits, _ = prefill(model, prompts, len(prompts[0]) + steps + 2, G)
-    B = len(prompts) * G
-    u = torch.rand(steps + 1, B, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    nxt, _ = sampler.token(logits, 1.0, 0.95, u[0])
-    warm = 2
-    for i in range(warm):
-        nxt, _, _ = decode_one_token(model, cache, nxt, sampling, u[1 + i], sampler=sampler)
-    profiling = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-    with profiling if profile else contextlib.nullcontext() as prof:
-        t0 = time.perf_counter()
-        for i in range(warm, steps):
-            nxt, _, _ = decode_one_token(model, cache, nxt, sampling, u[1 + i], sampler=sampler)
-            nxt.tolist()  # the engine's host sync each step
-        per_step = (time.perf_counter() - t0) / (steps - warm)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+    per_step, _ = time_steps(model, sampler, prompts, G, steps, around=prof)
     if prof is None:
         return per_step, None
     parts = {name: 0.0 for name in PARTS}
     for e in prof.key_averages():
         for name, ops in PARTS.items():
             if e.key in ops:
-                parts[name] += e.self_cpu_time_total / 1e6 / (steps - warm)
+                parts[name] += e.self_cpu_time_total / 1e6 / steps
     return per_step, parts
 
 
