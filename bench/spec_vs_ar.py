@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from default_rollouts import default_rollouts
 
+from sparkrl.commands.bench import machine
 from sparkrl.config import DraftConfig, RunConfig, SamplingConfig, build
 from sparkrl.engine.autoregressive import generate, response_generators
 from sparkrl.engine.budget import AR, Budget, CostModel
@@ -234,7 +235,8 @@ def main():
             "dtype": args.dtype,
             "budget": args.budget,
             "packed_weights": gen.policy.kernels.packed,
-            "float32_attention": lm.model.model.attn_dtype is not None,
+            "float32_attention": gen.policy.kernels.float32_attention,
+            "machine": machine(),
             "draft_checkpoint": args.draft_checkpoint,
             "repeats": args.repeats,
             "torch": torch.__version__,
