@@ -266,9 +266,10 @@ class DraftState:
 
     root: torch.Tensor  # (B,)
     z: torch.Tensor | None  # (B, Vd) (None for a block drafter, which drafts from the root in one forward)
-    a: torch.Tensor  # (B, d)
-    h: torch.Tensor  # (B, d) the head feature behind z (SPARK corrects z with it)
+    a: torch.Tensor | None  # (B, d)
+    h: torch.Tensor | None  # (B, d) the head feature behind z (SPARK corrects z with it)
+    # a, h and z are None until the drafter has caught up on the root (`speculative.Speculation.catch_up`)
 
     def keep(self, rows: torch.Tensor) -> None:
-        self.root, self.a, self.h = self.root[rows], self.a[rows], self.h[rows]
-        self.z = None if self.z is None else self.z[rows]
+        self.root = self.root[rows]
+        self.z, self.a, self.h = (None if t is None else t[rows] for t in (self.z, self.a, self.h))

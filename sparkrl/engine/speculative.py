@@ -8,7 +8,8 @@ path is committed in the policy's cache, the drafter's tree is rolled back, and 
 features at the accepted tokens feed the drafter (its "catch-up" forward, which also yields the
 next round's first draft level). No extra policy forward is spent on features: they are taps of the
 verification forward. A budget may choose an autoregressive round instead (`autoregressive.decode_one_token`);
-the drafter then catches up on that backlog at the next drafted round.
+the drafter then catches up on that backlog at the next drafted round, and its prefill of the prompts waits for a
+rollout's first drafted round too, so a rollout whose rounds the budget all declines never runs the drafter.
 
 The steps, as gpt-fast keeps prefill / decode_one_token / speculative_decode apart:
 `Speculation.start` (prefills, first token), `autoregressive_round`, `speculative_round`; each round
@@ -121,6 +122,19 @@ def catch_up(drafter, cache: KVCache, tokens: torch.Tensor, feats, n: torch.Tens
     return DraftState(tokens.gather(1, (n - 1)[:, None])[:, 0], z, pick(step.a), h)
 
 
+@dataclasses.dataclass
+class Prefill:
+    """The drafter's prefill of a rollout's prompts, waiting for its first drafted round: tokens (P, T) padded
+    right, their lengths (P,), the policy's features there (None for a drafter that reads none), the prompt row of
+    every active response (N,) and the cache's capacity."""
+
+    tokens: torch.Tensor
+    lens: torch.Tensor
+    feats: torch.Tensor | None
+    rows: torch.Tensor
+    capacity: int
+
+
 class Speculation:
     """One speculative rollout in progress: the policy's and the drafter's caches, the drafter's state
     at every active row's root, and the batch bookkeeping."""
@@ -150,19 +164,30 @@ class Speculation:
         self.pcache, logits, out = prefill(policy, prompts, capacity, G, self.taps)
         device = logits.device
         toks, lens = pad_right(prompts, device)
-        self.dcache = drafter.new_cache(len(prompts), capacity)
         feats = drafter.features(out.taps)
-        drafter.prefill(toks, lens, feats, self.dcache)
         rows = torch.arange(len(prompts), device=device).repeat_interleave(G)
-        self.dcache.keep_rows(rows)
+        self.pending = Prefill(toks, lens, feats, rows, capacity)  # the drafter's, at its first drafted round
         self.batch = Batch(self.generators, eos_ids, self.sampling.max_new_tokens)
         root, logp = self.sampler.token(
             logits, self.sampling.temperature, self.sampling.top_p, self.batch.uniforms()[:, 0]
         )  # (N,)
         self.batch.commit([[t] for t in root.tolist()], [[x] for x in logp.tolist()])  # host sync
         last_feat = None if feats is None else feats[rows, lens[rows] - 1][:, None]  # (N, 1, d)
-        self.state = catch_up(drafter, self.dcache, root[:, None], last_feat, torch.ones_like(root))
+        self.backlog.add(root[:, None], last_feat)
+        self.state = DraftState(root, None, None, None)  # the drafter's outputs at the root come with its catch-up
         self.adapter.begin(len(prompts), G)
+
+    def catch_up(self) -> None:
+        """The drafter runs what it has not run yet, in one forward each, before a drafted round: the prompts'
+        prefill (at the rollout's first drafted round; one the budget never drafts never runs it), copied to their
+        responses' rows, then the backlog of committed tokens (`Backlog`), which sets the state at every root."""
+        if (p := self.pending) is not None:
+            self.dcache = self.drafter.new_cache(len(p.lens), p.capacity)
+            self.drafter.prefill(p.tokens, p.lens, p.feats, self.dcache)
+            self.dcache.keep_rows(p.rows)
+            self.pending = None
+        if self.backlog:
+            self.state = catch_up(self.drafter, self.dcache, *self.backlog.pop())
 
     def drop_finished(self) -> bool:
         """Remove finished responses from every per-row structure; False when none is left."""
@@ -170,7 +195,10 @@ class Speculation:
         if keep is not None and self.batch.active:
             keep = keep.to(self.state.root.device)
             self.pcache.keep_rows(keep)
-            self.dcache.keep_rows(keep)
+            if self.pending is not None:  # the prompt row of each response still active
+                self.pending.rows = self.pending.rows.index_select(0, keep)
+            else:
+                self.dcache.keep_rows(keep)
             self.state.keep(keep)
             self.backlog.keep(keep)
         return bool(self.batch.active)
@@ -197,8 +225,7 @@ class Speculation:
         in one policy forward, accept exactly, commit."""
         policy, drafter, shape = self.policy, self.drafter, self.shape
         t1 = time.perf_counter()
-        if self.backlog:
-            self.state = catch_up(drafter, self.dcache, *self.backlog.pop())
+        self.catch_up()
         u = self._uniforms()
         self.adapter.select(self.batch.active)
         drafted = shape if depth in (None, shape.depth) else dataclasses.replace(shape, depth=depth)
@@ -352,7 +379,7 @@ def time_rounds(
             timed[size].append((time.perf_counter() - t, a))
             progress(round_work(B, size))
             if n == 0:  # the drafter's catch-up on the AR token, untimed: a run of AR rounds pays it once at
-                eng.state = catch_up(eng.drafter, eng.dcache, *eng.backlog.pop())  # its end, not per tree round
+                eng.catch_up()  # its end, not per tree round (the first one also runs the drafter's prefill)
         for size in sizes:
             out.rounds[size].append(timed[size][1:] if size == AR else timed[size])  # AR's first warmed up
         h = hidden[torch.arange(context - B, context) % context]  # (B, d) the text's last B positions
