@@ -33,11 +33,13 @@ from sparkrl.engine.autoregressive import generate, response_generators
 from sparkrl.engine.budget import AR, Budget, CostModel
 from sparkrl.engine.records import RoundStats
 from sparkrl.engine.speculative import generate_speculative
+from sparkrl.train.generation import RolloutPlan, build_generation
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--draft", default="eagle3", choices=("eagle3", "dflash"))
+    ap.add_argument("--draft", default="eagle3", help="eagle3, dflash or self-int8, or several, comma-separated: "
+                    "each drafter side by side (the first one's also-* systems and --grpo-step)")  # fmt: skip
     ap.add_argument("--draft-checkpoint", default="default", help="default: the drafter shipped for the default model")
     ap.add_argument("--block-size", type=int, default=16, help="dflash: the block size")
     ap.add_argument(
@@ -63,6 +65,7 @@ def main():
         help="run the full-proposal-every-round system only up to this many responses",
     )
     ap.add_argument("--tree", default="5,4,16", help="depth,branch,nodes")
+    ap.add_argument("--draft-mode", default="tree", choices=("tree", "chain"), help="as sparkrl's --draft-mode")
     ap.add_argument("--tree-stop", type=float, default=DraftConfig.tree_stop, help="as sparkrl's --tree-stop")
     ap.add_argument(
         "--also-stop",
@@ -94,54 +97,53 @@ def main():
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     depth, branch, nodes = map(int, args.tree.split(","))
-    dcfg = DraftConfig(
-        draft=args.draft,
-        draft_checkpoint=args.draft_checkpoint,
+    drafts = args.draft.split(",")
+    dcfg = lambda draft: DraftConfig(
+        draft=draft,
+        draft_checkpoint="" if draft == "self-int8" else args.draft_checkpoint,
         tree_depth=depth,
         tree_branch=branch,
         tree_nodes=nodes,
         tree_stop=args.tree_stop,
+        draft_mode=args.draft_mode,
         budget=args.budget,
         block_size=args.block_size,
     )
-    lm, gen, prompts = default_rollouts(dcfg, args.dtype, args.data, args.heldout, args.cpu_kernels, skip=args.skip)
-    d, sampler = gen.drafting, gen.policy.sampler
-    drafter, budget = d.copy.model, d.budget
-    full_depth_budget = full_depth_only(budget, dcfg.shape()) if args.also_full_depth else None
+    lm, gen, prompts = default_rollouts(dcfg(drafts[0]), args.dtype, args.data, args.heldout, args.cpu_kernels,
+                                        skip=args.skip)  # fmt: skip
+    sampler = gen.policy.sampler
+    engines = {drafts[0]: gen.engine}
+    for draft in drafts[1:]:  # the same policy copy, another drafter and its own budget
+        plan = RolloutPlan.settle(lm.model, "model", args.cpu_kernels, dcfg(draft))
+        engines[draft] = build_generation(plan, dcfg(draft), lm.model, 1.0, trains=False).engine
+    drafter, budget = gen.engine.drafter, gen.engine.budget
+    full_depth_budget = full_depth_only(budget, dcfg(drafts[0]).shape()) if args.also_full_depth else None
     sc = SamplingConfig(1.0, 0.95, args.max_new_tokens)
+    speculative = lambda engine, P, G, **kw: lambda ps: generate_speculative(
+        lm.model, engine.drafter, ps, sc, lm.eos_ids, response_generators(0, P, G), engine.shape, G,
+        sampler=sampler, **kw
+    )  # fmt: skip
     rows = []
     for spec in args.batches.split(","):
         P, G = map(int, spec.split("x"))
         sets = -(-args.min_responses // (P * G))  # prompt sets run one after another, so that few responses
         # still average over several problems (their lengths and acceptance vary)
-        spec, budgeted = args.draft, f"{args.draft}+budget"
+        spec = drafts[0]
         systems = {
             "autoregressive": lambda ps: generate(
                 lm.model, ps, sc, lm.eos_ids, response_generators(0, P, G), G, sampler=sampler
-            ),
-            spec: lambda ps: generate_speculative(
-                lm.model, drafter, ps, sc, lm.eos_ids, response_generators(0, P, G), dcfg.shape(), G, sampler=sampler
-            ),
-            budgeted: lambda ps: generate_speculative(
-                lm.model,
-                drafter,
-                ps,
-                sc,
-                lm.eos_ids,
-                response_generators(0, P, G),
-                dcfg.shape(),
-                G,
-                budget=budget,
-                sampler=sampler,
-            ),
+            )
         }
+        for draft, engine in engines.items():  # the full proposal every round, and with the budget
+            systems[draft] = speculative(engine, P, G)
+            systems[f"{draft}+budget"] = speculative(engine, P, G, budget=engine.budget)
         also = f"{spec} (tree stop {args.also_stop})"
         if args.also_stop is not None:
-            other = dataclasses.replace(dcfg.shape(), stop=args.also_stop)
+            other = dataclasses.replace(dcfg(spec).shape(), stop=args.also_stop)
             systems[also] = lambda ps: generate_speculative(
                 lm.model, drafter, ps, sc, lm.eos_ids, response_generators(0, P, G), other, G, sampler=sampler
             )
-        full_only = f"{budgeted} (full depth only)"
+        full_only = f"{spec}+budget (full depth only)"
         if args.also_full_depth:
             systems[full_only] = lambda ps: generate_speculative(
                 lm.model,
@@ -150,13 +152,14 @@ def main():
                 sc,
                 lm.eos_ids,
                 response_generators(0, P, G),
-                dcfg.shape(),
+                dcfg(spec).shape(),
                 G,
                 budget=full_depth_budget,
                 sampler=sampler,
             )
         if P * G > args.fixed_upto:  # the full proposal every round is known to lose there; save the time
-            del systems[spec]
+            for draft in drafts:
+                del systems[draft]
         for name in systems:  # untimed, once each: the process's first rollouts run cold (measured: the first
             # of 12 interleaved one-response AR rollouts ran 12% below the rest), and in timed order the first
             # system would pay it
@@ -171,8 +174,7 @@ def main():
         # rates over all repeats: responses end at their EOS, so the token counts differ between systems
         # and (with a budget, whose estimates carry over) between repeats
         tps = {k: sum(tokens[k]) / sum(times[k]) for k in systems}
-        sb = RoundStats.merge(stats[budgeted], concurrent=False)
-        st = RoundStats.merge(stats[spec], concurrent=False) if spec in stats else None
+        figures = {draft: per_draft(stats, draft) for draft in drafts}
         row = {
             "prompts": P,
             "group": G,
@@ -185,13 +187,9 @@ def main():
             # the same prompt sets as often: a rollout of several responses lasts as long as its longest
             # (often the token cap), so its tokens/s also measures how long the shorter ones happened to run
             "time_ratio": {k: sum(times["autoregressive"]) / sum(times[k]) for k in systems if k != "autoregressive"},
-            "aal": st.aal if st else None,
-            "budget_aal": sb.aal,
-            "rounds": sb.rounds,
-            "budget_tree_rounds": [sb.tree_rounds, sb.rounds],
-            "budget_sizes": sb.sizes,
-            "split_s": {k: getattr(st or sb, k) for k in ("draft_s", "verify_s", "accept_s")},
-            "accept_at_depth": (st or sb).accept_at_depth,
+            **figures[spec],  # the first drafter's, as the plot and older results read them
+            "rounds": figures[spec]["budget_tree_rounds"][1],
+            "drafts": figures,
         }
         if full_only in stats:
             sf = RoundStats.merge(stats[full_only], concurrent=False)
@@ -215,14 +213,18 @@ def main():
                 flush=True,
             )
         rows.append(row)
-        fixed = f"{spec} {tps[spec]:.1f} tok/s ({row['ratio'][spec]:.2f}x, AAL {st.aal:.2f}), " if st else ""
-        print(
-            f"{P}x{G}: AR {tps['autoregressive']:.1f} tok/s, {fixed}with budget {tps[budgeted]:.1f} tok/s "
-            f"({row['ratio'][budgeted]:.2f}x, in time {row['time_ratio'][budgeted]:.2f}x, "
-            f"{sb.tree_rounds}/{sb.rounds} drafted rounds {sb.sizes}, AAL {sb.aal:.2f}), "
-            f"split {row['split_s']}",
-            flush=True,
-        )
+        for draft, f in row["drafts"].items():
+            fixed = (
+                f"{draft} {tps[draft]:.1f} tok/s ({row['ratio'][draft]:.2f}x, AAL {f['aal']:.2f}), " if f["aal"] else ""
+            )
+            b = f"{draft}+budget"
+            print(
+                f"{P}x{G}: AR {tps['autoregressive']:.1f} tok/s, {fixed}with budget {tps[b]:.1f} tok/s "
+                f"({row['ratio'][b]:.2f}x, in time {row['time_ratio'][b]:.2f}x, "
+                f"{f['budget_tree_rounds'][0]}/{f['budget_tree_rounds'][1]} drafted rounds {f['budget_sizes']}, "
+                f"AAL {f['budget_aal']:.2f}), split {f['split_s']}",
+                flush=True,
+            )
     result = {
         "meta": {
             "draft": args.draft,
@@ -230,6 +232,7 @@ def main():
             "tree_stop": args.tree_stop,
             "heldout": args.heldout,
             "tree": [depth, branch, nodes],
+            "draft_mode": args.draft_mode,
             "max_new_tokens": args.max_new_tokens,
             "data": args.data,
             "dtype": args.dtype,
@@ -250,12 +253,28 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     name = (
         "spec_vs_ar"
-        + ("" if args.draft == "eagle3" else f"_{args.draft}")
+        + ("" if args.draft == "eagle3" else "_" + args.draft.replace(",", "_"))
         + ("" if args.dtype == "float32" else f"_{args.dtype}")
     )
     name += "_packed" if args.cpu_kernels == "packed" else ""
+    name += "_chain" if args.draft_mode == "chain" else ""
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     plot(result, out / f"{name}.png")
+
+
+def per_draft(stats: dict, draft: str) -> dict:
+    """A drafter's figures of one setting: AAL of its full proposal (None where it did not run) and of the budget,
+    the budget's drafted rounds and sizes, the round's time split and the acceptance per depth."""
+    sb = RoundStats.merge(stats[f"{draft}+budget"], concurrent=False)
+    st = RoundStats.merge(stats[draft], concurrent=False) if draft in stats else None
+    return {
+        "aal": st.aal if st else None,
+        "budget_aal": sb.aal,
+        "budget_tree_rounds": [sb.tree_rounds, sb.rounds],
+        "budget_sizes": sb.sizes,
+        "split_s": {k: getattr(st or sb, k) for k in ("draft_s", "verify_s", "accept_s")},
+        "accept_at_depth": (st or sb).accept_at_depth,
+    }
 
 
 def full_depth_only(budget: Budget, shape) -> Budget:

@@ -40,8 +40,8 @@ def default_lm():
 def test_speculative_rollouts_are_the_autoregressive_tokens_on_the_default_model(
     default_lm, dtype, temperature, top_p, n
 ):
-    """Both drafters with SPARK on (its corrected proposals take the drafter's code path and more); int8: the
-    policy copy's 8-bit products."""
+    """Both drafters with SPARK on (its corrected proposals take the drafter's code path and more), and the policy's
+    8-bit sibling (--draft self-int8) but where the copy itself is 8-bit; int8: the policy copy's 8-bit products."""
     plan = RolloutPlan.settle(default_lm.model, dtype, KERNELS, DraftConfig())
     build = lambda cfg: build_generation(
         replace(plan, draft=cfg.draft), cfg, default_lm.model, temperature, separate=True
@@ -50,8 +50,10 @@ def test_speculative_rollouts_are_the_autoregressive_tokens_on_the_default_model
     sc = SamplingConfig(temperature, top_p, 40)
     gens = lambda: response_generators(0, len(prompts), n)
     ar = build(DraftConfig()).generate(prompts, sc, default_lm.eos_ids, gens(), group_size=n).tokens
-    for draft in ("eagle3", "dflash"):
-        cfg = DraftConfig(draft=draft, budget="fixed", spark_config=SparkConfig(spark=True))
+    spark = SparkConfig(spark=True)
+    drafts = [("eagle3", spark), ("dflash", spark)] + ([("self-int8", SparkConfig())] if dtype != "int8" else [])
+    for draft, sc_ in drafts:
+        cfg = DraftConfig(draft=draft, budget="fixed", spark_config=sc_)
         r = build(cfg).generate(prompts, sc, default_lm.eos_ids, gens(), n)
         assert r.stats.aal > 1.2, (draft, r.stats.aal)  # drafts were accepted: many verification forwards
         assert r.tokens == ar, draft

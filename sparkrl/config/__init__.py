@@ -240,9 +240,10 @@ def existing_checkpoint(flag_: str, path: str) -> None:
 
 @dataclass(frozen=True)
 class DraftConfig(Checked):
-    draft: Literal["none", "eagle3", "dflash"] = "none"
-    """Speculative rollouts: none (autoregressive), eagle3 (one-layer drafter, dynamic trees) or dflash
-    (three-layer block drafter, greedy blocks drafted in one forward)."""
+    draft: Literal["none", "eagle3", "dflash", "self-int8"] = "none"
+    """Speculative rollouts: none (autoregressive), eagle3 (one-layer drafter, dynamic trees), dflash
+    (three-layer block drafter, greedy blocks drafted in one forward) or self-int8 (the policy's rollout copy with
+    8-bit products drafts trees or chains for itself: nothing to train, never stale; CPU, compiled kernels)."""
     draft_checkpoint: str = ""
     """Drafter checkpoint: a `sparkrl pretrain-draft` output (drafter.pt, drafter.safetensors), a GRPO
     run or its checkpoints/step-N; 'default': the drafter shipped for the default model; 'fresh': a
@@ -278,6 +279,17 @@ class DraftConfig(Checked):
             self.draft != "none" or not self.spark_config.spark,
             "--spark corrects a drafter: pass --draft eagle3 or dflash",
         )
+        if self.draft == "self-int8":
+            require(
+                not self.spark_config.spark,
+                "--spark corrects a trained drafter's logits, shared by a group; --draft self-int8 drafts from the "
+                "policy itself: drop --spark, or pass --draft eagle3 or dflash",
+            )
+            require(
+                self.draft_checkpoint in ("", "fresh"),
+                "--draft self-int8 drafts with the policy itself and reads no drafter checkpoint: drop "
+                "--draft-checkpoint",
+            )
         if self.engine == "vllm":
             self.check_vllm()
         if self.draft != "none":
@@ -285,6 +297,10 @@ class DraftConfig(Checked):
 
     def check_vllm(self) -> None:
         """What --engine vllm cannot do, refused in one line each."""
+        require(
+            self.draft != "self-int8",
+            "--draft self-int8 runs on sparkrl's engine and its compiled CPU kernels: drop --engine vllm",
+        )
         require(
             self.draft != "dflash",
             "--engine vllm runs EAGLE3-style drafters only (vLLM's dflash method wants a "

@@ -259,8 +259,9 @@ def use_int8(module: nn.Module, on: bool = True) -> nn.Module:
     row of the weight, requantized whenever it changes; one per row of the input, quantized as it comes in), or
     not. Only where the compiled kernels run: a clear error elsewhere."""
     if on and not (next(module.parameters()).device.type == "cpu" and native.available()):
-        raise UserError("--rollout-dtype int8 runs on sparkrl's compiled CPU kernels, which this machine cannot "
-                        "run (a GPU, or no AVX2 / compiler): use --rollout-dtype bfloat16")  # fmt: skip
+        raise UserError("8-bit products (--rollout-dtype int8, --draft self-int8) run on sparkrl's compiled CPU "
+                        "kernels, which this machine cannot run (a GPU, or no AVX2 / compiler): use --rollout-dtype "
+                        "bfloat16 and another --draft")  # fmt: skip
     for m in module.modules():
         if isinstance(m, CpuLinear):
             m.int8 = on

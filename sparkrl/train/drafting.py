@@ -154,6 +154,43 @@ class NoDrafting(OnlineDrafting):
         return {}
 
 
+def budget_entries(budget: RoundBudget, budgets: list[dict] | None = None) -> dict:
+    """A checkpoint's budget entries: budget (its cost model and estimates; none for a fixed budget) and
+    budget_of_ranks (`budgets`: every rank's, from several ranks)."""
+    if not (state := budget.state_dict()):
+        return {}
+    return {"budget": state} | ({"budget_of_ranks": budgets} if budgets and len(budgets) > 1 else {})
+
+
+def load_budget(budget: RoundBudget, ck: dict, world: World = SINGLE) -> None:
+    """Resume `budget` from a checkpoint's entries (`budget_entries`): a rank takes its own when the run had as many
+    ranks."""
+    if "budget" in ck:
+        ranks = ck.get("budget_of_ranks", [])
+        budget.load_state_dict(ranks[world.rank] if len(ranks) == world.size else ck["budget"])
+
+
+@dataclass
+class SelfDrafting(NoDrafting):
+    """--draft self-int8: the policy's copy drafts for itself (`SelfDrafter.int8`), so there is nothing to bind,
+    train or adapt (the 8-bit sibling shares the copy's weights and requantizes when a refresh changes them); only
+    the budget has state to checkpoint and figures to report."""
+
+    budget: RoundBudget
+
+    def budget_state(self) -> dict:
+        return self.budget.state_dict()
+
+    def state_dict(self, budgets: list[dict] | None = None) -> dict:
+        return budget_entries(self.budget, budgets)
+
+    def load_state_dict(self, ck: dict, world: World = SINGLE) -> None:
+        load_budget(self.budget, ck, world)
+
+    def figures(self, stats: RoundStats) -> dict:
+        return self.budget.figures(stats)
+
+
 @dataclass
 class Drafting(OnlineDrafting):
     """The drafter and its online training: the drafter (master weights, trained), its inference copy
@@ -218,11 +255,7 @@ class Drafting(OnlineDrafting):
         out = {"draft": self.trainer.state_dict()}
         if self.spark is not None and self.spark.carry:
             out["spark_carry"] = self.spark.state_dict()
-        if budget := self.budget.state_dict():
-            out["budget"] = budget
-            if budgets and len(budgets) > 1:
-                out["budget_of_ranks"] = budgets
-        return out
+        return out | budget_entries(self.budget, budgets)
 
     def load_state_dict(self, ck: dict, world: World = SINGLE) -> None:
         """Resume from a checkpoint's entries (`state_dict`); a rank takes its own budget when the run had as
@@ -230,9 +263,7 @@ class Drafting(OnlineDrafting):
         self.trainer.load_state_dict(ck["draft"])
         if self.spark is not None and "spark_carry" in ck:
             self.spark.load_state_dict(ck["spark_carry"])
-        if "budget" in ck:
-            ranks = ck.get("budget_of_ranks", [])
-            self.budget.load_state_dict(ranks[world.rank] if len(ranks) == world.size else ck["budget"])
+        load_budget(self.budget, ck, world)
         self.copy.refresh()
 
     def figures(self, stats: RoundStats) -> dict:

@@ -20,6 +20,7 @@ import torch
 from sparkrl.config import CpuKernels, DraftConfig, SamplingConfig
 from sparkrl.cpu.tuning import float32_attention
 from sparkrl.drafters.eagle3_format import eagle3_weights
+from sparkrl.drafters.selfdraft import SelfDrafter
 from sparkrl.engine.autoregressive import Autoregressive
 from sparkrl.engine.budget import FixedBudget
 from sparkrl.engine.records import Rollout
@@ -32,6 +33,7 @@ from sparkrl.train.drafting import (
     Drafting,
     NoDrafting,
     OnlineDrafting,
+    SelfDrafting,
     draft_trainer,
     make_budget,
     make_drafter,
@@ -57,7 +59,7 @@ class RolloutPlan:
     """A float32 LM head on a half-precision policy copy (--rollout-head float32)."""
     engine: Literal["sparkrl", "vllm"] = "sparkrl"
     """What generates (--engine)."""
-    draft: Literal["none", "eagle3", "dflash"] = "none"
+    draft: Literal["none", "eagle3", "dflash", "self-int8"] = "none"
     """What drafts (--draft)."""
     int8: bool = False
     """8-bit products in the policy copy's decoder layers (--rollout-dtype int8; `dtype` is then bfloat16)."""
@@ -81,6 +83,14 @@ class RolloutPlan:
         if int8 and (draft.engine == "vllm" or cpu_kernels != "auto"):
             raise UserError("--rollout-dtype int8 runs on sparkrl's engine and its compiled kernels: drop "
                             "--engine vllm and --cpu-kernels, or use --rollout-dtype bfloat16")  # fmt: skip
+        if draft.draft == "self-int8":
+            if int8:
+                raise UserError("--draft self-int8 drafts with an 8-bit copy of a rollout copy that is already "
+                                "8-bit (--rollout-dtype int8): pass --rollout-dtype bfloat16 or another "
+                                "--draft")  # fmt: skip
+            if cpu_kernels != "auto" or policy.lm_head.weight.device.type != "cpu":
+                raise UserError("--draft self-int8 runs on sparkrl's compiled CPU kernels: drop --cpu-kernels and "
+                                "run on a CPU, or pass --draft eagle3")  # fmt: skip
         decided = None
         if world.is_main:
             named = recorded.get("rollout_dtype")
@@ -172,6 +182,10 @@ def build_generation(
         return served_generation(plan, cfg, lm, copy, temperature, max_len, seed)
     if plan.draft == "none":
         return Generation(plan, copy, NoDrafting(), Autoregressive())
+    if plan.draft == "self-int8":  # the copy drafts for itself with 8-bit products: nothing to train
+        drafter = SelfDrafter.int8(copy.model)
+        budget = make_budget(cfg, copy, drafter)
+        return Generation(plan, copy, SelfDrafting(budget), Speculative(drafter, cfg.shape(), budget, NoAdaptation()))
     drafter, draft_copy, projection, spark = drafter_parts(
         plan, cfg, policy if trains else copy.model, copy, temperature, seed
     )
