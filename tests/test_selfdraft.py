@@ -13,11 +13,12 @@ from sparkrl.config import DraftConfig, SamplingConfig, SparkConfig, TreeShape
 from sparkrl.cpu import native
 from sparkrl.cpu.accelerate import accelerate
 from sparkrl.cpu.kernels import CpuLinear
-from sparkrl.drafters.selfdraft import SelfDrafter, int8_sibling
+from sparkrl.drafters.selfdraft import SelfDrafter
 from sparkrl.engine.autoregressive import generate, response_generators
 from sparkrl.engine.speculative import generate_speculative
 from sparkrl.errors import UserError
 from sparkrl.train.generation import RolloutPlan
+from sparkrl.train.precision import int8_sibling
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the compiled CPU kernels cannot be built here")
 
@@ -30,7 +31,7 @@ def accelerated(seed: int = 0):
 
 def test_binding_keeps_the_sibling_of_the_same_policy_and_remakes_it_for_another():
     policy, other = accelerated(), accelerated(seed=2)
-    d = SelfDrafter.int8(policy)
+    d = SelfDrafter(policy, int8_sibling, "self-int8")
     sib = d.policy
     assert d.bind(policy).policy is sib and d.kind == "self-int8"
     assert d.bind(other).policy is not sib and d.policy.lm_head.weight is other.lm_head.weight and d.policy.lm_head.int8
@@ -67,7 +68,7 @@ def test_self_int8_drafts_keep_the_policys_distribution(mode):
     policy = accelerated(seed=1)
     G, L, T, top_p = 3000, 4, 1.0, 0.8
     shape = TreeShape(depth=2, branch=3, nodes=6) if mode == "tree" else TreeShape.chain(2)
-    drafter = SelfDrafter.int8(policy)
+    drafter = SelfDrafter(policy, int8_sibling, "self-int8")
     r = generate_speculative(
         policy, drafter, PROMPTS, SamplingConfig(T, top_p, L), (EOS,), response_generators(7, 2, G), shape,
         group_size=G,
@@ -85,10 +86,9 @@ def test_greedy_self_int8_chains_equal_greedy_decoding():
     prompts = [[4, 3], [1, 2, 3, 4], [2, 0, 1, 3, 4], [0, 4, 3]]
     sc = SamplingConfig(0.0, 1.0, 12)
     ar = generate(policy, prompts, sc, (EOS,), response_generators(0, 4, 2), group_size=2)
-    sp = generate_speculative(
-        policy, SelfDrafter.int8(policy), prompts, sc, (EOS,), response_generators(0, 4, 2), TreeShape.chain(3),
-        group_size=2,
-    )  # fmt: skip
+    drafter = SelfDrafter(policy, int8_sibling, "self-int8")
+    gens = response_generators(0, 4, 2)
+    sp = generate_speculative(policy, drafter, prompts, sc, (EOS,), gens, TreeShape.chain(3), group_size=2)
     assert sp.tokens == ar.tokens and sp.finish_reason == ar.finish_reason
     assert sp.stats.aal > 2.0
 

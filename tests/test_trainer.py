@@ -435,7 +435,7 @@ def test_help_groups_flags_marks_required_and_hides_training_flags_from_generate
     out = capsys.readouterr().out
     train_help, gen_help = out.split("usage: sparkrl generate")
     assert "spark options:" in train_help and "draft options:" in train_help and "(required)" in train_help
-    assert "--draft {none,eagle3,dflash}" in train_help and "--draft-lr" in train_help
+    assert "--draft {none,eagle3,dflash,self-int8}" in train_help and "--draft-lr" in train_help
     assert "--draft-lr" not in gen_help and "--spark-carry" not in gen_help and "--spark-rank" in gen_help
 
 

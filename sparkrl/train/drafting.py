@@ -172,9 +172,9 @@ def load_budget(budget: RoundBudget, ck: dict, world: World = SINGLE) -> None:
 
 @dataclass
 class SelfDrafting(NoDrafting):
-    """--draft self-int8: the policy's copy drafts for itself (`SelfDrafter.int8`), so there is nothing to bind,
-    train or adapt (the 8-bit sibling shares the copy's weights and requantizes when a refresh changes them); only
-    the budget has state to checkpoint and figures to report."""
+    """--draft self-int8: the policy's copy drafts for itself (`SelfDrafter` over `precision.int8_sibling`), so there
+    is nothing to bind, train or adapt (the 8-bit sibling shares the copy's weights and requantizes when a refresh
+    changes them); only the budget has state to checkpoint and figures to report."""
 
     budget: RoundBudget
 

@@ -40,7 +40,7 @@ from sparkrl.train.drafting import (
     make_spark,
     resolve_checkpoint,
 )
-from sparkrl.train.precision import InferenceCopy, dtype_name, inference_copy, parse_dtype, rollout_dtype
+from sparkrl.train.precision import InferenceCopy, dtype_name, inference_copy, int8_sibling, parse_dtype, rollout_dtype
 from sparkrl.vllm.engine import VllmEngine, VllmGeneration
 from sparkrl.vllm.spark import exported
 
@@ -183,7 +183,7 @@ def build_generation(
     if plan.draft == "none":
         return Generation(plan, copy, NoDrafting(), Autoregressive())
     if plan.draft == "self-int8":  # the copy drafts for itself with 8-bit products: nothing to train
-        drafter = SelfDrafter.int8(copy.model)
+        drafter = SelfDrafter(copy.model, int8_sibling, "self-int8")
         budget = make_budget(cfg, copy, drafter)
         return Generation(plan, copy, SelfDrafting(budget), Speculative(drafter, cfg.shape(), budget, NoAdaptation()))
     drafter, draft_copy, projection, spark = drafter_parts(

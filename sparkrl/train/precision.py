@@ -15,6 +15,7 @@ Exactness is relative to the rollout model; the gap to the master weights is mea
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import replace
 
 import torch
@@ -117,3 +118,15 @@ class InferenceCopy:
             dst.copy_(full(src))  # one whole parameter at a time beside the copy
         for dst, src in zip(self.model.buffers(), self.master.buffers()):
             dst.copy_(src)
+
+
+def int8_sibling(policy: Transformer) -> Transformer:
+    """`policy`'s modules over the very same weight tensors (no second copy of them), every product, the LM head's
+    too, on 8-bit weights and activations (`cpu.accelerate.use_int8`): what drafts for --draft self-int8. Each layer
+    keeps its quantized weight and remakes it when the weight's version counter moves, so the sibling follows every
+    in-place refresh of `policy`. The head runs in 8 bits even where `policy` computes its logits in float32
+    (`head32`): a drafter's logits only decide what is proposed."""
+    shared = itertools.chain(policy.parameters(), policy.buffers(), policy.head32)
+    sibling = copy.deepcopy(policy, {id(t): t for t in shared})
+    sibling.head32 = ()
+    return use_int8(accelerate(sibling, "auto").model)
