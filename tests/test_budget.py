@@ -20,6 +20,7 @@ from sparkrl.engine.budget import (
     PROBE_EVERY,
     Budget,
     CostModel,
+    FixedBudget,
     at_zero,
     kept_drafts,
     nondecreasing,
@@ -399,6 +400,35 @@ def test_drafter_catches_up_after_autoregressive_rounds():
     st = sp.stats
     assert 0 < st.tree_rounds < st.rounds
     assert st.accepted_at_depth == [st.tree_row_rounds] * 3
+
+
+def test_a_rollout_whose_rounds_are_all_declined_never_runs_the_drafter():
+    """The drafter's prefill waits for a drafted round (and its catch-up with it): declined rounds cost what an
+    autoregressive step costs, and the tokens are AR's."""
+
+    class Declines(FixedBudget):
+        def choose(self, B):
+            return AR
+
+    class Counted(Eagle3Drafter):
+        calls = 0
+
+        def forward(self, *args, **kwargs):
+            Counted.calls += 1
+            return super().forward(*args, **kwargs)
+
+    policy, shape = small_policy(seed=3), TreeShape(3, 2, 4)
+    torch.manual_seed(0)
+    drafter = Counted(policy.args)
+    sc, prompts = SamplingConfig(1.0, 0.9, 12), [[1, 2, 3], [4, 0, 1, 2]]
+    ar = generate(policy, prompts, sc, (4,), response_generators(0, 2, 3), group_size=3)
+    sp = generate_speculative(
+        policy, drafter, prompts, sc, (4,), response_generators(0, 2, 3), shape, group_size=3,
+        budget=Declines(shape),
+    )  # fmt: skip
+    assert sp.tokens == ar.tokens and sp.stats.tree_rounds == 0 and Counted.calls == 0
+    generate_speculative(policy, drafter, prompts, sc, (4,), response_generators(0, 2, 3), shape, group_size=3)
+    assert Counted.calls > 0  # the same drafter runs where rounds are drafted
 
 
 def test_adaptive_budget_learns_the_whole_round_from_a_clock():
