@@ -116,11 +116,10 @@ def main():
     for draft in drafts[1:]:  # the same policy copy, another drafter and its own budget
         plan = RolloutPlan.settle(lm.model, "model", args.cpu_kernels, dcfg(draft))
         engines[draft] = build_generation(plan, dcfg(draft), lm.model, 1.0, trains=False).engine
-    drafter, budget = gen.engine.drafter, gen.engine.budget
-    full_depth_budget = full_depth_only(budget, dcfg(drafts[0]).shape()) if args.also_full_depth else None
+    full_depth_budget = full_depth_only(gen.engine.budget, gen.engine.shape) if args.also_full_depth else None
     sc = SamplingConfig(1.0, 0.95, args.max_new_tokens)
-    speculative = lambda engine, P, G, **kw: lambda ps: generate_speculative(
-        lm.model, engine.drafter, ps, sc, lm.eos_ids, response_generators(0, P, G), engine.shape, G,
+    speculative = lambda engine, P, G, shape=None, **kw: lambda ps: generate_speculative(
+        lm.model, engine.drafter, ps, sc, lm.eos_ids, response_generators(0, P, G), shape or engine.shape, G,
         sampler=sampler, **kw
     )  # fmt: skip
     rows = []
@@ -139,24 +138,10 @@ def main():
             systems[f"{draft}+budget"] = speculative(engine, P, G, budget=engine.budget)
         also = f"{spec} (tree stop {args.also_stop})"
         if args.also_stop is not None:
-            other = dataclasses.replace(dcfg(spec).shape(), stop=args.also_stop)
-            systems[also] = lambda ps: generate_speculative(
-                lm.model, drafter, ps, sc, lm.eos_ids, response_generators(0, P, G), other, G, sampler=sampler
-            )
+            systems[also] = speculative(gen.engine, P, G, dataclasses.replace(gen.engine.shape, stop=args.also_stop))
         full_only = f"{spec}+budget (full depth only)"
         if args.also_full_depth:
-            systems[full_only] = lambda ps: generate_speculative(
-                lm.model,
-                drafter,
-                ps,
-                sc,
-                lm.eos_ids,
-                response_generators(0, P, G),
-                dcfg(spec).shape(),
-                G,
-                budget=full_depth_budget,
-                sampler=sampler,
-            )
+            systems[full_only] = speculative(gen.engine, P, G, budget=full_depth_budget)
         if P * G > args.fixed_upto:  # the full proposal every round is known to lose there; save the time
             for draft in drafts:
                 del systems[draft]
