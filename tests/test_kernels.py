@@ -432,7 +432,7 @@ def test_the_compiled_rope_matches_a_float64_reference(dtype, D):
 
 @needs_native
 @pytest.mark.parametrize("dtypes", [(F32, F32), (F32, BF16), (BF16, BF16)])
-@pytest.mark.parametrize("T,D", [(1, 64), (5, 8), (17, 64)])
+@pytest.mark.parametrize("T,D", [(1, 64), (5, 8), (17, 64), (4, 24), (2, 72)])
 def test_the_compiled_cached_attention_matches_a_float64_reference(dtypes, T, D):
     """`native.attention` on a transposed q, as attention passes it, over cache buffers longer than the span
     (grouped-query heads, 6 over 2), a ragged mask (one query sees nothing: zeros), against float64 softmax
@@ -477,14 +477,16 @@ def test_the_compiled_norm_and_rope_take_no_gradients():
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtypes", [(F32, F32), (BF16, BF16)])
-def test_a_row_of_the_compiled_attention_depends_only_on_the_positions_it_sees(threads, dtypes):
+@pytest.mark.parametrize("H,Hk", [(6, 2), (4, 2), (3, 3)])
+def test_a_row_of_the_compiled_attention_depends_only_on_the_positions_it_sees(threads, dtypes, H, Hk):
     """The same query over the same visible keys and values gives the same bits as one new token of a decode
     step (one sequence, span = its position + 1) and as a node of a tree verified beside others (more new
     tokens, a longer span, its ancestors at scattered cache positions, other sequences in the batch), at any
-    thread count: what makes greedy speculative rollouts equal greedy AR ones."""
+    thread count and whichever of the values' row tiles (3, 2 or 1 query rows of a key/value head) it falls in:
+    what makes greedy speculative rollouts equal greedy AR ones."""
     dtype, out_dtype = dtypes
     torch.manual_seed(0)
-    H, Hk, D, L = 6, 2, 64, 37  # L committed positions
+    D, L = 64, 37  # L committed positions
     path = [L, L + 3, L + 4, L + 9]  # a tree's path: the node at depth 3 (slot L + 9) sees these four slots
     kv = (torch.randn(2, 1, Hk, L + 13, D) * 2).to(dtype)
     q = torch.randn(1, H, 1, D).to(dtype)

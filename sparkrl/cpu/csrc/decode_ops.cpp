@@ -182,29 +182,58 @@ inline float hsum(__m256 v) {  // the 8 lanes' sum, added in `hsum4`'s order: a 
   return _mm_cvtss_f32(hsum4(v, v, v, v));  // whether it falls in a block of four keys or in the tail
 }
 
-// o[0, 8 * NC) = sum_s w[s] v[s * D + (0, 8 * NC)] (float32), the sums in NC registers; v read once
-template <int NC, typename TI>
-void weighted_values_n(const float* w, const TI* v, int64_t D, int64_t S, float* o) {
-  __m256 acc[NC];
-  for (int i = 0; i < NC; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < S; ++s) {
-    const __m256 ws = _mm256_set1_ps(w[s]);
-    for (int i = 0; i < NC; ++i) acc[i] = _mm256_fmadd_ps(ws, load8f(v + s * D + 8 * i), acc[i]);
-  }
-  for (int i = 0; i < NC; ++i) _mm256_storeu_ps(o + 8 * i, acc[i]);
+// mask bytes s .. s + 7 (bool: 0 or 1) as a lane mask, all ones where the position is visible
+inline __m256 visible8(const bool* m) {
+  const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(m8), _mm256_setzero_si256()));
 }
 
+inline bool all_visible8(const bool* m) {  // the eight bytes as one word: all of them 1
+  uint64_t w;
+  std::memcpy(&w, m, sizeof w);
+  return w == 0x0101010101010101ULL;
+}
+
+// The values weighted by the softmax's numerators for NR query rows at once: o[r * D + c0 + (0, 8 NC)] =
+// sum_s p[r * S + s] v[s * D + c0 + (0, 8 NC)] (float32), NR x NC sums in registers (3 x 4 + 3 weights + 1 value:
+// AVX2's 16), so each value row is read once for all NR rows (a decode step's G rows of a key/value head), not once
+// per row. A sum runs over s in cache order, whatever NR: a row's bits are those it gets alone.
+constexpr int64_t PREFETCH = 16;  // positions ahead: a bfloat16 row of 64 is 2 cache lines, too short a stream
+                                 // for the hardware prefetcher to run ahead of at a decode step's few rows
+
 template <typename TI>
-void weighted_values(const float* w, const TI* v, int64_t D, int64_t S, int64_t nc, float* o) {
-  switch (nc) {
-    case 8: return weighted_values_n<8>(w, v, D, S, o);
-    case 7: return weighted_values_n<7>(w, v, D, S, o);
-    case 6: return weighted_values_n<6>(w, v, D, S, o);
-    case 5: return weighted_values_n<5>(w, v, D, S, o);
-    case 4: return weighted_values_n<4>(w, v, D, S, o);
-    case 3: return weighted_values_n<3>(w, v, D, S, o);
-    case 2: return weighted_values_n<2>(w, v, D, S, o);
-    default: return weighted_values_n<1>(w, v, D, S, o);
+inline void prefetch_rows(const TI* x, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(x) + i, _MM_HINT_T0);
+}
+
+template <int NR, int NC, typename TI>
+void weighted_values_n(const float* p, int64_t S, const TI* v, int64_t D, float* o, int64_t ahead) {
+  __m256 acc[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    prefetch_rows(v + (s + PREFETCH) * D, ahead);
+    __m256 w[NR];
+    for (int r = 0; r < NR; ++r) w[r] = _mm256_broadcast_ss(p + r * S + s);
+    for (int c = 0; c < NC; ++c) {
+      const __m256 x = load8f(v + s * D + 8 * c);
+      for (int r = 0; r < NR; ++r) acc[r][c] = _mm256_fmadd_ps(w[r], x, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + r * D + 8 * c, acc[r][c]);
+}
+
+template <int NR, typename TI>
+void weighted_values_rows(const float* p, int64_t S, const TI* v, int64_t D, float* o) {
+  for (int64_t c0 = 0; c0 < D; c0 += 32) {  // 32 columns at a time; the first pass prefetches whole rows
+    const int64_t ahead = c0 ? 0 : D * static_cast<int64_t>(sizeof(TI));
+    switch (std::min<int64_t>(32, D - c0) / 8) {
+      case 4: weighted_values_n<NR, 4>(p, S, v + c0, D, o + c0, ahead); break;
+      case 3: weighted_values_n<NR, 3>(p, S, v + c0, D, o + c0, ahead); break;
+      case 2: weighted_values_n<NR, 2>(p, S, v + c0, D, o + c0, ahead); break;
+      default: weighted_values_n<NR, 1>(p, S, v + c0, D, o + c0, ahead);
+    }
   }
 }
 
@@ -223,6 +252,7 @@ inline __attribute__((always_inline)) void attend_span(const float* __restrict__
   int64_t s0 = 0;
   for (; s0 + 4 <= S; s0 += 4) {  // scores, four keys x three query rows at a time (12 sums in registers)
     const TI* k0 = kh + s0 * D;
+    prefetch_rows(k0 + PREFETCH * D, 4 * D * static_cast<int64_t>(sizeof(TI)));
     int64_t r = 0;
     for (; r + 3 <= R; r += 3) {
       const float* q0 = qs + r * D;
@@ -262,16 +292,19 @@ inline __attribute__((always_inline)) void attend_span(const float* __restrict__
   for (int64_t r = 0; r < R; ++r) {  // the softmax's numerators of the visible scores
     float* pr = p + r * S;
     const bool* mr = m0 + ((r0 + r) % T) * mt;
-    float top = neg;
-    for (int64_t s = 0; s < S; ++s) top = std::max(top, mr[s] ? pr[s] : neg);
+    const __m256 neg8 = _mm256_set1_ps(neg);
+    __m256 tops = neg8;  // the visible maximum, eight lanes at a time (a maximum is exact in any order)
+    int64_t s8 = 0;
+    for (; s8 + 8 <= S; s8 += 8) tops = _mm256_max_ps(tops, _mm256_blendv_ps(neg8, _mm256_loadu_ps(pr + s8), visible8(mr + s8)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, tops);
+    float top = *std::max_element(lanes, lanes + 8);
+    for (; s8 < S; ++s8) top = std::max(top, mr[s8] ? pr[s8] : neg);
     if (top == neg) top = 0.0f;  // nothing to attend to here: zeros below, not NaN
     const __m256 top8 = _mm256_set1_ps(top), lo = _mm256_set1_ps(-87.0f);
-    int64_t s8 = 0;
-    for (; s8 + 8 <= S; s8 += 8) {  // e^(score - top), 0 where masked
-      const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mr + s8));
-      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(m8), _mm256_setzero_si256()));
+    for (s8 = 0; s8 + 8 <= S; s8 += 8) {  // e^(score - top), 0 where masked
       const __m256 e = exp8(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(pr + s8), top8), lo));
-      _mm256_storeu_ps(pr + s8, _mm256_and_ps(e, keep));
+      _mm256_storeu_ps(pr + s8, _mm256_and_ps(e, visible8(mr + s8)));
     }
     for (; s8 < S; ++s8)
       pr[s8] = mr[s8] ? _mm256_cvtss_f32(exp8(_mm256_set1_ps(std::max(pr[s8] - top, -87.0f)))) : 0.0f;
@@ -280,15 +313,17 @@ inline __attribute__((always_inline)) void attend_span(const float* __restrict__
     // them: blocks of eight visible positions (the committed prefix) as such, then one at a time
     float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t s = 0;
-    for (; s + 8 <= S && std::all_of(mr + s, mr + s + 8, [](bool m) { return m; }); s += 8)
+    for (; s + 8 <= S && all_visible8(mr + s); s += 8)
       for (int j = 0; j < 8; ++j) part[j] += pr[s + j];
     for (int64_t j = s; s < S; ++s)
       if (mr[s]) part[j++ & 7] += pr[s];
     const float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
     sum_out[r] = sum;
-    for (int64_t d0 = 0; d0 < D; d0 += 64)  // the weighted values, 64 of them at a time in registers
-      weighted_values(pr, vh + d0, D, S, std::min<int64_t>(64, D - d0) / 8, o + r * D + d0);
   }
+  int64_t r = 0;  // the weighted values, three rows at a time
+  for (; r + 3 <= R; r += 3) weighted_values_rows<3>(p + r * S, S, vh, D, o + r * D);
+  if (R - r == 2) weighted_values_rows<2>(p + r * S, S, vh, D, o + r * D);
+  if (R - r == 1) weighted_values_rows<1>(p + r * S, S, vh, D, o + r * D);
 }
 
 // softmax(q k^T / sqrt(D), masked) v for every query row of a key/value head (its grouped query heads x the new
