@@ -672,3 +672,44 @@ def test_a_step_written_twice_replaces_the_first(tmp_path):
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000003"]
     ck = load_latest(tmp_path)
     assert ck["x"] == 2.0 and torch.equal(ck["policy"]["w"], torch.full((2,), 2.0))
+
+
+def test_drafter_training_pauses_while_the_budget_declines_every_round(tiny_model_dir, tmp_path, monkeypatch):
+    """A budget that declines every round: the drafter trains on step 1 and every 8th step after (so a paused
+    drafter keeps up with the policy), not in between (no draft optimizer step, its weights unchanged, no draft
+    figures); the metrics and the summary say so, and a run resumed across a paused step is the same run."""
+    import sparkrl.train.generation as generation
+    from sparkrl.engine.budget import AR, FixedBudget
+
+    class Declines(FixedBudget):
+        def choose(self, B):
+            return AR
+
+    monkeypatch.setattr(generation, "make_budget", lambda cfg, policy, drafter: Declines(cfg.shape()))
+    kw = dict(draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3, prompts_per_step=1, keep_checkpoints=10)
+    s = train(run_config(tiny_model_dir, tmp_path / "a", steps=10, **kw), grader=ParityGrader())
+    m = _metrics(tmp_path / "a")
+    assert [x["draft_paused"] for x in m] == [0, 1, 1, 1, 1, 1, 1, 1, 0, 1]
+    assert all(x["tree_rounds"] == 0 < x["rounds"] for x in m)
+    assert all(("draft_ce" in x) == (x["draft_train_s"] > 0) == (not x["draft_paused"]) for x in m)
+    assert s.draft_paused == 8
+    ck = lambda k: load_checkpoint(tmp_path / "a" / "checkpoints" / f"step-{k:06d}")["draft"]["drafter"]["state"]
+    a, b, c = ck(2), ck(8), ck(9)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # paused from step 2 to step 8
+    assert any(not torch.equal(b[k], c[k]) for k in b)  # step 9 trained
+    train(run_config(tiny_model_dir, tmp_path / "b", steps=4, **kw), grader=ParityGrader())
+    train(run_config(tiny_model_dir, tmp_path / "b", steps=10, resume=True, **kw), grader=ParityGrader())
+    strip = lambda ms: [{k: v for k, v in x.items() if k not in TIMING and not k.endswith("_s")} for x in ms]
+    assert strip(_metrics(tmp_path / "b")) == strip(m)
+
+
+def test_drafter_training_pauses_only_when_the_budget_drafts_almost_nothing():
+    from sparkrl.engine.records import RoundStats
+    from sparkrl.train.drafting import PAUSE_SHARE, PAUSED_EVERY, Drafting, NoDrafting
+
+    learns = lambda drafted, rounds, step: Drafting.learns(None, RoundStats(rounds=rounds, tree_rounds=drafted), step)
+    assert not learns(1, 100, 1) and not learns(0, 100, PAUSED_EVERY + 1)  # the budget's probes alone
+    assert learns(int(PAUSE_SHARE * 100), 100, 1)  # drafting
+    assert learns(0, 100, 0) and learns(0, 100, PAUSED_EVERY)  # every PAUSED_EVERY-th step trains anyway
+    assert learns(0, 0, 3)  # an engine that counts no rounds (vLLM's): always
+    assert not NoDrafting().learns(RoundStats(rounds=100, tree_rounds=100), 0) and not NoDrafting.trains

@@ -328,7 +328,12 @@ def run_train(cfg: RunConfig) -> None:
     lines = [
         f"sparkrl: trained {plural(s.steps_run, 'step')} -> {s.out}",
         f"  generation {s.gen_s:.1f}s ({plural(s.gen_tokens, 'token')}), policy updates {s.train_s:.1f}s"
-        + (f", drafter training {s.draft_train_s:.1f}s" if s.rounds else ""),
+        + (f", drafter training {s.draft_train_s:.1f}s" if s.rounds else "")
+        + (
+            f" (paused on {s.draft_paused} of {plural(s.steps_run, 'step')}: the budget declined drafting)"
+            if s.draft_paused
+            else ""
+        ),
     ]
     if s.rounds:  # speculative rollouts
         est = s.gen_ar_estimate_s

@@ -27,7 +27,9 @@ with its own SPARK correction B_g). Per call:
      from one extra no-grad forward of the engine's copy of the policy (the weights that sampled) over
      the prompt + completion sequences, in micro-batches. Cost: about a third of TRL's policy
      forward + backward on the same batch (as much as its reference-model forward when beta > 0), plus
-     the drafter's own forward and backward; logged as `sparkrl/draft_train_s`.
+     the drafter's own forward and backward; logged as `sparkrl/draft_train_s`. Paused while the budget
+     declines drafting (under 2% of the call's rounds drafted), but for every 8th call; logged as
+     `sparkrl/draft_paused`.
   6. AAL, rounds and time split go to TRL's logs through the trainer's metric hook (`_log_metric`, what
      TRL 1.16 hands reward functions as `log_metric`): averaged over processes and the logging window,
      logged beside `kl` and `reward` under `sparkrl/...`.
@@ -288,8 +290,14 @@ class SparkRollout:
 
     def train_drafter(self, parts: list[Rollout]) -> dict:
         """The drafter's online step on this call's responses (see the module doc, step 5; nothing without a
-        drafter, whose `learn` never reads `draft_batches`)."""
-        return self.drafting.learn(self.draft_batches(parts), self.world)
+        drafter, whose `learn` never reads `draft_batches`), paused while the budget declines drafting
+        (`Drafting.learns`; logged as `sparkrl/draft_paused`)."""
+        if not self.drafting.trains:
+            return {}
+        stats = RoundStats.merge([r.stats for r in parts], concurrent=False)
+        if not self.drafting.learns(stats, self.calls, self.world):
+            return self.discard_adaptation() | {"draft_paused": 1}
+        return self.drafting.learn(self.draft_batches(parts), self.world) | {"draft_paused": 0}
 
     def draft_batches(self, parts: list[Rollout]):
         """The drafter loss's micro-batches of this call's responses (`Drafting.observe`'s arguments), each from

@@ -92,15 +92,22 @@ def make_budget(cfg: DraftConfig, policy: InferenceCopy, drafter: DraftModel) ->
     return Budget(cost, cfg.shape(), adaptive=cfg.budget == "adaptive")
 
 
+PAUSE_SHARE = 0.02  # drafted rounds below this share of a step's: the drafter's online training pauses (`learns`)
+PAUSED_EVERY = 8  # ... but for one step in this many
+
+
 @runtime_checkable
 class OnlineDrafting(Protocol):
     """What training calls on the drafting of its rollouts: the drafter follows the policy (`bind`), learns from
     the policy features of each update (`observe`, `learn`, `step`), checkpoints and resumes, and reports."""
 
     adapts: bool  # whether SPARK corrects the drafter during rollouts
+    trains: bool  # whether there is a drafter to train online
     feature_layers: tuple[int, ...]  # the policy layers whose hidden states the drafter's training reads
 
     def bind(self, policy) -> None: ...
+
+    def learns(self, stats: RoundStats, step: int, world: World = SINGLE) -> bool: ...
 
     def observe(self, tokens, taps, hidden, logits, mask, weight: float, generators) -> None: ...
 
@@ -124,10 +131,14 @@ class NoDrafting(OnlineDrafting):
     bind, train, adapt, checkpoint or time."""
 
     adapts = False  # SPARK corrects no drafter
+    trains = False
     feature_layers: tuple[int, ...] = ()
 
     def bind(self, policy) -> None:
         pass
+
+    def learns(self, stats: RoundStats, step: int, world: World = SINGLE) -> bool:
+        return False  # nothing to train
 
     def observe(self, *batch) -> None:
         pass
@@ -204,6 +215,7 @@ class Drafting(OnlineDrafting):
     spark: Spark | None
     budget: RoundBudget
     trainer: DraftTrainer
+    trains = True
 
     @property
     def adapts(self) -> bool:
@@ -218,6 +230,16 @@ class Drafting(OnlineDrafting):
     def bind(self, policy) -> None:
         """The trained drafter's head follows the policy it learns from (before the policy's update)."""
         self.drafter.bind(policy)
+
+    def learns(self, stats: RoundStats, step: int, world: World = SINGLE) -> bool:
+        """Whether the drafter trains on the rollout of training step `step` (its `stats`). Not while the budget
+        declines drafting: where under PAUSE_SHARE of the step's rounds drafted, over all ranks (the budget's
+        probes alone draft one round in 64 per row at most), the rollouts used almost nothing the drafter could
+        learn, and its training would cost a forward and backward over every response. A paused drafter still
+        trains every PAUSED_EVERY-th step, so it keeps up with the policy for when drafting pays again (fewer
+        rows, a response's long tail). Every rank gets the same answer (one all-reduce)."""
+        drafted, rounds = (int(x) for x in world.sum(torch.tensor([stats.tree_rounds, stats.rounds])))
+        return rounds == 0 or drafted >= PAUSE_SHARE * rounds or step % PAUSED_EVERY == 0
 
     def observe(self, tokens, taps, hidden, logits, mask, weight: float, generators) -> None:
         """One micro-batch's gradient of the drafter's online loss (`DraftTrainer.observe`)."""

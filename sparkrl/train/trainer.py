@@ -36,6 +36,7 @@ from sparkrl.train.checkpoint import POLICY, disk_full, list_checkpoints, load_l
 from sparkrl.train.data import build_prompts, load_problems
 from sparkrl.train.distributed import SINGLE, World, gather_step
 from sparkrl.train.draft_train import row_generators
+from sparkrl.train.drafting import NoDrafting
 from sparkrl.train.generation import Generation, RolloutPlan, build_generation
 from sparkrl.train.grpo import group_advantages
 from sparkrl.train.rewards import Grader
@@ -241,6 +242,7 @@ class GRPORun:
         t0 = time.perf_counter()
         total = int(world.sum(torch.tensor(rollout.num_tokens)))  # the loss is a token mean over the whole step's batch
         draft_gens = row_generators(cfg.seed, step, range(mine.start * G, mine.stop * G))
+        learning = self.drafting.learns(rollout.stats, step, world)  # paused while the budget declines drafting
         upd = policy_update(
             self.policy,
             self.ref,
@@ -248,16 +250,21 @@ class GRPORun:
             rollout,
             group_advantages(rewards, G),
             cfg,
-            self.drafting,
+            self.drafting if learning else NoDrafting(),
             total,
             draft_gens,
         )
         upd["reward_timeouts"] = timeouts
+        if self.drafting.trains:
+            upd["draft_paused"] = int(not learning)
         with deferred_sigint():
             self.shards.reduce_grads(self.policy)  # every rank's share of the batch: the whole batch's gradient
             upd.update(apply_update(self.policy, self.opt, cfg.grpo.max_grad_norm))
             self.generation.refresh()  # the inference copy follows the master weights
-            upd.update(self.drafting.step(world))
+            if learning:
+                upd.update(self.drafting.step(world))
+            else:  # SPARK's A gradient of a rollout the drafter does not learn from
+                self.drafting.drop_adaptation(world)
             upd["train_s"] = time.perf_counter() - t0 - upd.get("draft_train_s", 0.0)
             upd.update(self.drafting.figures(rollout.stats))
             rollout, scores, upd = gather_step(world, rollout, scores, upd)  # the whole batch's, on every rank
@@ -333,6 +340,7 @@ class Summary:
     committed: int = 0  # tokens committed by them, over row_rounds rounds of a response
     row_rounds: int = 0
     gen_ar_estimate_s: float = 0.0  # the budget's estimate of autoregressive generation (0: none)
+    draft_paused: int = 0  # steps whose drafter training paused (`Drafting.learns`)
     first: dict = field(default_factory=dict)  # the first step's mean reward, accuracy and format rate (`LEARNING`)
     last: dict = field(default_factory=dict)  # the last step's
 
@@ -361,6 +369,7 @@ SUMMED = (
     "committed",
     "row_rounds",
     "gen_ar_estimate_s",
+    "draft_paused",
 )  # the metrics a `Summary` adds up
 
 
