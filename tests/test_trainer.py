@@ -713,3 +713,23 @@ def test_drafter_training_pauses_only_when_the_budget_drafts_almost_nothing():
     assert learns(0, 100, 0) and learns(0, 100, PAUSED_EVERY)  # every PAUSED_EVERY-th step trains anyway
     assert learns(0, 0, 3)  # an engine that counts no rounds (vLLM's): always
     assert not NoDrafting().learns(RoundStats(rounds=100, tree_rounds=100), 0) and not NoDrafting.trains
+
+
+def test_a_run_whose_drafter_learns_makes_the_autoregressive_runs_rollouts_and_updates(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """Rollouts token-identical to AR's stay so across steps only if the policy update has the same bits whether a
+    drafter learns from its forward or not: the head's log-probabilities over the same positions in the same row
+    blocks (a few rows a block here, as the default model's 49,152-token head has)."""
+    import sparkrl.model.logprobs as logprobs
+
+    monkeypatch.setattr(logprobs, "BLOCK_BYTES", 4 * 3 * 49152)  # 3 rows a block of the 49,152-token head
+    kw = dict(steps=3, max_new_tokens=8, checkpoint_every=1, keep_checkpoints=3)
+    train(run_config(tiny_model_dir, tmp_path / "ar", **kw), grader=ParityGrader())
+    draft = dict(draft="eagle3", tree_depth=2, tree_branch=2, tree_nodes=3, budget="fixed")
+    train(run_config(tiny_model_dir, tmp_path / "sp", **kw, **draft), grader=ParityGrader())
+    ar, sp = _metrics(tmp_path / "ar"), _metrics(tmp_path / "sp")
+    assert [m["token_hash"] for m in ar] == [m["token_hash"] for m in sp] and all(m["tree_rounds"] for m in sp)
+    assert [m["loss"] for m in ar] == [m["loss"] for m in sp]
+    a, b = _policy(tmp_path / "ar")["policy"], _policy(tmp_path / "sp")["policy"]
+    assert all(torch.equal(a[k], b[k]) for k in a)

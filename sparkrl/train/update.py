@@ -44,11 +44,11 @@ def _forward(model: Transformer, toks, pos, targets, temperature: float, autocas
     with autocast:
         out = model(toks, taps=taps)
     h = at_positions(out.hidden, pos)  # (b, R+1, d)
-    if not taps:
-        return model.token_logprobs(h[:, :R], targets, temperature)[0], h, None, {}
-    # the drafter's loss reads the policy's logits at all R+1 positions (the last one's target is a dummy)
-    logp, logits = model.token_logprobs(h, F.pad(targets, (0, 1)), temperature, keep_logits=True)
-    return logp[:, :R], h, logits, {i: at_positions(t, pos) for i, t in out.taps.items()}
+    # the head over all R+1 positions (the last one's target a dummy), whether or not the drafter reads its logits
+    # there: the same products in the same row blocks, so the update has the same bits with a drafter learning
+    # and without one, and a speculative run's next rollouts stay the autoregressive run's
+    logp, logits = model.token_logprobs(h, F.pad(targets, (0, 1)), temperature, keep_logits=bool(taps))
+    return logp[:, :R], h, logits, {i: at_positions(t, pos) for i, t in out.taps.items()} if taps else {}
 
 
 def policy_update(
