@@ -194,10 +194,6 @@ inline bool all_visible8(const bool* m) {  // the eight bytes as one word: all o
   return w == 0x0101010101010101ULL;
 }
 
-// The values weighted by the softmax's numerators for NR query rows at once: o[r * D + c0 + (0, 8 NC)] =
-// sum_s p[r * S + s] v[s * D + c0 + (0, 8 NC)] (float32), NR x NC sums in registers (3 x 4 + 3 weights + 1 value:
-// AVX2's 16), so each value row is read once for all NR rows (a decode step's G rows of a key/value head), not once
-// per row. A sum runs over s in cache order, whatever NR: a row's bits are those it gets alone.
 constexpr int64_t PREFETCH = 16;  // positions ahead: a bfloat16 row of 64 is 2 cache lines, too short a stream
                                  // for the hardware prefetcher to run ahead of at a decode step's few rows
 
@@ -206,6 +202,11 @@ inline void prefetch_rows(const TI* x, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(x) + i, _MM_HINT_T0);
 }
 
+// The values weighted by the softmax's numerators for NR query rows at once: o[r * D + c0 + (0, 8 NC)] =
+// sum_s p[r * S + s] v[s * D + c0 + (0, 8 NC)] (float32), NR x NC sums in registers (3 x 4 + 3 weights + 1 value:
+// AVX2's 16), so each value row is read once for all NR rows (a decode step's G rows of a key/value head), not once
+// per row; `ahead`: the bytes of value row s + PREFETCH to prefetch. A sum runs over s in cache order, whatever NR:
+// a row's bits are those it gets alone.
 template <int NR, int NC, typename TI>
 void weighted_values_n(const float* p, int64_t S, const TI* v, int64_t D, float* o, int64_t ahead) {
   __m256 acc[NR][NC];
@@ -295,7 +296,8 @@ inline __attribute__((always_inline)) void attend_span(const float* __restrict__
     const __m256 neg8 = _mm256_set1_ps(neg);
     __m256 tops = neg8;  // the visible maximum, eight lanes at a time (a maximum is exact in any order)
     int64_t s8 = 0;
-    for (; s8 + 8 <= S; s8 += 8) tops = _mm256_max_ps(tops, _mm256_blendv_ps(neg8, _mm256_loadu_ps(pr + s8), visible8(mr + s8)));
+    for (; s8 + 8 <= S; s8 += 8)
+      tops = _mm256_max_ps(tops, _mm256_blendv_ps(neg8, _mm256_loadu_ps(pr + s8), visible8(mr + s8)));
     float lanes[8];
     _mm256_storeu_ps(lanes, tops);
     float top = *std::max_element(lanes, lanes + 8);
