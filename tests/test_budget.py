@@ -190,10 +190,11 @@ def test_the_timing_progress_adds_up_to_the_work_announced(tiny_llama):
 
 
 def test_a_few_sizes_are_timed_and_the_fit_gives_every_other_one():
-    """Four tree sizes span the fit (the smallest, the widest one level deep, a middle one, the full one); the
-    fit of exactly linear timings gives every other size exactly; a one-path proposal times its one size."""
+    """Four tree sizes span the fit (the smallest, the widest one level deep, as many nodes at the deepest they
+    reach, the full one); the fit of exactly linear timings gives every other size exactly; a one-path proposal
+    times its one size."""
     shape = TreeShape(5, 4, 16)
-    assert timed_sizes(shape) == [(1, 1), (4, 1), (8, 3), (16, 5)]
+    assert timed_sizes(shape) == [(1, 1), (4, 1), (4, 4), (16, 5)]
     line = lambda n, d: [0.5 + 0.1 * n + 0.3 * (d - 1), 1.0 + 0.2 * n + 0.5 * (d - 1)]  # two row counts
     timed = {AR: [1.0, 2.0], **{s: line(*s) for s in timed_sizes(shape)}}
     fit = smoothed(timed, tree_sizes(shape))
@@ -231,6 +232,31 @@ def test_smoothed_fits_tree_rounds_linearly_in_nodes_and_depth():
     assert torch.allclose(torch.tensor([fit[s][0] for s in sizes], dtype=torch.float64), best)
     two = {AR: [1.0], (2, 2): [1.5], (4, 2): [9.0]}
     assert smoothed(two) == two and smoothed({AR: [1.0], (15, 15): [3.0]}) == {AR: [1.0], (15, 15): [3.0]}
+
+
+def test_the_fit_never_makes_a_bigger_tree_cheaper():
+    """Timings whose least-squares depth slope is negative (one row here: trees growing in nodes and depth at once,
+    noise on the deep one) are fitted with that slope 0, the rest refitted (float64 reference: the least squares
+    of the remaining terms); a falling node slope likewise; rising slopes are kept as they are."""
+    trees = [(1, 1), (4, 1), (8, 3), (16, 5)]
+    timed = {AR: [17.5], (1, 1): [23.7], (4, 1): [41.4], (8, 3): [56.0], (16, 5): [78.9]}  # ms, measured here
+    X = torch.tensor([[1.0, n, d - 1] for n, d in trees], dtype=torch.float64)
+    y = torch.tensor([timed[s][0] for s in trees], dtype=torch.float64)
+    assert torch.linalg.pinv(X).matmul(y)[2] < 0  # the plain fit's depth slope
+    fit = smoothed(timed, tree_sizes(TreeShape(5, 4, 16)))
+    a, b = (torch.linalg.pinv(X[:, :2]) @ y).tolist()
+    assert all(fit[n, d][0] == pytest.approx(a + b * n) for n, d in fit if (n, d) != AR)
+    assert fit[4, 4][0] >= fit[4, 1][0] and fit[16, 5][0] >= fit[8, 5][0]
+    falling = {AR: [1.0], (1, 1): [5.0], (2, 1): [4.0], (2, 2): [6.0], (4, 2): [5.5]}  # more nodes, less time
+    f = smoothed(falling)
+    Xf = torch.tensor([[1.0, n, d - 1] for n, d in falling if n], dtype=torch.float64)
+    yd = torch.tensor([v[0] for s, v in falling.items() if s != AR], dtype=torch.float64)
+    assert (torch.linalg.pinv(Xf) @ yd)[1] < 0  # the plain fit's node slope
+    Xd = Xf[:, [0, 2]]
+    c0, c2 = (torch.linalg.pinv(Xd) @ yd).tolist()
+    assert all(f[n, d][0] == pytest.approx(c0 + c2 * (d - 1)) for n, d in f if n)
+    exact = {AR: [1.0], **{(n, d): [1.0 + 0.5 * n + 0.25 * (d - 1)] for n, d in trees}}
+    assert all(smoothed(exact)[s][0] == pytest.approx(v[0]) for s, v in exact.items())
 
 
 def test_nondecreasing_pools_adjacent_violators():

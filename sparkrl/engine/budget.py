@@ -60,7 +60,7 @@ from sparkrl.machine import measurement_path
 
 ROWS = (1, 8, 64)  # row counts the cost model times; rounds over other counts are interpolated (a round's cost is
 # close to linear in its rows between them)
-ENGINE = 15  # part of the timing cache's key: bumped whenever a round's work or its timing changes
+ENGINE = 16  # part of the timing cache's key: bumped whenever a round's work or its timing changes
 GAIN = 0.9  # a tree is chosen when predicted at least 10% faster per committed token than an AR step: the
 # cost model's error (measured at 8 rows: 1-node trees predicted 1.08x ran at 0.96x) must not turn a
 # predicted gain into a loss
@@ -250,16 +250,17 @@ def timing_work(rows, sizes, context: int, repeats: dict) -> int:
 
 
 def timed_sizes(shape: TreeShape) -> list[Size]:
-    """The tree sizes the cost model times: the smallest tree, the widest one level deep, one in the middle and
-    the full one (enough to fit seconds = a + b * nodes + c * (depth - 1), `smoothed`); a one-path proposal's
-    one size."""
+    """The tree sizes the cost model times: the smallest tree, the widest one level deep, that many nodes at the
+    deepest they reach, and the full tree (enough to fit seconds = a + b * nodes + c * (depth - 1), `smoothed`);
+    a one-path proposal's one size. The widest and the deep one differ in depth alone, so the fit tells a level's
+    cost from a node's: sizes that grow in both at once (a middle tree and the full one) left the depth cost to
+    noise, and at one row here it came out negative, rating a (4, 4) tree at 29 ms where it takes 45."""
     sizes = tree_sizes(shape)
     if len(sizes) <= 4:
         return sizes
-    full = sizes[-1]
     widest = max(s for s in sizes if s[1] == 1)
-    middle = min(sizes, key=lambda s: (abs(s[0] - full[0] / 2) + abs(s[1] - (1 + full[1]) / 2), s))
-    return sorted({sizes[0], widest, middle, full})
+    deep = max(s for s in sizes if s[0] == widest[0])
+    return sorted({sizes[0], widest, deep, sizes[-1]})
 
 
 def at_zero(rounds: list[tuple[float, float]], level: float) -> float:
@@ -297,9 +298,24 @@ def smoothed(rounds: dict[Size, list[float]], sizes: list[Size] | None = None) -
     want = [s for s in (sizes or trees) if s != AR]
     X = torch.tensor([[1.0, n, d - 1] for n, d in trees], dtype=torch.float64)
     Y = torch.tensor([rounds[s] for s in trees], dtype=torch.float64)  # (sizes, row counts)
-    coef = torch.linalg.lstsq(X, Y, driver="gelsd").solution  # defined when X is rank-deficient
+    coef = torch.stack([rising_line(X, y) for y in Y.T], 1)  # (3, row counts)
     fit = torch.tensor([[1.0, n, d - 1] for n, d in want], dtype=torch.float64) @ coef
     return {AR: list(rounds[AR]), **{s: fit[i].tolist() for i, s in enumerate(want)}}
+
+
+def rising_line(X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Least-squares coefficients (a, b, c) of y ~ X = [1, nodes, depth - 1] with b, c >= 0: a tree with more
+    nodes or levels never costs less, so a slope the noise makes negative is dropped (set to 0) and the rest
+    refitted."""
+    keep, coef = [0, 1, 2], torch.zeros(3, dtype=X.dtype)
+    while True:
+        coef.zero_()
+        coef[keep] = torch.linalg.lstsq(X[:, keep], y[:, None], driver="gelsd").solution[:, 0]  # defined when X
+        # is rank-deficient
+        falling = [i for i in keep[1:] if coef[i] < 0]
+        if not falling:
+            return coef
+        keep.remove(min(falling, key=lambda i: coef[i]))
 
 
 class FixedBudget(RoundBudget):
