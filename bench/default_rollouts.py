@@ -19,6 +19,12 @@ def default_rollouts(
     plan = RolloutPlan.settle(lm.model, "model", kernels, dcfg)
     gen = build_generation(plan, dcfg, lm.model, 1.0, trains=False)
     lm.model = gen.policy.model
+    return lm, gen, default_prompts(lm.tokenizer, data, heldout, count, skip)
+
+
+def default_prompts(tokenizer, data: str, heldout: float = 0.0, count: int = 64, skip: int = 0) -> list[list[int]]:
+    """The GRPO prompts (token ids) of the first `count` problems of `data` after `skip` (with `heldout`, of those
+    held out of draft pretraining only)."""
     problems = load_problems(data).problems
     problems = ([p for p in problems if held_out(p, heldout)] if heldout else problems)[skip:]
-    return lm, gen, build_prompts(lm.tokenizer, problems[:count], 512, "skip").prompt_ids
+    return build_prompts(tokenizer, problems[:count], 512, "skip").prompt_ids

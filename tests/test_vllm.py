@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from helpers import PROMPT, chi_square_pvalue, hf_model, response_probs, tiny_vllm_pair
+from helpers import EOS, PROMPT, chi_square_pvalue, hf_model, response_probs, tiny_vllm_pair
 from helpers import VLLM_ENV as ENV
 
 from sparkrl.config import SamplingConfig
@@ -80,6 +80,19 @@ def test_greedy_speculative_tokens_are_greedy_autoregressive_ones(spec_engine, g
     assert responses(spec_engine, 0.0, 1, 24) == greedy_ar
     c = spec_engine.counters()
     assert c["drafts"] > 0 and c["accepted_tokens"] > 0  # drafts were verified, and some accepted
+
+
+def test_eos_ids_end_responses_and_none_runs_each_to_its_length(spec_engine):
+    """`VllmEngine.generate`'s contract, as sparkrl's engine's: a response ends at its first EOS id, or at
+    max_new_tokens; with no EOS ids every response runs to max_new_tokens, the model's own EOS token included."""
+    sampling = SamplingConfig(1.0, 0.95, 12)
+    free = spec_engine.generate([PROMPT], sampling, (), 16, seed=3)
+    assert all(len(t) == 12 for t in free.tokens) and set(free.finish_reason) == {"length"}
+    assert any(EOS in t for t in free.tokens)  # the tiny policy samples its EOS often
+    ended = spec_engine.generate([PROMPT], sampling, (EOS,), 16, seed=3)
+    assert "stop" in ended.finish_reason
+    for t, reason in zip(ended.tokens, ended.finish_reason):
+        assert (t[-1] == EOS and EOS not in t[:-1]) if reason == "stop" else (len(t) == 12 and EOS not in t)
 
 
 @pytest.mark.slow

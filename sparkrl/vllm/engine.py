@@ -285,8 +285,8 @@ class VllmEngine:
         group_size: int = 1,
         seed: int = 0,
     ) -> VllmRollout:
-        """group_size responses to each prompt (token ids), each ending at an EOS id or max_new_tokens; prompt i's
-        request is seeded with seed + i."""
+        """group_size responses to each prompt (token ids), each ending at an EOS id or max_new_tokens (no eos_ids:
+        every response runs to max_new_tokens, as in sparkrl's engine); prompt i's request is seeded with seed + i."""
         greedy = sampling.temperature == 0
         reqs = [{"prompt_token_ids": p} for p in prompts]
         params = [
@@ -296,6 +296,7 @@ class VllmEngine:
                 top_p=1.0 if greedy else sampling.top_p,
                 max_tokens=sampling.max_new_tokens,
                 stop_token_ids=list(eos_ids),
+                ignore_eos=not eos_ids,  # vLLM stops at the model's own EOS unless told not to
                 logprobs=0,
                 seed=seed + i,
             )
