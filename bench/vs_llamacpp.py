@@ -2,12 +2,14 @@
 
 The same model at every weight precision llama.cpp offers for it: the default policy's GGUF as shipped (Q4_1), and
 that file requantized by llama.cpp itself (`llama_model_quantize`, dequantizing Q4_1) to Q8_0, BF16, F16 and F32.
-sparkrl runs the same dequantized weights in its rollout copy (bfloat16 here, the default) and in float32. Each
-process loads its model, reads a prompt of --context tokens of the default problems' text (the same token ids in
-both: the GGUF carries SmolLM2's tokenizer) and times --steps decode steps after 2 untimed ones, sampling at T 1,
-top-p 0.95, 2 threads (llama.cpp: `Llama.eval` and its sampler per token; sparkrl: `decode_child.py`). The systems
-alternate, --rounds times, in rotating order; each figure is the median over the rounds. Writes vs_llamacpp.json and
-.png into --out; nothing else may run while it measures. Needs the bench extra (`pip install -e .[bench]`:
+sparkrl runs the same dequantized weights in its rollout copy (bfloat16 here, the default), in float32 and with
+8-bit products (`--rollout-dtype int8`: weights and activations in 8 bits, head and attention in bfloat16; beside
+llama.cpp's Q8_0, 8-bit weights and activations too). Each process loads its model, reads a prompt of --context
+tokens of the default problems' text (the same token ids in both: the GGUF carries SmolLM2's tokenizer) and times
+--steps decode steps after 2 untimed ones, sampling at T 1, top-p 0.95, 2 threads (llama.cpp: `Llama.eval` and its
+sampler per token; sparkrl: `decode_child.py`). The systems alternate, --rounds times, in rotating order; each
+figure is the median over the rounds. Writes vs_llamacpp.json and .png into --out; nothing else may run while it
+measures. Needs the bench extra (`pip install -e .[bench]`:
 llama-cpp-python, built from source on install).
 
     .venv/bin/python bench/vs_llamacpp.py --out bench/results/vs_llamacpp
@@ -26,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PRECISIONS = {"Q4_1": None, "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "BF16": "LLAMA_FTYPE_MOSTLY_BF16",
               "F16": "LLAMA_FTYPE_MOSTLY_F16", "F32": "LLAMA_FTYPE_ALL_F32"}  # fmt: skip
-SPARKRL = {"sparkrl auto": "auto", "sparkrl float32": "float32"}  # --rollout-dtype
+SPARKRL = {"sparkrl auto": "auto", "sparkrl int8": "int8", "sparkrl float32": "float32"}  # --rollout-dtype
 
 
 def variants(folder: Path) -> dict[str, Path]:
