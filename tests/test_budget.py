@@ -203,6 +203,7 @@ def test_a_few_sizes_are_timed_and_the_fit_gives_every_other_one():
         torch.allclose(torch.tensor(fit[s], dtype=torch.float64), torch.tensor(line(*s), dtype=torch.float64))
         for s in tree_sizes(shape)
     )
+    assert timed_sizes(TreeShape(5, 1, 5)) == [(1, 1), (3, 3), (5, 5)]  # one branch a level: a middle size too
     assert timed_sizes(TreeShape.chain(3)) == [(3, 3)] and timed_sizes(TreeShape(2, 2, 3)) == tree_sizes(
         TreeShape(2, 2, 3)
     )

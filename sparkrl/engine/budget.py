@@ -260,7 +260,10 @@ def timed_sizes(shape: TreeShape) -> list[Size]:
         return sizes
     widest = max(s for s in sizes if s[1] == 1)
     deep = max(s for s in sizes if s[0] == widest[0])
-    return sorted({sizes[0], widest, deep, sizes[-1]})
+    picked = {sizes[0], widest, deep, sizes[-1]}
+    if len(picked) < 3:  # one branch a level: nodes and depth grow together, a middle size keeps the fit's three
+        picked.add(sizes[len(sizes) // 2])
+    return sorted(picked)
 
 
 def at_zero(rounds: list[tuple[float, float]], level: float) -> float:
