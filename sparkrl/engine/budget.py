@@ -60,7 +60,7 @@ from sparkrl.machine import measurement_path
 
 ROWS = (1, 8, 64)  # row counts the cost model times; rounds over other counts are interpolated (a round's cost is
 # close to linear in its rows between them)
-ENGINE = 16  # part of the timing cache's key: bumped whenever a round's work or its timing changes
+ENGINE = 17  # part of the timing cache's key: bumped whenever a round's work or its timing changes
 GAIN = 0.9  # a tree is chosen when predicted at least 10% faster per committed token than an AR step: the
 # cost model's error (measured at 8 rows: 1-node trees predicted 1.08x ran at 0.96x) must not turn a
 # predicted gain into a loss
