@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from child_process import report, result_of
 
 from sparkrl.config import DraftConfig, SamplingConfig
 from sparkrl.engine.autoregressive import decode_one_token, prefill
@@ -61,11 +62,7 @@ def run_child(settings: dict, tree: Path | None = None, extensions: Path | None 
     if extensions is not None:
         env["TORCH_EXTENSIONS_DIR"] = str(extensions)
     cmd = [sys.executable, str(Path(__file__).resolve()), json.dumps(settings)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree)
-    line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if p.returncode or line is None:
-        raise SystemExit(f"the decode timing ({settings}, tree {tree}) failed:\n{p.stderr[-3000:]}")
-    return json.loads(line.removeprefix("RESULT "))
+    return result_of(cmd, f"the decode timing ({settings}, tree {tree})", env=env, cwd=tree, stderr=subprocess.PIPE)
 
 
 def main() -> None:
@@ -84,7 +81,7 @@ def main() -> None:
                 step_s, toks = time_steps(model, sampler, context_ids(lm.tokenizer, P, ctx), B // P, n)
                 out[f"{B}x{ctx}"] = {"step_s": step_s, "tokens": toks}
     out["dtype"] = str(model.lm_head.weight.dtype).removeprefix("torch.")
-    print("RESULT " + json.dumps(out), flush=True)
+    report(out)
 
 
 if __name__ == "__main__":

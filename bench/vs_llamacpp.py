@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from child_process import report, result_of
+
 HERE = Path(__file__).resolve().parent
 PRECISIONS = {"Q4_1": None, "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "BF16": "LLAMA_FTYPE_MOSTLY_BF16",
               "F16": "LLAMA_FTYPE_MOSTLY_F16", "F32": "LLAMA_FTYPE_ALL_F32"}  # fmt: skip
@@ -75,15 +77,7 @@ def llama_child(path: str, settings: str) -> None:
             llm.eval([llm.sample(temp=1.0, top_p=0.95, top_k=0, min_p=0.0)])
         out[f"1x{ctx}"] = {"step_s": (time.perf_counter() - t0) / n}
         llm.close()
-    print("RESULT " + json.dumps(out), flush=True)
-
-
-def run(cmd: list[str]) -> dict:
-    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="2"))
-    line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if p.returncode or line is None:
-        raise SystemExit(f"{' '.join(cmd[:3])} failed:\n{p.stderr[-3000:]}")
-    return json.loads(line.removeprefix("RESULT "))
+    report(out)
 
 
 def main() -> None:
@@ -112,7 +106,8 @@ def main() -> None:
     names, results = list(cmds), {k: [] for k in cmds}
     for r in range(a.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            results[name].append(run(cmds[name]))
+            env = dict(os.environ, OMP_NUM_THREADS="2")
+            results[name].append(result_of(cmds[name], name, env=env, stderr=subprocess.PIPE))
             print(f"round {r + 1}/{a.rounds}: {name}", file=sys.stderr, flush=True)
     rows = []
     for ctx in contexts:

@@ -21,10 +21,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from child_process import report, result_of
 
 ENGINES = ("sparkrl", "vLLM")
 WARM_TOKENS = 16
@@ -74,15 +75,7 @@ def child(engine: str, settings: dict) -> None:
             assert got == P * G * n, f"{engine} generated {got} tokens, not {P * G * n}"
             out["settings"][f"{P}x{G}x{n}"] = {"tokens": got, "seconds": s}
             print(f"{engine} {P}x{G}, {n} tokens: {got / s:.1f} tok/s", file=sys.stderr, flush=True)
-    print("RESULT " + json.dumps(out), flush=True)
-
-
-def run(cmd: list[str]) -> dict:
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, cwd=Path(__file__).parent)
-    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if p.returncode or line is None:
-        raise SystemExit(f"{' '.join(cmd[2:4])} failed (exit {p.returncode}); its stderr is above")
-    return json.loads(line.removeprefix("RESULT "))
+    report(out)
 
 
 def main() -> None:
@@ -109,7 +102,7 @@ def main() -> None:
     for r in range(a.rounds):
         for engine in ENGINES if r % 2 == 0 else ENGINES[::-1]:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child", engine, json.dumps({**base, "round": r})]
-            results[engine].append(run(cmd))
+            results[engine].append(result_of(cmd, f"the {engine} process", cwd=Path(__file__).parent))
             print(f"round {r + 1}/{a.rounds}: {engine} done", file=sys.stderr, flush=True)
     rows = []
     for key in results["sparkrl"][0]["settings"]:
