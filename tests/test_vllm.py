@@ -225,12 +225,13 @@ def vllm_model_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spark", [False, True])
-def test_train_with_vllm_follows_the_policy_it_trains(vllm_model_dir, tmp_path, spark):
-    """`train --engine vllm`: rollouts from vLLM with the drafter exported to it, a deliberately large learning rate
-    moves the policy far from its start (KL to the reference), yet vLLM's log-probabilities stay those of the policy
-    being trained (the training-inference gap), because every update reaches vLLM; drafting figures are vLLM's.
-    With --spark, SPARK runs inside vLLM (its figures each step) and A learns from its feedback there."""
+@pytest.mark.parametrize("draft,spark", [("eagle3", False), ("eagle3", True), ("dflash", False)])
+def test_train_with_vllm_follows_the_policy_it_trains(vllm_model_dir, tmp_path, draft, spark):
+    """`train --engine vllm`: rollouts from vLLM with the drafter exported to it (EAGLE3-style chains, or DFlash-style
+    blocks), a deliberately large learning rate moves the policy far from its start (KL to the reference), yet vLLM's
+    log-probabilities stay those of the policy being trained (the training-inference gap), because every update
+    reaches vLLM; drafting figures are vLLM's. With --spark, SPARK runs inside vLLM (its figures each step) and A
+    learns from its feedback there."""
     from helpers import ParityGrader, run_config
 
     from sparkrl.engine.spark import Projection
@@ -246,10 +247,11 @@ def test_train_with_vllm_follows_the_policy_it_trains(vllm_model_dir, tmp_path, 
         group_size=4,
         prompts_per_step=2,
         max_new_tokens=12,
-        draft="eagle3",
+        draft=draft,
         draft_mode="chain",
         budget="fixed",
         tree_depth=2,
+        block_size=3,
         engine="vllm",
         rollout_dtype="float32",
         draft_checkpoint="fresh",

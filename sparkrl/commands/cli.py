@@ -36,6 +36,7 @@ from sparkrl.config import (
     option,
     require,
 )
+from sparkrl.drafters.vllm_export import method
 from sparkrl.engine.autoregressive import response_generators
 from sparkrl.engine.records import Rollout
 from sparkrl.errors import UserError, output_error
@@ -107,14 +108,18 @@ class ExportConfig(Checked):
 @dataclass(frozen=True)
 class ExportDraftConfig(Checked):
     drafter: str = option("", positional=True)
-    """The EAGLE3-style drafter: a `sparkrl train --out` folder (its latest checkpoint's drafter) or one of its
-    checkpoints/step-N folders, a `pretrain-draft` drafter file, or 'default' (the one shipped for the default
-    model)."""
+    """The drafter: a `sparkrl train --out` folder (its latest checkpoint's drafter) or one of its
+    checkpoints/step-N folders, a `pretrain-draft` drafter file, or 'default' (the one of --draft's kind shipped for
+    the default model)."""
+    draft: Literal["eagle3", "dflash"] = "eagle3"
+    """The kind 'default' names: the shipped EAGLE3-style drafter (for vLLM's eagle3 method) or the DFlash-style one
+    (its dflash method). A file or a run holds its own kind."""
     model: str = ""
     """The policy the drafter serves, whose output head and config the export takes ('' : a run's own policy at
     that checkpoint, else 'default')."""
     out: str = option("", required=True)
-    """The folder to write: config.json, model.safetensors (EAGLE-3's names), sparkrl_draft.json."""
+    """The folder to write: config.json, model.safetensors (EAGLE-3's or DFlash's names), sparkrl_draft.json (and a
+    DFlash-style drafter's mask_embedding.pt)."""
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """The weights' dtype (vLLM runs the drafter in the policy's)."""
 
@@ -228,7 +233,7 @@ def run_generate(cfg: GenerateConfig) -> None:
         raise UserError("a prompt is empty after tokenization")
     m, d = cfg.model, cfg.draft
     plan = RolloutPlan.settle(lm.model, m.rollout_dtype, m.cpu_kernels, d, m.rollout_head == "float32")
-    longest = model_len(prompts, cfg.sampling.max_new_tokens, d.tree_depth) if plan.engine == "vllm" else 0
+    longest = model_len(prompts, cfg.sampling.max_new_tokens, d.shape().depth) if plan.engine == "vllm" else 0
     gen = build_generation(
         plan, d, lm.model, cfg.sampling.temperature, cfg.seed, trains=False, lm=lm, max_len=longest
     )  # nothing trains here
@@ -252,7 +257,8 @@ def print_figures(r: Rollout, gen: Generation) -> None:
     spark = f", {SparkFigures.of(s.adapter).line()}" if gen.drafting.adapts else ""
     if vllm:
         print(
-            f"sparkrl: drafting (vLLM, chains of {s.depth}): aal {s.aal:.2f}, {s.rounds} rounds, "
+            f"sparkrl: drafting (vLLM, {'blocks' if gen.plan.draft == 'dflash' else 'chains'} of {s.depth}): aal "
+            f"{s.aal:.2f}, {s.rounds} rounds, "
             f"acceptance per position [{accepted}]{spark}",
             file=sys.stderr,
         )
@@ -410,10 +416,12 @@ def run_export(cfg: ExportConfig) -> None:
 
 
 def run_export_draft(cfg: ExportDraftConfig) -> None:
-    what, out = export_drafter(cfg.drafter, cfg.model, cfg.out, cfg.dtype)
+    what, out = export_drafter(cfg.drafter, cfg.model, cfg.out, cfg.dtype, cfg.draft)
+    cfg_json = json.loads((out / "config.json").read_text())
+    k = cfg_json["block_size"] - 1 if "block_size" in cfg_json else 3
     print(
-        f'sparkrl: exported {what} -> {out} (vLLM: speculative_config={{"method": "eagle3", "model": '
-        f'"{out}", "num_speculative_tokens": 3}})',
+        f'sparkrl: exported {what} -> {out} (vLLM: speculative_config={{"method": "{method(out)}", "model": '
+        f'"{out}", "num_speculative_tokens": {k}}})',
         file=sys.stderr,
     )
 

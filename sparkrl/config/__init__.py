@@ -268,9 +268,9 @@ class DraftConfig(Checked):
     """Append each rollout's per-token drafting outcomes (hit, miss, undrafted; round) to this JSONL
     file, for `sparkrl analyze`."""
     engine: Literal["sparkrl", "vllm"] = "sparkrl"
-    """What generates: sparkrl's own engine, or vLLM's offline engine (the sparkrl[vllm] extra) with an EAGLE3-style
-    drafter exported to it, SPARK inside it under --spark. vLLM drafts chains of a fixed length only (--tree-depth,
-    with --draft-mode chain --budget fixed): no trees, no budget, no DFlash-style drafter, no round log."""
+    """What generates: sparkrl's own engine, or vLLM's offline engine (the sparkrl[vllm] extra) with the drafter
+    exported to it: EAGLE3-style chains (--tree-depth, --draft-mode chain, SPARK inside it under --spark) or
+    DFlash-style blocks (--block-size), of a fixed size (--budget fixed). No trees, no budget, no round log."""
     spark_config: SparkConfig = SparkConfig()
 
     def validate(self):
@@ -302,20 +302,19 @@ class DraftConfig(Checked):
             "--draft self-int8 runs on sparkrl's engine and its compiled CPU kernels: drop --engine vllm",
         )
         require(
-            self.draft != "dflash",
-            "--engine vllm runs EAGLE3-style drafters only (vLLM's dflash method wants a "
-            "Qwen3-style block drafter): pass --draft eagle3 or none",
+            self.draft != "eagle3" or self.draft_mode == "chain",
+            "--engine vllm drafts chains, not trees: pass --draft-mode chain (--tree-depth drafted tokens a round)",
         )
-        if self.draft == "eagle3":
-            require(
-                self.draft_mode == "chain",
-                "--engine vllm drafts chains, not trees: pass --draft-mode chain (--tree-depth drafted tokens a round)",
-            )
-            require(
-                self.budget == "fixed",
-                "--engine vllm drafts a fixed chain length every round (vLLM has no "
-                "speculation budget): pass --budget fixed",
-            )
+        require(
+            self.draft == "none" or self.budget == "fixed",
+            f"--engine vllm drafts a fixed {'block size' if self.draft == 'dflash' else 'chain length'} every round "
+            "(vLLM has no speculation budget): pass --budget fixed",
+        )
+        require(
+            self.draft != "dflash" or not self.spark_config.spark,
+            "--spark inside vLLM corrects EAGLE-3 chains; vLLM's dflash method drafts a block in one call that "
+            "sparkrl's hooks do not reach: drop --spark, or use --engine sparkrl for SPARK on blocks",
+        )
         require(
             not self.spark_config.spark_carry,
             "--spark-carry keeps B across rollouts, and vLLM drops a group's B "
@@ -444,10 +443,11 @@ class PretrainConfig(Checked):
     draft_layers: int = at_least(0, 0)
     """Decoder layers of a fresh drafter (0: the kind's own, eagle3 1 and dflash 3); a drafter started from
     --init keeps its own. Saved with the drafter."""
-    draft_layout: Literal["auto", "eagle3", "fused"] = "auto"
-    """eagle3 drafters: how the token embedding and the policy's features join, EAGLE-3's layout (what vLLM,
-    SGLang and speculators load, see `sparkrl export-draft`) or sparkrl's earlier fused one; auto: eagle3 for a
-    fresh drafter, an --init drafter's own. eagle3 carries a fused --init drafter into EAGLE-3's layout (an
+    draft_layout: Literal["auto", "eagle3", "fused", "dflash", "stacked"] = "auto"
+    """How the policy's features enter the drafter. eagle3 drafters: EAGLE-3's layout (what vLLM, SGLang and
+    speculators load, see `sparkrl export-draft`) or sparkrl's earlier fused one. dflash drafters: DFlash's layout
+    (what vLLM's dflash method loads) or sparkrl's earlier stacked one. auto: eagle3 / dflash for a fresh drafter,
+    an --init drafter's own. eagle3 (dflash) carries a fused (stacked) --init drafter into the new layout (an
     approximate mapping, then this run's training). Saved with the drafter."""
     train_positions: Literal["all", "response"] = "all"
     """Positions the drafter trains on: every position of a sequence, or only those from the last prompt
@@ -477,6 +477,12 @@ class PretrainConfig(Checked):
             f"--anchors {self.anchors} must be >= 1 (or -1: 8 for a fresh drafter, an --init drafter's own)",
         )
         require(self.init != "fresh", "--init fresh: leave --init out to start from fresh weights")
+        owner = {"eagle3": "eagle3", "fused": "eagle3", "dflash": "dflash", "stacked": "dflash"}.get(self.draft_layout)
+        require(
+            owner is None or owner in kinds,
+            f"--draft-layout {self.draft_layout} is a layout of {owner} drafters: pass --draft {owner}, or leave "
+            "--draft-layout out",
+        )
         require(
             not (self.init and self.draft_layers),
             f"--draft-layers {self.draft_layers} with --init: a drafter "

@@ -1,14 +1,26 @@
 """DFlash-style block drafter (Chen et al. 2026; the paper's "DFlash-style" setup).
 
 Three decoder layers of the policy's own engine (`model.Stack`). The context is the policy itself: every
-committed position enters the drafter's KV cache as the policy's fused features there (a low, a middle and a
-high layer, projected to d; no token embedding, the features carry the tokens). A block of `block_size`
+committed position enters the drafter's KV cache from the policy's fused features there (a low, a middle and a
+high layer, projected to d by `fc`; no token embedding, the features carry the tokens). A block of `block_size`
 positions, the anchor (the last committed token, not yet run by the policy; its embedding) and block_size - 1
 mask embeddings, is drafted in ONE forward: it attends to the whole context and bidirectionally within itself,
 and position j predicts the token j places after the anchor. Proposals are the greedy tokens (point masses),
 verified as a one-path tree (`verify.accept_tree`). It shares the policy's embedding and (reduced) head and
 exposes h and z at every block position, so SPARK applies unchanged; its feedback contexts are the accepted
 prefix and the first rejected position.
+
+Two layouts say how the context enters (the `layout` setting):
+
+* "dflash" (DFlash's own, which vLLM's `dflash` method runs; new drafters): each context position's feature,
+  normed once (`hidden_norm`), is projected by every layer's own key and value projections (Qwen3-style per-head
+  key norm, RoPE at its position) straight into that layer's cache: the context runs through no layer, and only
+  the block's positions do. The layers are Qwen3's (per-head q/k norms). A block's mask positions read one
+  learnt embedding, as vLLM reads it for `mask_token_id` (an anchor that is that token reads it too, as in vLLM).
+  `drafters.dflash_format` writes such a drafter as vLLM loads it.
+* "stacked" (sparkrl's earlier one; checkpoints that do not record a layout): the context features run through
+  the layers as positions of their own, causally, and fill the cache with their keys and values. vLLM cannot run
+  it; `pretrain-draft --init OLD --draft-layout dflash` carries its weights over as a continued run's start.
 
 Training (`block_loss`): `anchors` distinct random anchors per sequence (a setting saved with the checkpoint),
 each block attending to the context before its anchor, all in one forward with an explicit mask; soft
@@ -33,9 +45,10 @@ from sparkrl.drafters.tree import identity, path_contexts, path_tree
 from sparkrl.engine.records import DraftStep, Proposal
 from sparkrl.errors import UserError
 from sparkrl.model.kvcache import KVCache
-from sparkrl.model.transformer import ModelArgs, Stack
+from sparkrl.model.transformer import ModelArgs, RMSNorm, Stack
 
 KIND = "dflash"
+LAYOUTS = ("dflash", "stacked")
 GAMMA = 4.0  # decay of the loss weight with block position
 ANCHORS = 8  # training blocks per sequence (a fresh drafter's default)
 EVAL_ANCHORS = 32  # blocks per held-out sequence: the same for every drafter, so held-out scores compare
@@ -44,6 +57,7 @@ EVAL_ANCHORS = 32  # blocks per held-out sequence: the same for every drafter, s
 class DFlashDrafter(SharedHeadDrafter):
     kind = KIND
     root_logits = False  # a block drafts from its own forward after the root
+    LEGACY = {"layout": "stacked"}  # the settings a checkpoint that does not record them was made with
 
     def __init__(
         self,
@@ -53,15 +67,31 @@ class DFlashDrafter(SharedHeadDrafter):
         block_size: int = 16,
         num_layers: int = 3,
         anchors: int = ANCHORS,
+        layout: str = "dflash",
+        mask_token_id: int | None = None,
     ):
         super().__init__(policy_args, feature_layers, vocab_ids)
-        self.block_size, self.num_layers = block_size, num_layers
+        if layout not in LAYOUTS:
+            raise ValueError(f"DFlash-style layout {layout!r}: one of {', '.join(LAYOUTS)}")
+        self.block_size, self.num_layers, self.layout = block_size, num_layers, layout
         self.anchors = anchors  # training blocks per sequence (`block_loss`)
-        self.stack = Stack(dataclasses.replace(policy_args, num_layers=num_layers))
+        qwen3 = layout == "dflash"  # DFlash's layers are Qwen3's: per-head q/k norms, no biases
+        args = dataclasses.replace(policy_args, num_layers=num_layers)
+        if qwen3:
+            args = dataclasses.replace(args, qk_norm=True, qkv_bias=False, o_bias=False, mlp_bias=False)
+        self.stack = Stack(args)
         self.mask_embed = nn.Parameter(torch.randn(policy_args.hidden_size) * 0.02)
+        # the token id vLLM feeds at the mask positions (its embedding is `mask_embed`): the policy's last id
+        self.mask_token_id = (policy_args.vocab_size - 1 if mask_token_id is None else mask_token_id) if qwen3 else None
+        if qwen3:
+            self.hidden_norm = RMSNorm(policy_args.hidden_size, policy_args.rms_norm_eps)
 
     def settings(self) -> dict:
-        return {"block_size": self.block_size, "num_layers": self.num_layers, "anchors": self.anchors}
+        s = {"block_size": self.block_size, "num_layers": self.num_layers, "anchors": self.anchors}
+        s["layout"] = self.layout
+        if self.mask_token_id is not None:
+            s["mask_token_id"] = self.mask_token_id
+        return s
 
     def check_block(self, n: int) -> None:
         """Generation may use blocks up to the size the drafter was trained for."""
@@ -82,8 +112,12 @@ class DFlashDrafter(SharedHeadDrafter):
         mask=None,
         head: bool = False,
     ) -> DraftStep:
-        """Context positions: feats (B, T, d) fused policy features (tokens unused). No logits (a block
-        drafts from its own forward, `block`)."""
+        """Context positions: feats (B, T, d) fused policy features (tokens unused) into the cache, as the layout
+        puts them there. No logits (a block drafts from its own forward, `block`)."""
+        if self.layout == "dflash":
+            c = self.hidden_norm(feats)
+            self.stack.inject(c, cache, depth=depth)
+            return DraftStep(c, c, None)
         out = self.stack(feats, cache, tree_mask=tree_mask, depth=depth, mask=mask)
         return DraftStep(out.hidden, out.hidden, None)
 
@@ -96,6 +130,8 @@ class DFlashDrafter(SharedHeadDrafter):
     def block_inputs(self, anchor: torch.Tensor, n: int) -> torch.Tensor:
         """(B, n + 1, d): the anchor's embedding, then n mask embeddings."""
         e = self.embed(anchor)[:, None].to(self.mask_embed.dtype)
+        if self.mask_token_id is not None:  # vLLM embeds the mask token id as the mask, wherever it stands
+            e = torch.where((anchor == self.mask_token_id)[:, None, None], self.mask_embed, e)
         return torch.cat([e, self.mask_embed.expand(anchor.shape[0], n, -1)], 1)
 
     def block(self, anchor: torch.Tensor, cache: KVCache, n: int) -> DraftStep:
@@ -118,6 +154,26 @@ class DFlashDrafter(SharedHeadDrafter):
         the drafter trains with."""
         k = EVAL_ANCHORS if held_out else self.anchors
         return block_loss(self, tokens, taps, target_logits, mask, anchors=k, generator=generator)
+
+
+def relayout(stacked: DFlashDrafter) -> DFlashDrafter:
+    """A stacked-layout drafter carried into DFlash's layout as the start of a continued run (`pretrain-draft --init
+    OLD --draft-layout dflash`): every weight both layouts have is kept (fc, the layers' projections, MLPs and norms,
+    the final norm, the mask embedding), the new ones (per-head q/k norms, the context norm) start at 1. Not the same
+    function: the context no longer runs through the layers, so the run's training has to bring it back."""
+    d = DFlashDrafter(
+        stacked.policy_args,
+        stacked.feature_layers,
+        stacked.vocab_ids,
+        block_size=stacked.block_size,
+        num_layers=stacked.num_layers,
+        anchors=stacked.anchors,
+        layout="dflash",
+    )
+    keep = d.state_dict().keys()  # a Qwen2 policy's stacked layers' biases have no place in Qwen3's
+    d.load_state_dict({k: v for k, v in stacked.state_dict().items() if k in keep}, strict=False)
+    d._shared, d._head = stacked._shared, stacked._head
+    return d.to(stacked.fc.weight.dtype)
 
 
 def build_block(drafter: DFlashDrafter, cache: KVCache, root: torch.Tensor, n: int, correct=identity) -> Proposal:
@@ -157,7 +213,12 @@ def block_logits(drafter: DFlashDrafter, tokens: torch.Tensor, feats: torch.Tens
     pos = torch.cat(
         [torch.arange(T, device=dev).expand(B, -1), (a[:, :, None] + torch.arange(bs, device=dev)).flatten(1)], 1
     )  # (B, N) RoPE positions
-    out = drafter.stack(torch.cat([feats, blocks], 1), mask=block_mask(T, a, bs), depth=pos)
+    mask = block_mask(T, a, bs)
+    if drafter.layout == "dflash":  # the context enters every layer as keys and values only; the blocks run
+        past = drafter.stack.context_kv(drafter.hidden_norm(feats), pos[:, :T])
+        out = drafter.stack(blocks, mask=mask[:, :, T:], depth=pos[:, T:], past=past)
+        return drafter.logits(out.hidden.view(B, K, bs, -1)[:, :, 1:])
+    out = drafter.stack(torch.cat([feats, blocks], 1), mask=mask, depth=pos)
     return drafter.logits(out.hidden[:, T:].view(B, K, bs, -1)[:, :, 1:])
 
 

@@ -1,9 +1,10 @@
 """EAGLE-3's checkpoint format, both ways: an EAGLE3-style drafter (EAGLE-3's layout) written as the checkpoint
-vLLM's `eagle3` speculative method loads (`export_draft`), and a published EAGLE-3 checkpoint (vLLM's Llama EAGLE-3
+vLLM's `eagle3` speculative method loads (`eagle3_config`, `eagle3_weights`; `vllm_export.export_draft` writes the
+folder), and a published EAGLE-3 checkpoint (vLLM's Llama EAGLE-3
 format or the `speculators` one) read as a sparkrl drafter (`read_eagle3`, which `--draft-checkpoint FOLDER`
 uses), its own output head and layer sizes kept.
 
-`export_draft(drafter, policy, policy_config, out)` writes a folder with:
+`vllm_export.export_draft(drafter, policy, policy_config, out)` writes a folder with:
 
   * config.json: a Llama config of the drafter (`architectures` LlamaForCausalLMEagle3, its layers, heads and
     sizes, the policy's RoPE and vocabulary) plus EAGLE-3's fields: `draft_vocab_size`, `target_hidden_size`,
@@ -26,28 +27,17 @@ The same layout and names are EAGLE-3's reference checkpoints' and SGLang's.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from sparkrl.errors import UserError
 from sparkrl.model.transformer import ModelArgs, Transformer
-from sparkrl.model.weights import load_state_dict, save_tensors
-
-MARKER = "sparkrl_draft.json"
-WEIGHTS = "model.safetensors"
+from sparkrl.model.weights import load_state_dict
 
 
-def exportable(drafter) -> str | None:
-    """Why `drafter` cannot be written in EAGLE-3's format (None: it can)."""
-    if drafter.kind != "eagle3":
-        return (
-            f"a {drafter.kind} drafter: vLLM's `dflash` method runs Qwen3-style block drafters, whose layout "
-            "differs from sparkrl's DFlash-style one; export an --draft eagle3 drafter"
-        )
+def why_not(drafter) -> str | None:
+    """Why an EAGLE3-style `drafter` cannot be written in EAGLE-3's format (None: it can)."""
     if drafter.layout != "eagle3":
         return (
             "this drafter uses sparkrl's earlier fused layout, which vLLM and SGLang cannot run; carry it into "
@@ -63,10 +53,15 @@ def exportable(drafter) -> str | None:
     return None
 
 
+def policy_rope(policy_config: dict) -> dict:
+    """The RoPE fields of the policy's config.json, which a drafter's config repeats."""
+    return {k: policy_config[k] for k in ("rope_parameters", "rope_scaling", "rope_theta") if k in policy_config}
+
+
 def eagle3_config(drafter, policy_config: dict, dtype: torch.dtype) -> dict:
     """config.json of the export (see the module doc); policy_config: the policy's own config.json."""
     a: ModelArgs = drafter.stack.args
-    rope = {k: policy_config[k] for k in ("rope_parameters", "rope_scaling", "rope_theta") if k in policy_config}
+    rope = policy_rope(policy_config)
     if "rope_theta" in drafter.layer:  # an imported drafter's own
         rope = {"rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta}}
     return {
@@ -98,61 +93,33 @@ def eagle3_config(drafter, policy_config: dict, dtype: torch.dtype) -> dict:
 
 def eagle3_weights(drafter, policy: Transformer, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The drafter's tensors under EAGLE-3's names (see the module doc), in `dtype`."""
-    d, layers = policy.args.hidden_size, drafter.feature_layers
-    blocks = drafter.fc.weight.detach().view(d, len(layers), -1)  # (d, features, d): one block per tapped layer
-    fc = torch.cat([sum(blocks[:, j] for j in range(len(layers)) if layers[j] == i) for i in sorted(set(layers))], 1)
     head = drafter.head.weight if drafter.own_head else policy.lm_head.weight.detach()[drafter.vocab_ids]
-    out = {"fc.weight": fc, "norm.weight": drafter.stack.norm.weight, "lm_head.weight": head}
+    out = {"fc.weight": fc_by_layer(drafter), "norm.weight": drafter.stack.norm.weight, "lm_head.weight": head}
     layers = drafter.stack.layers
     for i, layer in enumerate(layers):
         prefix = "midlayer." if len(layers) == 1 else f"layers.{i}."
         out.update({prefix + k: v for k, v in layer.state_dict().items()})
     out = {k: v.detach().to("cpu", dtype).contiguous() for k, v in out.items()}
+    return out | vocab_map(drafter, policy.args.vocab_size)
+
+
+def fc_by_layer(drafter) -> torch.Tensor:
+    """The drafter's `fc` as vLLM applies it: vLLM taps each policy layer once, in ascending order, so fc's blocks
+    go in that order, and those of a layer tapped twice are summed (which computes the same)."""
+    layers = drafter.feature_layers
+    blocks = drafter.fc.weight.detach().view(drafter.fc.weight.shape[0], len(layers), -1)  # one block per tap
+    return torch.cat([sum(blocks[:, j] for j in range(len(layers)) if layers[j] == i) for i in sorted(set(layers))], 1)
+
+
+def vocab_map(drafter, vocab_size: int) -> dict[str, torch.Tensor]:
+    """d2t (draft id -> target id offset) and t2d (target ids in the draft vocabulary) of a draft vocabulary smaller
+    than the policy's; nothing for the whole vocabulary."""
     ids = drafter.vocab_ids.to("cpu", torch.long)
-    if ids.numel() != policy.args.vocab_size:
-        out["d2t"] = ids - torch.arange(ids.numel())
-        t2d = torch.zeros(policy.args.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
-        out["t2d"] = t2d
-    return out
-
-
-def export_draft(
-    drafter, policy: Transformer, policy_config: dict, out: Path, dtype: torch.dtype = torch.bfloat16
-) -> Path:
-    """Write `drafter` (serving `policy`, whose config.json is `policy_config`) as an EAGLE-3 checkpoint folder at
-    `out` (see the module doc), through a temporary sibling renamed into place; returns `out`. An existing `out`
-    is replaced only when it is empty or an earlier export."""
-    why = exportable(drafter)
-    if why:
-        raise UserError(f"cannot export for vLLM: {why}")
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file())):
-        raise UserError(f"--out {out} exists and is not an earlier draft export; pass a new or empty folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
-    try:
-        save_tensors(eagle3_weights(drafter, policy, dtype), tmp / WEIGHTS, metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(eagle3_config(drafter, policy_config, dtype), indent=2) + "\n")
-        (tmp / MARKER).write_text(
-            json.dumps(
-                {
-                    "format": "sparkrl-eagle3-draft",
-                    "version": 1,
-                    "kind": drafter.kind,
-                    "feature_layers": list(drafter.feature_layers),
-                },
-                indent=2,
-            )
-            + "\n"
-        )
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    if ids.numel() == vocab_size:
+        return {}
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return {"d2t": ids - torch.arange(ids.numel()), "t2d": t2d}
 
 
 LAYER_FIELDS = (

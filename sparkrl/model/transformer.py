@@ -352,6 +352,35 @@ class Stack(nn.Module):
             cache.pending += T
         return out
 
+    def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """DFlash's context: per layer, the keys and values (B, H_kv, T, D) that the layer's own projections make
+        of c (B, T, d) at `positions` (B, T) (the key normed per head where the layers are Qwen3's, then RoPE),
+        without running any layer."""
+        B, T, _ = c.shape
+        a = self.args
+        cos, sin = self._rope(positions, c.dtype)
+        out = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            _, k, v = attn.project(c)
+            k = k.view(B, T, a.num_kv_heads, a.head_dim)
+            if a.qk_norm:
+                k = attn.k_norm(k)
+            v = v.view(B, T, a.num_kv_heads, a.head_dim)
+            out.append((attn.rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)))
+        return out
+
+    def inject(self, c: torch.Tensor, cache: KVCache, depth: torch.Tensor | None = None) -> None:
+        """`context_kv` of c (B, T, d) written as T new pending positions of `cache` (after its committed prefix and
+        pending tokens; depth (B, T) as in `forward`). Nothing is committed: call `cache.commit`."""
+        B, T, _ = c.shape
+        if depth is None:
+            depth = (cache.pending + torch.arange(T, device=c.device)).expand(B, T)
+        rows = self._context(cache, T, None, c.device).write_rows
+        for i, (k, v) in enumerate(self.context_kv(c, cache.lengths[:, None] + depth)):
+            cache.write(i, rows, k.to(cache.k[i].dtype), v.to(cache.v[i].dtype))
+        cache.pending += T
+
     def new_cache(self, batch: int, capacity: int, device, dtype) -> KVCache:
         """An empty cache for weights in `dtype`, in the dtype the layers' attention keeps (`cache_dtype`)."""
         return KVCache.empty(self.args, batch, capacity, device, self.layers[0].self_attn.cache_dtype(dtype))

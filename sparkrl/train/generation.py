@@ -19,8 +19,8 @@ import torch
 
 from sparkrl.config import CpuKernels, DraftConfig, SamplingConfig
 from sparkrl.cpu.tuning import float32_attention
-from sparkrl.drafters.eagle3_format import eagle3_weights
 from sparkrl.drafters.selfdraft import SelfDrafter
+from sparkrl.drafters.vllm_export import served_weights
 from sparkrl.engine.autoregressive import Autoregressive
 from sparkrl.engine.budget import FixedBudget
 from sparkrl.engine.records import Rollout
@@ -220,13 +220,13 @@ def served_generation(
     if plan.draft != "none":  # SPARK's rollout state is vLLM's own (below)
         drafter, draft_copy, projection, _ = drafter_parts(plan, cfg, policy, copy, temperature, seed)
     spark = exported(projection, cfg.spark_config)
-    engine = VllmEngine.serving(lm, drafter, plan.dtype, cfg.tree_depth, max_len, seed, temperature, spark=spark)
+    engine = VllmEngine.serving(lm, drafter, plan.dtype, cfg.shape().depth, max_len, seed, temperature, spark=spark)
     served = Served(copy, lambda: engine.load_policy(policy.weights()))
-    generation = VllmGeneration(engine, cfg.tree_depth if drafter is not None else 0)
+    generation = VllmGeneration(engine, cfg.shape().depth if drafter is not None else 0)
     if drafter is None:
         return Generation(plan, served, NoDrafting(), generation)
     push = lambda: engine.load_drafter(
-        eagle3_weights(drafter, policy, plan.dtype), None if projection is None else projection.A
+        served_weights(drafter, policy, plan.dtype), None if projection is None else projection.A
     )
     adapter = engine.spark().spark if projection is not None else None
     trainer = draft_trainer(cfg, drafter, projection)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from sparkrl.config import DraftConfig, PretrainConfig, to_dict
 from sparkrl.drafters import KINDS, find_checkpoint, load_drafter
 from sparkrl.drafters.base import expected_length, policy_fingerprint, save_safetensors
+from sparkrl.drafters.dflash import relayout as relayout_dflash
 from sparkrl.drafters.eagle3 import relayout
 from sparkrl.errors import UserError
 from sparkrl.machine import set_threads
@@ -181,6 +182,8 @@ def drafter_trainers(
             settings["num_layers"] = cfg.draft_layers
         if kind == "eagle3":
             settings["layout"] = "fused" if cfg.draft_layout == "fused" else "eagle3"
+        if kind == "dflash":
+            settings["layout"] = "stacked" if cfg.draft_layout == "stacked" else "dflash"
         # --init: continued pretraining, from the checkpoint's weights and draft vocabulary
         drafter = inits[kind] if kind in inits else KINDS[kind](master.args, vocab_ids=vocab_ids, **settings)
         if kind == "eagle3" and cfg.feature_loss >= 0:  # else a fresh drafter's 2, an --init drafter's own
@@ -192,18 +195,28 @@ def drafter_trainers(
 
 
 def check_layout(cfg: PretrainConfig, inits: dict) -> None:
-    """--draft-layout against the --init drafter's: fused to eagle3 is carried over (`relayout_init`), not back."""
-    d = inits.get("eagle3")
-    if d is not None and cfg.draft_layout == "fused" and d.layout != "fused":
-        raise UserError(
-            f"--draft-layout fused with --init {cfg.init}, a drafter in EAGLE-3's layout: a drafter is "
-            "carried from the fused layout into EAGLE-3's, not back; leave --draft-layout out"
-        )
+    """--draft-layout against the --init drafter's: fused to eagle3 and stacked to dflash are carried over
+    (`relayout_init`), not back."""
+    for kind, old, new in (("eagle3", "fused", "EAGLE-3's"), ("dflash", "stacked", "DFlash's")):
+        d = inits.get(kind)
+        if d is not None and cfg.draft_layout == old and d.layout != old:
+            raise UserError(
+                f"--draft-layout {old} with --init {cfg.init}, a drafter in {new} layout: a drafter is "
+                f"carried from the {old} layout into {new}, not back; leave --draft-layout out"
+            )
 
 
 def relayout_init(cfg: PretrainConfig, drafter, policy, train: list[Seq], n: int = 8):
     """An --init drafter, carried into EAGLE-3's layout when --draft-layout eagle3 asks it of a fused one
-    (`drafters.eagle3.relayout`, its scales from the policy's pass over the first `n` training sequences)."""
+    (`drafters.eagle3.relayout`, its scales from the policy's pass over the first `n` training sequences), or into
+    DFlash's when --draft-layout dflash asks it of a stacked one (`drafters.dflash.relayout`)."""
+    if drafter.kind == "dflash" and cfg.draft_layout == "dflash" and drafter.layout == "stacked":
+        tqdm.write(
+            f"sparkrl: --init {cfg.init} carried from the stacked layout into DFlash's (its layers' weights kept, "
+            "the key and query norms and the context norm new); this run's training goes on from there",
+            file=sys.stderr,
+        )
+        return relayout_dflash(drafter)
     if drafter.kind != "eagle3" or cfg.draft_layout != "eagle3" or drafter.layout == "eagle3":
         return drafter
     drafter = drafter.to(policy.lm_head.weight.device).bind(policy)

@@ -18,7 +18,7 @@ from sparkrl import __version__
 from sparkrl.config import RunConfig, SparkConfig, to_dict
 from sparkrl.drafters import find_checkpoint, load_drafter
 from sparkrl.drafters.base import read_checkpoint
-from sparkrl.drafters.eagle3_format import export_draft
+from sparkrl.drafters.vllm_export import export_draft
 from sparkrl.errors import UserError, writable_dir
 from sparkrl.model.export import export_model
 from sparkrl.model.weights import load_model
@@ -116,11 +116,13 @@ def export_run(run_dir: str, out: str) -> tuple[int, Path]:
     return ck["step"], export_model(lm.model, lm.path, Path(out))
 
 
-def export_drafter(source: str, model: str, out: str, dtype: str = "bfloat16") -> tuple[str, Path]:
-    """Write an EAGLE3-style drafter as the checkpoint vLLM's `eagle3` method loads
-    (`drafters.eagle3_format.export_draft`):
-    a GRPO run's (its latest checkpoint's drafter, with the policy it served then), or a drafter checkpoint
-    (`--draft-checkpoint`'s values: default, a file) serving `model`. Returns (what was exported, the folder)."""
+def export_drafter(
+    source: str, model: str, out: str, dtype: str = "bfloat16", kind: str = "eagle3"
+) -> tuple[str, Path]:
+    """Write a drafter as the checkpoint vLLM's speculative method for its kind loads
+    (`drafters.vllm_export.export_draft`): a GRPO run's (its latest checkpoint's drafter, with the policy it served
+    then), or a drafter checkpoint (`--draft-checkpoint`'s values: default, the shipped one of `kind`; a file)
+    serving `model`. Returns (what was exported, the folder)."""
     check_out_folder(out)
     steps = checkpoints_at(source) if Path(source).is_dir() else []
     if steps:
@@ -130,15 +132,17 @@ def export_drafter(source: str, model: str, out: str, dtype: str = "bfloat16") -
             raise UserError(f"{steps[-1]} holds no drafter: the run trained with --draft none")
     else:
         lm = load_model(model or "default", with_tokenizer=False)
-        path = find_checkpoint(source, "eagle3", lm.model, flag="the drafter")
+        path = find_checkpoint(source, kind, lm.model, flag="the drafter")
         if path is None:
             raise UserError(f"no drafter named by {source!r}: pass a drafter file, a run folder, or 'default'")
         what = path
     dck = read_checkpoint(path)
-    d = load_drafter(dck, lm.model.args, "eagle3", str(path)).bind(lm.model)
+    d = load_drafter(dck, lm.model.args, None, str(path)).bind(lm.model)
     config = json.loads((lm.path / "config.json").read_text())
     folder = export_draft(d.to(lm.model.lm_head.weight.dtype), lm.model, config, Path(out), getattr(torch, dtype))
-    if "spark" in dck:  # a --spark run's drafter: its learned A, and the run's SPARK settings, go too
+    if "spark" in dck and d.kind == "dflash":
+        what += " (its SPARK projection left out: SPARK inside vLLM corrects EAGLE-3 chains)"
+    elif "spark" in dck:  # a --spark run's drafter: its learned A, and the run's SPARK settings, go too
         sc = SparkConfig(**ck["config"]["draft"]["spark_config"]) if steps else SparkConfig()
         write_projection(folder, dck["spark"]["A"], **settings_of(sc))
         what += " with its SPARK projection (SPARK on in vLLM with sparkrl's plugin)"

