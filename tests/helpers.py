@@ -365,6 +365,20 @@ def trained_drafter(policy, steps: int = 150):
     return drafter.requires_grad_(False)
 
 
+def exportable_pair(cls, feature_layers, **kw):
+    """A 4-layer float64 Llama policy and a `cls` drafter on half its vocabulary, every weight moved away from its
+    initial value (norms too): (the Hugging Face model, the policy, the draft vocabulary, the drafter)."""
+    hf = hf_model("llama", num_hidden_layers=4)
+    policy = ours_from_hf(hf).double()
+    V = policy.args.vocab_size
+    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(0))[: V // 2].sort().values
+    torch.manual_seed(1)
+    d = cls(policy.args, feature_layers, vocab, **kw).double().bind(policy)
+    for p in d.parameters():
+        p.data.add_(torch.randn_like(p) * 0.05)
+    return hf, policy, vocab, d
+
+
 def own_samples(policy, n: int = 32, length: int = 24) -> torch.Tensor:
     """(n, PROMPT + length) the policy's own responses to PROMPT (temperature 1, top-p 0.95), EOS-padded."""
     from sparkrl.config import SamplingConfig

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import hf_model, ours_from_hf
+from helpers import exportable_pair, hf_model, ours_from_hf
 from safetensors.torch import load_file
 from test_eagle3_format import rms, rope
 
@@ -67,14 +67,8 @@ def vllm_dflash_reference(folder, embed, taps, tokens, anchor: int, k: int):
 
 @pytest.mark.parametrize("feature_layers", [(0, 2, 3), (3, 0, 2), (2, 2, 1)])
 def test_export_computes_in_vllms_layout_what_the_drafter_computes(feature_layers, tmp_path):
-    hf = hf_model("llama", num_hidden_layers=4)
-    policy = ours_from_hf(hf).double()
+    hf, policy, vocab, d = exportable_pair(DFlashDrafter, feature_layers, block_size=5, num_layers=2)
     V = policy.args.vocab_size
-    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(0))[: V // 2].sort().values
-    torch.manual_seed(1)
-    d = DFlashDrafter(policy.args, feature_layers, vocab, block_size=5, num_layers=2).double().bind(policy)
-    for p in d.parameters():  # norms and projections away from their initial values, each layer's its own
-        p.data.add_(torch.randn_like(p) * 0.05)
     out = export_draft(d, policy, hf.config.to_dict(), tmp_path / "draft", dtype=torch.float64)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3" and cfg["block_size"] == 5

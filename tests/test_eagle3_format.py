@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import hf_model, ours_from_hf
+from helpers import exportable_pair, hf_model, ours_from_hf
 from safetensors.torch import load_file
 
 from sparkrl.drafters.eagle3 import Eagle3Drafter
@@ -73,14 +73,8 @@ def vllm_reference(folder, embed, taps, tokens):
 
 @pytest.mark.parametrize("feature_layers", [(0, 2, 3), (3, 0, 2), (2, 2, 1)])
 def test_export_computes_in_vllms_layout_what_the_drafter_computes(feature_layers, tmp_path):
-    hf = hf_model("llama", num_hidden_layers=4)
-    policy = ours_from_hf(hf).double()
+    hf, policy, vocab, d = exportable_pair(Eagle3Drafter, feature_layers)
     V = policy.args.vocab_size
-    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(0))[: V // 2].sort().values
-    torch.manual_seed(1)
-    d = Eagle3Drafter(policy.args, feature_layers, vocab).double().bind(policy)
-    for p in d.parameters():  # norms and projections away from their initial values
-        p.data.add_(torch.randn_like(p) * 0.05)
     out = export_draft(d, policy, hf.config.to_dict(), tmp_path / "draft", dtype=torch.float64)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == sorted({i + 1 for i in feature_layers})

@@ -28,8 +28,8 @@ import io
 
 import torch
 
-from sparkrl.drafters.eagle3_format import fc_by_layer, policy_rope, vocab_map
-from sparkrl.model.transformer import ModelArgs, Transformer
+from sparkrl.drafters.eagle3_format import fc_by_layer, layer_fields, policy_rope, vocab_map
+from sparkrl.model.transformer import Transformer
 
 MASK_FILE = "mask_embedding.pt"  # vLLM's name for a separately learnt mask embedding
 
@@ -47,32 +47,17 @@ def why_not(drafter) -> str | None:
 
 def dflash_config(drafter, policy_config: dict, dtype: torch.dtype) -> dict:
     """config.json of the export (see the module doc); policy_config: the policy's own config.json."""
-    a: ModelArgs = drafter.stack.args
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
-        "hidden_act": "silu",
-        "hidden_size": a.hidden_size,
-        "intermediate_size": a.intermediate_size,
-        "num_hidden_layers": a.num_layers,
-        "num_attention_heads": a.num_heads,
-        "num_key_value_heads": a.num_kv_heads,
-        "head_dim": a.head_dim,
-        "rms_norm_eps": a.rms_norm_eps,
-        "attention_bias": False,
-        "max_position_embeddings": policy_config.get("max_position_embeddings", 4096),
+        **layer_fields(drafter, policy_config, dtype),
         **policy_rope(policy_config),
-        "vocab_size": a.vocab_size,
-        "draft_vocab_size": int(drafter.vocab_ids.numel()),
-        "target_hidden_size": a.hidden_size,
         "block_size": drafter.block_size,
         "dflash_config": {
             "mask_token_id": drafter.mask_token_id,
             "target_layer_ids": sorted(set(drafter.feature_layers)),
             "causal": False,
         },
-        "tie_word_embeddings": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
 

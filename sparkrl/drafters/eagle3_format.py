@@ -67,6 +67,21 @@ def eagle3_config(drafter, policy_config: dict, dtype: torch.dtype) -> dict:
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
+        **layer_fields(drafter, policy_config, dtype),
+        "mlp_bias": a.mlp_bias,
+        **rope,
+        "num_aux_hidden_states": len(set(drafter.feature_layers)),
+        "eagle_aux_hidden_state_layer_ids": sorted({i + 1 for i in drafter.feature_layers}),
+        "norm_before_residual": drafter.norm_before_residual,
+        "norm_before_fc": False,
+    }
+
+
+def layer_fields(drafter, policy_config: dict, dtype: torch.dtype) -> dict:
+    """What a drafter's config.json says of its decoder layers, its vocabularies and its dtype, in Hugging Face's
+    names (the fields EAGLE-3's and DFlash's configs share)."""
+    a: ModelArgs = drafter.stack.args
+    return {
         "hidden_act": "silu",
         "hidden_size": a.hidden_size,
         "intermediate_size": a.intermediate_size,
@@ -76,16 +91,10 @@ def eagle3_config(drafter, policy_config: dict, dtype: torch.dtype) -> dict:
         "head_dim": a.head_dim,
         "rms_norm_eps": a.rms_norm_eps,
         "attention_bias": False,
-        "mlp_bias": a.mlp_bias,
         "max_position_embeddings": policy_config.get("max_position_embeddings", 4096),
-        **rope,
         "vocab_size": a.vocab_size,
         "draft_vocab_size": int(drafter.vocab_ids.numel()),
         "target_hidden_size": a.hidden_size,
-        "num_aux_hidden_states": len(set(drafter.feature_layers)),
-        "eagle_aux_hidden_state_layer_ids": sorted({i + 1 for i in drafter.feature_layers}),
-        "norm_before_residual": drafter.norm_before_residual,
-        "norm_before_fc": False,
         "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
