@@ -20,6 +20,7 @@ CONT3=${CONT3:-runs/cont3}
 SHIP=${SHIP:-runs/ship}
 DFL2=${DFL2:-runs/dfl2}
 DFL3=${DFL3:-runs/dfl3}
+DFLV=${DFLV:-runs/dflash_layout}
 DATA=${DATA:-../shared/data/gsm8k/train.jsonl,../shared/data/math/train.jsonl}
 resume() { [ -f "$1/state.pt" ] && echo --resume || true; }  # continue a stage that has started
 LAYOUT=${LAYOUT:-runs/eagle3_layout}
@@ -64,15 +65,22 @@ done
     --checkpoint-every 25 --micro-batch 8 --out "$DFL3" --draft dflash --init "$DFL2/dflash/drafter.safetensors" \
     --seed 2 --prompts 2000 --no-solutions --lr 3e-4 --warmup 25 --epochs 1 --anchors 64 $(resume "$DFL3")
 # online GRPO training goes on with a drafter's own blocks per sequence: the shipped one trains with 8, as a fresh one
-.venv/bin/python - "$DFL3/dflash/drafter.safetensors" sparkrl/drafters/shipped/smollm2-135m-instruct-dflash.safetensors <<'PY'
+.venv/bin/python - "$DFL3/dflash/drafter.safetensors" "$DFL3/dflash/drafter-anchors8.safetensors" <<'PY'
 import sys
 from sparkrl.drafters.base import read_checkpoint, read_description, save_safetensors
 ck = read_checkpoint(sys.argv[1])
 ck["settings"]["anchors"] = 8
 save_safetensors(ck, __import__("pathlib").Path(sys.argv[2]), fingerprint=read_description(sys.argv[1])["fingerprint"])
 PY
+# carried into DFlash's layout (`drafters.dflash.relayout`, what vLLM's dflash method runs) and continued on a corpus
+# of its own (the stacked-layout file the project shipped before is $DFL3's with 8 blocks per sequence, as below)
+.venv/bin/sparkrl pretrain-draft --model default --data $DATA --max-new-tokens 256 --eval-sequences 64 --eval-every 75 \
+    --checkpoint-every 25 --micro-batch 8 --out "$DFLV" --draft dflash --init "$DFL3/dflash/drafter-anchors8.safetensors" \
+    --draft-layout dflash --prompts 1200 --no-solutions --lr 3e-4 --warmup 25 --epochs 3 $(resume "$DFLV")
+cp "$DFLV/dflash/drafter.safetensors" sparkrl/drafters/shipped/smollm2-135m-instruct-dflash.safetensors
 cp "$SHIP/pretrain.png" sparkrl/drafters/shipped/pretrain.png
 cp "$DFL2/pretrain.png" sparkrl/drafters/shipped/pretrain-dflash-continued.png
 cp "$DFL3/pretrain.png" sparkrl/drafters/shipped/pretrain-dflash-continued2.png
-echo "sparkrl: shipped drafters updated from $LAYOUT (eagle3, carried from $CONT3, from $CONT, from $EAGLE) and $DFL3 (dflash, continued" \
-     "from $DFL2, from $SHIP)"
+cp "$DFLV/pretrain.png" sparkrl/drafters/shipped/pretrain-dflash-layout.png
+echo "sparkrl: shipped drafters updated from $LAYOUT (eagle3, carried from $CONT3, from $CONT, from $EAGLE) and $DFLV (dflash," \
+     "carried from $DFL3, from $DFL2, from $SHIP)"

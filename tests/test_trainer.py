@@ -395,7 +395,11 @@ def test_cli_train_shows_drafting_resumes_aloud_and_exports(tiny_model_dir, tmp_
             ["generate", "--prompt", "x", "--engine", "vllm", "--draft", "eagle3", "--draft-mode", "chain"],
             "pass --budget fixed",
         ),
-        (["generate", "--prompt", "x", "--engine", "vllm", "--draft", "dflash"], "EAGLE3-style drafters only"),
+        (["generate", "--prompt", "x", "--engine", "vllm", "--draft", "dflash"], "fixed block size every round"),
+        (
+            ["generate", "--prompt", "x", "--engine", "vllm", "--draft", "dflash", "--budget", "fixed", "--spark"],
+            "SPARK on blocks",
+        ),
         (
             [
                 "train",

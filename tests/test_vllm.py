@@ -297,6 +297,7 @@ def test_cuda_graphs_on_a_gpu_unless_spark_drafts_in_vllm(tmp_path, cuda, spark,
 
     draft = tmp_path / "draft"
     draft.mkdir()
+    (draft / "sparkrl_draft.json").write_text(json.dumps({"kind": "eagle3"}))  # an export's marker names its method
     if spark:
         write_projection(draft, torch.zeros(8, 2))
     args = ModelArgs("llama", 8, 8, 16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
