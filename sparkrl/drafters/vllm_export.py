@@ -1,8 +1,8 @@
 """A trained drafter written as the checkpoint folder vLLM's speculative decoding loads (`sparkrl export-draft`,
 `--engine vllm`): an EAGLE3-style drafter in EAGLE-3's format for vLLM's `eagle3` method (`eagle3_format`), a
-DFlash-style one in DFlash's format for its `dflash` method (`dflash_format`). Beside the weights and config.json,
-sparkrl_draft.json marks the folder as an export (what it was made from: kind, feature layers), so a later export
-may replace it and nothing else.
+DFlash-style one in DFlash's format for its `dflash` method (`dflash_format`): each kind's method bears its name.
+Beside the weights and config.json, sparkrl_draft.json marks the folder as an export (what it was made from: kind,
+feature layers), so a later export may replace it and nothing else.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from sparkrl.model.weights import save_tensors
 
 MARKER = "sparkrl_draft.json"
 WEIGHTS = "model.safetensors"
-METHODS = {"eagle3": "eagle3", "dflash": "dflash"}  # drafter kind -> vLLM's speculative method
 
 
 def exportable(drafter) -> str | None:
@@ -66,7 +65,7 @@ def export_draft(
         save_tensors(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         marker = {
-            "format": f"sparkrl-{METHODS[drafter.kind]}-draft",
+            "format": f"sparkrl-{drafter.kind}-draft",
             "version": 1,
             "kind": drafter.kind,
             "feature_layers": list(drafter.feature_layers),
@@ -84,6 +83,6 @@ def export_draft(
 
 
 def method(folder: Path) -> str:
-    """The vLLM speculative method of an export folder (`export_draft`)."""
-    kind = json.loads((Path(folder) / MARKER).read_text())["kind"]
-    return METHODS[kind]
+    """The vLLM speculative method of an export folder (`export_draft`): its drafter's kind, which vLLM's method of
+    the same name runs."""
+    return json.loads((Path(folder) / MARKER).read_text())["kind"]

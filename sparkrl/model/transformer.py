@@ -287,13 +287,19 @@ class Stack(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def _slots(self, cache: KVCache, T: int, device) -> tuple[torch.Tensor, int]:
+        """The cache positions (B, T) of T new tokens after the committed prefix and the pending ones, and the span
+        of positions attention then reads (checked against the capacity)."""
+        slots = cache.lengths[:, None] + cache.pending + torch.arange(T, device=device)
+        span = int(cache.lengths.max()) + cache.pending + T  # host sync: the attention span
+        if span > cache.capacity:
+            raise ValueError(f"KV cache capacity {cache.capacity} exceeded ({span} tokens)")
+        return slots, span
+
     def _context(self, cache: KVCache, T: int, tree_mask, device) -> _Context:
         B, P = cache.batch, cache.pending
         base = cache.lengths[:, None]  # (B, 1)
-        slots = base + P + torch.arange(T, device=device)  # (B, T) cache positions of the new tokens
-        span = int(cache.lengths.max()) + P + T  # host sync: the attention span
-        if span > cache.capacity:
-            raise ValueError(f"KV cache capacity {cache.capacity} exceeded ({span} tokens)")
+        slots, span = self._slots(cache, T, device)
         keys = torch.arange(span, device=device)
         prefix = keys[None, None, :] < base[:, :, None]  # (B, 1, span)
         rel = keys[None, None, :] - base[:, :, None]  # (B, 1, span) offset into the speculative region
@@ -376,7 +382,7 @@ class Stack(nn.Module):
         B, T, _ = c.shape
         if depth is None:
             depth = (cache.pending + torch.arange(T, device=c.device)).expand(B, T)
-        rows = self._context(cache, T, None, c.device).write_rows
+        rows = cache.rows(self._slots(cache, T, c.device)[0])  # no attention mask: nothing attends here
         for i, (k, v) in enumerate(self.context_kv(c, cache.lengths[:, None] + depth)):
             cache.write(i, rows, k.to(cache.k[i].dtype), v.to(cache.v[i].dtype))
         cache.pending += T
