@@ -1,9 +1,10 @@
-"""Does a vLLM engine slow the process it lives in? sparkrl's own autoregressive rollouts (1 prompt x 1 and x 8,
-the default policy in the rollout dtype the default picks) and one policy update's work (a forward and backward
-of the float32 master on 8 x 192 tokens), timed in a process that holds a started vLLM engine (as `train
---engine vllm` does: one request served first) and in one that does not. The two kinds of process alternate
-(--rounds of each); each reports its median. Also records, per process, what could carry a slowdown: torch's
-thread counts, the CPU affinity, the threads alive and the OpenMP / allocator settings vLLM changes. Writes
+"""Does a vLLM engine slow the process it lives in? sparkrl's own autoregressive rollouts (1 prompt x 1 and x 8, the
+default policy in the rollout dtype the default picks) and one policy update of `train` (`policy_update` and
+`apply_update` with the default GRPO settings: the float32 master, the frozen reference's forward for the KL term,
+micro-batches of 4, AdamW's step) on 8 responses of 192 tokens, timed in a process that holds a started vLLM engine
+(as `train --engine vllm` does: one request served first) and in one that does not. The two kinds of process
+alternate (--rounds of each); each reports its median. Also records, per process, what could carry a slowdown:
+torch's thread counts, the CPU affinity, the threads alive and the OpenMP / allocator settings vLLM changes. Writes
 host_process.json into --out; nothing else may run while it measures.
 
     .venv/bin/python bench/host_process.py --out bench/results/host_process
@@ -12,6 +13,7 @@ host_process.json into --out; nothing else may run while it measures.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -23,11 +25,13 @@ from pathlib import Path
 import torch
 
 from sparkrl.commands.bench import machine
-from sparkrl.config import DraftConfig, SamplingConfig
+from sparkrl.config import DraftConfig, RunConfig, SamplingConfig
 from sparkrl.engine.autoregressive import Autoregressive, response_generators
+from sparkrl.engine.records import Rollout
 from sparkrl.model.weights import load_model
 from sparkrl.train.data import build_prompts, load_problems
 from sparkrl.train.generation import RolloutPlan, build_generation
+from sparkrl.train.update import apply_update, policy_update
 
 SETTINGS = {"1 response": 1, "8 responses": 8}
 
@@ -37,6 +41,26 @@ def state() -> dict:
     return {"torch_threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
             "affinity": sorted(os.sched_getaffinity(0)), "threads_alive": len(os.listdir("/proc/self/task")),
             **{k: os.environ.get(k) for k in env}}  # fmt: skip
+
+
+def update_work(master, prompt: list[int], responses: int = 8, length: int = 192):
+    """A function timing one GRPO update of `master` as `train` makes it (its default settings, a reference copy
+    for the KL term, AdamW) on fixed responses, so that every process does the same work; seconds."""
+    cfg = RunConfig(out="unused")
+    ref = copy.deepcopy(master).requires_grad_(False)
+    opt = torch.optim.AdamW(master.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 1000, (responses, length), generator=g).tolist()
+    rollout = Rollout([prompt], responses, tokens, ["length"] * responses, logp=[[-1.0] * length] * responses)
+    adv = torch.randn(responses, generator=g)
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        policy_update(master, ref, opt, rollout, adv, cfg)
+        apply_update(master, opt, cfg.grpo.max_grad_norm)
+        return time.perf_counter() - t0
+
+    return timed
 
 
 def worker(with_vllm: bool, repeats: int, tokens: int) -> dict:
@@ -64,14 +88,9 @@ def worker(with_vllm: bool, repeats: int, tokens: int) -> dict:
             if rep:  # the first is untimed
                 rates.append(r.num_tokens / r.gen_s)
         out["tok_per_s"][name] = statistics.median(rates)
-    ids = torch.randint(0, 1000, (8, 192), generator=torch.Generator().manual_seed(0))
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        master.logits(master(ids).hidden).float().logsumexp(-1).mean().backward()
-        times.append(time.perf_counter() - t0)
-        master.zero_grad(set_to_none=True)
-    out["update_s"] = statistics.median(times[1:])
+    update = update_work(master, prompts[0])
+    times = [update() for _ in range(repeats + 1)]
+    out["update_s"] = statistics.median(times[1:])  # the first (AdamW's state made) is untimed
     return out
 
 
