@@ -184,11 +184,14 @@ class VllmEngine:
         cuda = torch.cuda.is_available()
         # vLLM-CPU's worker binds this whole process's memory to one NUMA node and replaces torch.set_num_threads,
         # for every caller in the process, with a function that only warns: both are given back after it starts
+        # (or fails to)
         set_num_threads = torch.set_num_threads
-        with memory_policy_kept():
-            self.llm = vllm.LLM(**engine_options(policy_dir, args, dtype, draft_dir, spec_tokens, max_model_len,
-                                                 seed, temperature, cuda))  # fmt: skip
-        torch.set_num_threads = set_num_threads
+        try:
+            with memory_policy_kept():
+                self.llm = vllm.LLM(**engine_options(policy_dir, args, dtype, draft_dir, spec_tokens, max_model_len,
+                                                     seed, temperature, cuda))  # fmt: skip
+        finally:
+            torch.set_num_threads = set_num_threads
         self.warm_up()
 
     def warm_up(self) -> None:
